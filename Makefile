@@ -1,0 +1,13 @@
+# The two commands of the README: `make run` (the main job) and `make test` (the test suite).
+# Both create .venv with a Python >= 3.12 and install k3jax first (scripts/setup.sh).
+PY := .venv/bin/python
+
+.PHONY: setup run test
+setup:
+	@scripts/setup.sh
+
+run: setup
+	$(PY) -m experiments.bench_kda --shapes=1x512x4x64 --repeats=3
+
+test: setup
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 -q tests

@@ -1,0 +1,31 @@
+"""SiTU-GLU: the bounded SwiGLU used by the dense FFN, the routed experts and the shared experts (SPEC.md §4)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+BETA1 = 4.0
+BETA2 = 25.0
+
+
+def situ_glu(a, b, beta1: float = BETA1, beta2: float = BETA2):
+  """`[β1·tanh(a/β1)·σ(a)] ⊙ [β2·tanh(b/β2)]`; |out| <= β1·β2, and β -> ∞ gives SwiGLU `silu(a)·b`."""
+  return (beta1 * jnp.tanh(a / beta1) * jax.nn.sigmoid(a)) * (beta2 * jnp.tanh(b / beta2))
+
+
+class SiTUGLU(nnx.Module):
+  """Dense SiTU-GLU FFN `W_down situ_glu(W_gate x, W_up x)`, d -> hidden -> d."""
+
+  def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
+               beta1: float = BETA1, beta2: float = BETA2):
+    init = nnx.initializers.normal(d_model ** -0.5)
+    self.w_gate_up = nnx.Param(init(rngs.params(), (d_model, 2, hidden), jnp.float32))
+    self.w_down = nnx.Param(nnx.initializers.normal(hidden ** -0.5)(rngs.params(), (hidden, d_model), jnp.float32))
+    self.dtype, self.beta1, self.beta2 = dtype, beta1, beta2
+
+  def __call__(self, x_BTD):
+    x = x_BTD.astype(self.dtype)
+    ab = jnp.einsum("btd,dgf->btgf", x, self.w_gate_up[...].astype(self.dtype))
+    h = situ_glu(ab[..., 0, :], ab[..., 1, :], self.beta1, self.beta2)
+    return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(self.dtype))
