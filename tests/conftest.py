@@ -1,0 +1,6 @@
+"""Test-wide set-up: 8 simulated CPU devices (expert/data-parallel tests) before JAX initialises."""
+import os
+
+flag = "--xla_force_host_platform_device_count=8"
+if flag not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
