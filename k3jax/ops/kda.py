@@ -5,6 +5,7 @@ L2-normalised; g is the per-channel log-decay (<= 0). SPEC.md §2 has the formul
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -40,10 +41,14 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
                         segment_ids=None):
   """The recurrence of SPEC.md §2, one token at a time in fp32: the reference every fast path is checked against."""
   B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
-  scale = K ** -0.5 if scale is None else scale
+  scale = K ** -0.5 if scale is None else float(scale)
+  o, S = _recurrence(q, k, v, g, beta, _zero_or(initial_state, B, H, K, V), reset_mask(segment_ids, B, T), scale)
+  return o, (S if output_final_state else None)
+
+
+@functools.partial(jax.jit, static_argnums=(7,))
+def _recurrence(q, k, v, g, beta, S0, reset, scale):
   f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
-  S0 = _zero_or(initial_state, B, H, K, V)
-  reset_TB = f32(reset_mask(segment_ids, B, T))
 
   def step(S_BHKV, xs):
     q_t, k_t, v_t, g_t, b_t, r_t = xs
@@ -51,8 +56,8 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
     o_t, S_BHKV = _step(q_t, k_t, v_t, g_t, b_t, S_BHKV, scale)
     return S_BHKV, o_t
 
-  S, o_TBHV = jax.lax.scan(step, S0, (f32(q), f32(k), f32(v), f32(g), f32(beta), reset_TB))
-  return jnp.moveaxis(o_TBHV, 0, 1).astype(q.dtype), (S if output_final_state else None)
+  S, o_TBHV = jax.lax.scan(step, S0, (f32(q), f32(k), f32(v), f32(g), f32(beta), f32(reset)))
+  return jnp.moveaxis(o_TBHV, 0, 1).astype(q.dtype), S
 
 
 def kda_decode_step(q, k, v, g, beta, state, *, scale=None):
@@ -70,9 +75,9 @@ def kda_decode_step(q, k, v, g, beta, state, *, scale=None):
   V = v.shape[-1]
   _check_shape("v", v, (B, H, V))
   _check_shape("state", state, (B, H, K, V))
-  scale = K ** -0.5 if scale is None else scale
+  scale = K ** -0.5 if scale is None else float(scale)
   f32 = lambda x: x.astype(jnp.float32)
-  o, S = _step(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state), scale)
+  o, S = jax.jit(_step, static_argnums=6)(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state), scale)
   o = o.astype(q.dtype)
   return (o[:, None] if one_token else o), S
 
@@ -100,11 +105,33 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   if backend == "pallas":
     from pallas_kernels.kda import chunk_kda_pallas
     return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, segment_ids=segment_ids)
+                            output_final_state=output_final_state, segment_ids=segment_ids,
+                            lower_bound=lower_bound)
   bounded = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
-  o, S = kda_chunk.chunk_kda_xla(q, k, v, g, beta, scale=scale, initial_state=_zero_or(initial_state, B, H, K, V),
-                                 reset=reset_mask(segment_ids, B, T), factorise_diagonal=bounded)
+  o, S = _chunk_xla(q, k, v, g, beta, scale=scale, initial_state=_zero_or(initial_state, B, H, K, V),
+                                 reset=reset_mask(segment_ids, B, T), lower_bound=lower_bound if bounded else None)
   return o, (S if output_final_state else None)
+
+
+_chunk_xla = jax.jit(kda_chunk.chunk_kda_xla, static_argnames=("scale", "lower_bound"))
+
+
+def fused_kda(q, k, v, g_raw, beta_logits, A_log, dt_bias, *, lower_bound: float | None = -5.0, scale=None,
+              initial_state=None, output_final_state=False, segment_ids=None, backend: str = "auto"):
+  """KDA from the layer's raw projections: L2-normalises q and k, applies the gate and β = σ(beta_logits), then
+  runs `chunk_kda`. Differentiable w.r.t. everything, A_log and dt_bias included."""
+  check_inputs(q, k, v, g_raw, beta_logits, initial_state, segment_ids)
+  g = kda_gate(g_raw, A_log, dt_bias, lower_bound=lower_bound)
+  beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32)).astype(beta_logits.dtype)
+  return chunk_kda(l2_normalize(q), l2_normalize(k), v, g, beta, scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state, segment_ids=segment_ids, lower_bound=lower_bound,
+                   backend=backend)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+  """x / sqrt(Σx² + eps) over the last axis, computed in fp32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def _pick_backend(backend, lower_bound):

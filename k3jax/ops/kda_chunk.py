@@ -3,8 +3,10 @@
 Within a chunk of C tokens, exponents are anchored per 16-token sub-chunk I at R_I, the cumulative log-decay just
 before I (causal: nothing after a token moves its anchor). Query-side factors e^{G_i - R_I} are <= 1 and key-side
 factors e^{R_I - G_j} are <= 1 for every j before I, for any gate. Inside the diagonal tile e^{R_I - G_j} reaches
-e^{16·|γ_min|}; with the bounded gate that is finite (SPEC.md §2) and the tile is one matrix product
-(`factorise_diagonal=True`); otherwise the diagonal tiles use pairwise e^{G_i - G_j}.
+e^{16·|γ_min|}; with the bounded gate that is finite (SPEC.md §2) and the tile is one matrix product. The anchor
+is then shifted by the constant 8·γ_min, still causal, so each factor stays within e^{±8|γ_min|} (<= e^{44}):
+unshifted, the query side would reach e^{-80} and its small components would underflow to denormals and flush
+to zero. With the softplus gate (`lower_bound=None`) the diagonal tiles use pairwise e^{G_i - G_j}.
 """
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ SUB = 16
 _HI = jax.lax.Precision.HIGHEST
 
 
-def chunk_kda_xla(q, k, v, g, beta, *, scale, initial_state, reset, factorise_diagonal):
-  """q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` bool, initial_state `[B,H,K,V]` fp32."""
+def chunk_kda_xla(q, k, v, g, beta, *, scale, initial_state, reset, lower_bound):
+  """q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` bool, initial_state `[B,H,K,V]` fp32.
+
+  `lower_bound`: g >= lower_bound >= -5.5 (the bounded gate) factorises the diagonal tiles; None does not.
+  """
   B, T, H, K = q.shape
   N = -(-T // CHUNK)
   pad = N * CHUNK - T
@@ -33,10 +38,12 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale, initial_state, reset, factorise_di
   doc_BNC = jnp.cumsum(r.astype(jnp.int32), axis=-1)                   # resets seen so far inside the chunk
   doc = doc_BNC[:, None]                                                # [B,1,N,C], broadcasts over H
 
-  G = jnp.cumsum(g_c, axis=-2)                                          # [B,H,N,C,K]
-  A_qk, A_kk = _intra_chunk_matrices(q_c * scale, k_c, G, doc, factorise_diagonal)
+  A_qk, A_kk = _intra_chunk_matrices(q_c * scale, k_c, g_c, doc, lower_bound)
   A_kk = A_kk * b_c[..., None]
 
+  # Log-decays as sums of same-sign terms, never as differences of cumulative sums (those lose ~eps·|G|).
+  G = jnp.cumsum(g_c, axis=-2)                                          # chunk start -> i (inclusive)
+  to_end = _suffix_sum(g_c, axis=-2)                                    # j (exclusive) -> chunk end
   sees_state = (doc == 0)[..., None]                                    # no reset between chunk start and token
   gamma = jnp.exp(G) * sees_state
   rhs = b_c[..., None] * jnp.concatenate([v_c, gamma * k_c], axis=-1)
@@ -44,10 +51,9 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale, initial_state, reset, factorise_di
   UW = jax.scipy.linalg.solve_triangular(eye + A_kk, rhs, lower=True, unit_diagonal=True)
   U, W = UW[..., :v_c.shape[-1]], UW[..., v_c.shape[-1]:]
 
-  G_last = G[..., -1:, :]
   last_doc = doc[..., -1:]
-  k_to_end = k_c * jnp.exp(G_last - G) * (doc == last_doc)[..., None]   # e^{G_C - G_j} <= 1
-  state_decay = jnp.exp(G_last[..., 0, :]) * (last_doc == 0)            # [B,H,N,K]
+  k_to_end = k_c * jnp.exp(to_end) * (doc == last_doc)[..., None]
+  state_decay = jnp.exp(G[..., -1, :]) * (last_doc == 0)                # [B,H,N,K]
   q_state = q_c * scale * gamma
 
   def step(S_BHKV, xs):
@@ -63,47 +69,57 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale, initial_state, reset, factorise_di
   return jnp.moveaxis(o, 1, 2).astype(q.dtype), S
 
 
-def _intra_chunk_matrices(q, k, G, doc, factorise_diagonal):
+def _intra_chunk_matrices(q, k, g, doc, lower_bound):
   """A_qk (j <= i) and A_kk without β (j < i), both masked to the same document: [B,H,N,C,C]."""
   *lead, C, K = q.shape
   S = C // SUB
-  sub_of = jnp.arange(C) // SUB
-  # R_I: cumulative log-decay just before sub-chunk I (0 for the first).
-  R = jnp.concatenate([jnp.zeros((*lead, 1, K), G.dtype), G[..., SUB - 1:C - 1:SUB, :]], axis=-2)  # [...,S,K]
-  R_tok = R[..., sub_of, :]                                                         # [...,C,K]
-  q_hat = q * jnp.exp(G - R_tok)                                                    # <= |q|
-  k_hat = k * jnp.exp(G - R_tok)
-  # key-side factors per anchor I: e^{R_I - G_j}, kept only for j before the end of I (else the exponent is masked).
-  before_end = jnp.arange(C)[None, :] < (jnp.arange(S)[:, None] + 1) * SUB          # [S,C]
-  if not factorise_diagonal:
-    before_end = jnp.arange(C)[None, :] < jnp.arange(S)[:, None] * SUB             # strictly earlier tiles only
-  expo = jnp.where(before_end[..., None], R[..., :, None, :] - G[..., None, :, :], -jnp.inf)
-  k_key = k[..., None, :, :] * jnp.exp(expo)                                        # [...,S,C,K]
+  tiles = lambda x: x.reshape(*lead, S, SUB, K)
+  g_t = tiles(g)
+  shift = 0.0 if lower_bound is None else SUB / 2 * lower_bound
+  local = jnp.cumsum(g_t, axis=-2)                                      # G_i - R_I: tile start -> i
+  q_hat = tiles(q) * jnp.exp(local - shift)
+  k_hat = tiles(k) * jnp.exp(local - shift)
+  # R_I - G_j for j in an earlier tile J: the rest of J after j, plus whole tiles strictly between J and I.
+  between = (jnp.arange(S)[None, :, None] < jnp.arange(S)[None, None, :]) & (
+      jnp.arange(S)[None, None, :] < jnp.arange(S)[:, None, None])        # [I,J,P]: J < P < I
+  gap_IJ = jnp.einsum("IJP,...PK->...IJK", between.astype(g.dtype), local[..., -1, :], precision=_HI)
+  expo = gap_IJ[..., :, :, None, :] + _suffix_sum(g_t, axis=-2)[..., None, :, :, :]  # [...,I,J,j,K]
+  earlier = (jnp.arange(S)[None, :] < jnp.arange(S)[:, None])[:, :, None, None]
+  if lower_bound is not None:  # inside tile I: R_I - G_j = -local_j, at most 16·|γ_min|
+    expo = jnp.where(jnp.eye(S, dtype=bool)[:, :, None, None], -local[..., None, :, :, :], expo)
+    earlier = earlier | jnp.eye(S, dtype=bool)[:, :, None, None]
+  k_key = tiles(k)[..., None, :, :, :] * jnp.exp(jnp.where(earlier, expo + shift, -jnp.inf))   # [...,I,J,j,K]
 
-  def scores(a):  # a: [...,C,K] query side -> [...,C,C]
-    a = a.reshape(*lead, S, SUB, K)
-    return _mm("...Iik,...Ijk->...Iij", a, k_key).reshape(*lead, C, C)
+  def scores(a_hat):  # [...,I,i,K] -> [...,C,C]
+    return _mm("...Iik,...IJjk->...IiJj", a_hat, k_key).reshape(*lead, C, C)
 
   A_qk, A_kk = scores(q_hat), scores(k_hat)
-  if not factorise_diagonal:
-    A_qk = A_qk + _diagonal_tiles_pairwise(q, k, G)
-    A_kk = A_kk + _diagonal_tiles_pairwise(k, k, G)
+  if lower_bound is None:
+    A_qk = A_qk + _diagonal_tiles_pairwise(q, k, g)
+    A_kk = A_kk + _diagonal_tiles_pairwise(k, k, g)
   i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
   same_doc = doc[..., :, None] == doc[..., None, :]
   return A_qk * ((j <= i) & same_doc), A_kk * ((j < i) & same_doc)
 
 
-def _diagonal_tiles_pairwise(a, k, G):
+def _diagonal_tiles_pairwise(a, k, g):
   """Σ_c a_ic k_jc e^{G_ic - G_jc} on the 16x16 diagonal tiles (j <= i), zero elsewhere: safe for any gate."""
   *lead, C, K = a.shape
   S = C // SUB
-  tile = lambda x: x.reshape(*lead, S, SUB, K)
-  a_t, k_t, G_t = tile(a), tile(k), tile(G)
-  causal = (jnp.arange(SUB)[:, None] >= jnp.arange(SUB)[None, :])[..., None]
-  expo = jnp.where(causal, G_t[..., :, None, :] - G_t[..., None, :, :], -jnp.inf)  # [...,S,i,j,K]
-  d = jnp.einsum("...ik,...jk,...ijk->...ij", a_t, k_t, jnp.exp(expo), precision=_HI)
-  eye_S = jnp.eye(S, dtype=d.dtype)
-  return jnp.einsum("...Iij,IJ->...IiJj", d, eye_S).reshape(*lead, C, C)
+  tiles = lambda x: x.reshape(*lead, S, SUB, K)
+  r = jnp.arange(SUB)
+  span = ((r[None, :, None] < r[None, None, :]) & (r[None, None, :] <= r[:, None, None])).astype(g.dtype)  # [i,j,m]
+  expo = jnp.einsum("ijm,...mk->...ijk", span, tiles(g), precision=_HI)            # Σ_{j<m<=i} g_m
+  expo = jnp.where((r[:, None] >= r[None, :])[..., None], expo, -jnp.inf)
+  d = jnp.einsum("...ik,...jk,...ijk->...ij", tiles(a), tiles(k), jnp.exp(expo), precision=_HI)
+  return jnp.einsum("...Iij,IJ->...IiJj", d, jnp.eye(S, dtype=d.dtype)).reshape(*lead, C, C)
+
+
+def _suffix_sum(x, axis):
+  """Σ_{m>j} x_m along `axis`, computed as a running sum from the end (no cancellation)."""
+  incl = jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis=axis), axis)
+  zero = jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))
+  return jnp.concatenate([jax.lax.slice_in_dim(incl, 1, None, axis=axis), zero], axis=axis)
 
 
 def _mm(spec, a, b):

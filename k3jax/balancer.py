@@ -1,0 +1,151 @@
+"""Loss-free quantile balancing of MoE routing (SPEC.md §5), its baselines and load metrics, as pure functions.
+
+The state is a per-expert bias used for selection only. `update` moves it after each optimizer step from the router
+scores of that step: "exact" sets each expert's bias to the quantile that would give it exactly T·k/E of the
+tokens; "histogram" does the same from per-expert histograms that sum across micro-batches and devices; "sign" is
+the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Never differentiated.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+METHODS = ("exact", "histogram", "sign")
+NUM_BINS = 4096
+
+
+@struct.dataclass
+class State:
+  bias: jax.Array  # [E] float32, added to the scores for selection only
+
+
+class BalancerState(nnx.Variable):
+  """Holds a `State` in a module: non-trainable, outside the gradients, saved with checkpoints."""
+
+
+def init(num_experts: int) -> State:
+  if not isinstance(num_experts, int) or num_experts < 1:
+    raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+  return State(bias=jnp.zeros((num_experts,), jnp.float32))
+
+
+def _check(scores_TE, bias_E, top_k):
+  if scores_TE.ndim != 2 or bias_E.shape != (scores_TE.shape[1],):
+    raise ValueError(f"expected scores [T, E] and bias [E], got {scores_TE.shape} and {bias_E.shape}")
+  if not 1 <= top_k <= scores_TE.shape[1]:
+    raise ValueError(f"top_k must be in [1, E={scores_TE.shape[1]}], got {top_k}")
+
+
+def select(scores_TE, bias_E, *, top_k: int, routed_scaling: float = 1.0):
+  """Experts by top-k of `scores + bias`; weights are the chosen unbiased scores, normalised, × routed_scaling.
+
+  Returns (weights_TK in the scores' dtype, expert_ids_TK int32). Differentiable in the scores, not the bias.
+  """
+  _check(scores_TE, bias_E, top_k)
+  _, ids_TK = jax.lax.top_k(scores_TE + jax.lax.stop_gradient(bias_E), top_k)
+  chosen_TK = jnp.take_along_axis(scores_TE, ids_TK, axis=-1)
+  return chosen_TK / jnp.sum(chosen_TK, axis=-1, keepdims=True) * routed_scaling, ids_TK.astype(jnp.int32)
+
+
+def expert_load(expert_ids_TK, num_experts: int):
+  """Token-slots routed to each expert, float32 `[E]`."""
+  return jnp.zeros((num_experts,), jnp.float32).at[expert_ids_TK.reshape(-1)].add(1.0)
+
+
+def cutoff_residuals(scores_TE, bias_E, *, top_k: int):
+  """`r_ij = α_i − s_ij`, α_i the (k+1)-th largest of `s_i + b`: the bias expert j needs to win token i."""
+  alpha_T = jax.lax.top_k(scores_TE + bias_E, top_k + 1)[0][:, top_k]
+  return alpha_T[:, None] - scores_TE
+
+
+def exact_quantile(residuals_TE, *, top_k: int):
+  """Per expert, the value b̂ with a fraction k/E of the residuals below it (T·k/E tokens won).
+
+  Interpolates the sorted residuals at position T·k/E − 1/2 (the midpoint of the two around the cut when
+  T·k/E is whole), so `count(r < b̂) = round(T·k/E)` for distinct residuals.
+  """
+  t, e = residuals_TE.shape
+  pos = min(max(t * top_k / e - 0.5, 0.0), t - 1.0)
+  lo = int(pos)
+  frac = pos - lo
+  r_sorted_TE = jnp.sort(residuals_TE, axis=0)
+  return r_sorted_TE[lo] + frac * (r_sorted_TE[min(lo + 1, t - 1)] - r_sorted_TE[lo])
+
+
+def histogram_range(bias_E):
+  """`[min b − 1, max b + 1]`: holds every residual, since α_i − s_ij ∈ (min b − 1, max b + 1) for s ∈ (0, 1)."""
+  return jnp.min(bias_E) - 1.0, jnp.max(bias_E) + 1.0
+
+
+def histogram(scores_TE, bias_E, *, top_k: int, num_bins: int = NUM_BINS):
+  """Per-expert counts `[E, num_bins]` (float32) of the residuals over `histogram_range(bias)`.
+
+  The bins depend on the bias only, so histograms of micro-batches or devices under the same bias add up.
+  """
+  _check(scores_TE, bias_E, top_k)
+  lo, hi = histogram_range(bias_E)
+  r_TE = cutoff_residuals(scores_TE, bias_E, top_k=top_k)
+  bins_TE = jnp.clip(jnp.floor((r_TE - lo) / (hi - lo) * num_bins), 0, num_bins - 1).astype(jnp.int32)
+  e = scores_TE.shape[1]
+  return jnp.zeros((e, num_bins), jnp.float32).at[jnp.arange(e)[None, :], bins_TE].add(1.0)
+
+
+def histogram_quantile(counts_EB, bias_E, *, top_k: int):
+  """`exact_quantile` from summed histograms: the bin where the count reaches T·k/E, linearly interpolated."""
+  e, num_bins = counts_EB.shape
+  lo, hi = histogram_range(bias_E)
+  target = jnp.sum(counts_EB[0]) * top_k / e  # every expert's row counts all T tokens
+  cum_EB = jnp.cumsum(counts_EB, axis=1)
+  bin_E = jnp.argmax(cum_EB >= target, axis=1)
+  in_bin_E = jnp.take_along_axis(counts_EB, bin_E[:, None], axis=1)[:, 0]
+  before_E = jnp.take_along_axis(cum_EB, bin_E[:, None], axis=1)[:, 0] - in_bin_E
+  frac_E = (target - before_E) / jnp.maximum(in_bin_E, 1.0)
+  return lo + (bin_E + frac_E) * (hi - lo) / num_bins
+
+
+def update(state: State, scores_TE, *, top_k: int, eta: float = 1.0, method: str = "exact",
+           num_bins: int = NUM_BINS, sign_rate: float = 1e-3, axis_name=None) -> State:
+  """The bias after a step whose router scores (all micro-batches) are `scores_TE`.
+
+  exact / histogram: `b ← b + η((b̂ − mean b̂) − b)` with b̂ the per-expert quantile. sign (baseline):
+  `b ← b + sign_rate · sign(mean load − load)`. With `axis_name` (inside shard_map / pmap, scores sharded
+  over that axis) the statistics are reduced over it: histograms and loads by a sum, exact by gathering scores.
+  """
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if not 0.0 < eta <= 1.0:
+    raise ValueError(f"eta must be in (0, 1], got {eta}")
+  scores_TE = jax.lax.stop_gradient(scores_TE.astype(jnp.float32))
+  bias_E = jax.lax.stop_gradient(state.bias)
+  _check(scores_TE, bias_E, top_k)
+  e = scores_TE.shape[1]
+  psum = (lambda v: jax.lax.psum(v, axis_name)) if axis_name is not None else (lambda v: v)
+  if method == "sign":
+    load_E = psum(expert_load(select(scores_TE, bias_E, top_k=top_k)[1], e))
+    return State(bias=bias_E + sign_rate * jnp.sign(jnp.mean(load_E) - load_E))
+  if top_k == e:  # every expert takes every token: nothing to balance
+    return state
+  if method == "exact":
+    if axis_name is not None:
+      scores_TE = jax.lax.all_gather(scores_TE, axis_name, tiled=True)
+    target_E = exact_quantile(cutoff_residuals(scores_TE, bias_E, top_k=top_k), top_k=top_k)
+  else:
+    target_E = histogram_quantile(psum(histogram(scores_TE, bias_E, top_k=top_k, num_bins=num_bins)), bias_E,
+                                  top_k=top_k)
+  return State(bias=bias_E + eta * ((target_E - jnp.mean(target_E)) - bias_E))
+
+
+def switch_aux_loss(scores_TE, expert_ids_TK):
+  """Switch-style `E · Σ_j f_j · P_j`: f = fraction of slots routed to j, P = mean normalised score of j."""
+  t, e = scores_TE.shape
+  f_E = jax.lax.stop_gradient(expert_load(expert_ids_TK, e)) / expert_ids_TK.size
+  p_E = jnp.mean(scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True), axis=0)
+  return e * jnp.sum(f_E * p_E)
+
+
+def load_metrics(load_E, top_k: int, num_tokens) -> dict:
+  """Load ratios `L_j = n_j / (T·k/E)`: MaxVio = max L − 1, and the P50 / P90 / max of L."""
+  ratio_E = load_E / (num_tokens * top_k / load_E.shape[0])
+  return {"max_vio": jnp.max(ratio_E) - 1.0, "p50": jnp.percentile(ratio_E, 50.0),
+          "p90": jnp.percentile(ratio_E, 90.0), "max": jnp.max(ratio_E)}

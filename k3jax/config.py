@@ -1,0 +1,199 @@
+"""The model's configuration: every field with its default (`model_config`), checks (`validate`), derived values.
+
+`config.model` is an ml_collections ConfigDict. Experiment configs start from `model_config()` and change fields;
+`K3Model` calls `validate` before building anything, so a bad config fails with a ValueError naming the field.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+
+LAYER_TYPES = ("kda", "mla")
+RESIDUAL_MODES = ("block", "full", "none")
+KDA_GATES = ("bounded", "softplus")
+ATTENTION_IMPLS = ("auto", "cudnn", "xla")
+BALANCERS = ("quantile", "none", "aux_loss", "sign")
+BALANCER_METHODS = ("exact", "histogram")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_config() -> ml_collections.ConfigDict:
+  """All model fields with defaults (a small dense model); see the configs under experiments/configs/."""
+  m = ml_collections.ConfigDict()
+  m.vocab_size = 264                      # byte-level: 256 bytes + specials (the tokenizer defines the ids)
+  m.d_model = 128
+  m.num_layers = 4
+  m.layer_pattern = ("kda", "kda", "kda", "mla")  # cycled over the layers
+  m.last_layer = "mla"                    # type forced on the last layer; None keeps the pattern's
+  m.dtype = "bfloat16"                    # compute dtype; parameters are fp32
+  m.norm_eps = 1e-6
+  m.tie_embeddings = False
+  m.z_loss_coef = 0.0                     # aux["z_loss"] = coef · mean(logsumexp(logits)²)
+  m.remat = False                         # rematerialise each decoder layer in the backward pass
+  m.ffn_hidden = 512                      # dense SiTU-GLU width (layer 0 with MoE on, every layer with it off)
+
+  m.kda = ml_collections.ConfigDict()
+  m.kda.num_heads = 2
+  m.kda.head_dim = None                   # K = V; None: d_model // num_heads
+  m.kda.conv_size = 4
+  m.kda.gate = "bounded"                  # bounded: γ_min·σ(·) (K3); softplus: Kimi Linear (ablation)
+  m.kda.lower_bound = -5.0                # γ_min of the bounded gate
+  m.kda.gate_rank = None                  # None: full-rank decay and output gates (K3); int: d -> rank -> H·K
+  m.kda.backend = "auto"                  # chunk_kda backend
+
+  m.mla = ml_collections.ConfigDict()
+  m.mla.num_heads = 2
+  m.mla.qk_head_dim = None                # None: d_model // num_heads
+  m.mla.v_head_dim = None                 # None: qk_head_dim
+  m.mla.kv_lora_rank = 64                 # r_kv, the cached latent width
+  m.mla.q_lora_rank = None                # None: full-rank W_q
+  m.mla.attention_impl = "auto"           # auto: cudnn on GPU in bf16/fp16, xla otherwise
+
+  m.moe = ml_collections.ConfigDict()
+  m.moe.enabled = False
+  m.moe.num_experts = 8
+  m.moe.top_k = 2
+  m.moe.num_shared_experts = 1
+  m.moe.expert_hidden = 64                # routed expert width, in latent space
+  m.moe.shared_hidden = 128               # each shared expert's width, at full d
+  m.moe.latent_dim = None                 # ℓ; must be set when enabled
+  m.moe.routed_scaling = 1.0
+  m.moe.balancer = "quantile"
+  m.moe.balancer_eta = 1.0
+  m.moe.balancer_method = "exact"
+  m.moe.aux_loss_coef = 1e-2
+  m.moe.sign_update_rate = 1e-3
+  m.moe.first_dense_layers = 1
+
+  m.residual = ml_collections.ConfigDict()
+  m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
+  m.residual.block_size = 2               # decoder layers per AttnRes block
+  return m
+
+
+def validate(m: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first missing, mistyped or inconsistent field of `config.model`."""
+  _positive_int(m, "vocab_size", "d_model", "num_layers", "ffn_hidden")
+  _one_of(m, "dtype", DTYPES)
+  _positive_float(m, "norm_eps")
+  pattern = _get(m, "layer_pattern")
+  if isinstance(pattern, str) or not pattern:
+    raise ValueError(f"model.layer_pattern must be a non-empty tuple of layer types {LAYER_TYPES}, got {pattern!r}")
+  for t in pattern:
+    if t not in LAYER_TYPES:
+      raise ValueError(f"model.layer_pattern has an unknown layer type {t!r}; known types: {LAYER_TYPES}")
+  last = _get(m, "last_layer")
+  if last is not None and last not in LAYER_TYPES:
+    raise ValueError(f"model.last_layer must be one of {LAYER_TYPES} or None, got {last!r}")
+  if _get(m, "z_loss_coef") < 0:
+    raise ValueError(f"model.z_loss_coef must be >= 0, got {m.z_loss_coef}")
+  types = layer_types(m)
+
+  if "kda" in types:
+    _positive_int(m, "kda.num_heads", "kda.conv_size")
+    kda_head_dim(m)
+    _one_of(m, "kda.gate", KDA_GATES)
+    if m.kda.gate == "bounded" and not _get(m, "kda.lower_bound") < 0:
+      raise ValueError(f"model.kda.lower_bound must be negative for the bounded gate, got {m.kda.lower_bound}")
+    _optional_positive_int(m, "kda.gate_rank")
+    _one_of(m, "kda.backend", ("auto", "xla", "pallas"))
+  if "mla" in types:
+    _positive_int(m, "mla.num_heads", "mla.kv_lora_rank")
+    mla_head_dims(m)
+    _optional_positive_int(m, "mla.q_lora_rank")
+    _one_of(m, "mla.attention_impl", ATTENTION_IMPLS)
+
+  _one_of(m, "residual.mode", RESIDUAL_MODES)
+  _positive_int(m, "residual.block_size")
+
+  if _get(m, "moe.enabled"):
+    if _get(m, "moe.latent_dim") is None:
+      raise ValueError("model.moe.latent_dim (the latent width ℓ) must be set when model.moe.enabled is True")
+    _positive_int(m, "moe.num_experts", "moe.top_k", "moe.expert_hidden", "moe.latent_dim")
+    if m.moe.top_k > m.moe.num_experts:
+      raise ValueError(f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={m.moe.num_experts}")
+    if _get(m, "moe.num_shared_experts") < 0:
+      raise ValueError(f"model.moe.num_shared_experts must be >= 0, got {m.moe.num_shared_experts}")
+    if m.moe.num_shared_experts:
+      _positive_int(m, "moe.shared_hidden")
+    _one_of(m, "moe.balancer", BALANCERS)
+    _one_of(m, "moe.balancer_method", BALANCER_METHODS)
+    first = _get(m, "moe.first_dense_layers")
+    if not isinstance(first, int) or not 0 <= first <= m.num_layers:
+      raise ValueError(f"model.moe.first_dense_layers must be an int in [0, num_layers={m.num_layers}], got {first!r}")
+
+
+def layer_types(m) -> tuple[str, ...]:
+  """The type of every decoder layer: `layer_pattern` cycled, then `last_layer` on the last one."""
+  pattern, n = tuple(m.layer_pattern), m.num_layers
+  types = [pattern[i % len(pattern)] for i in range(n)]
+  if m.last_layer is not None:
+    types[-1] = m.last_layer
+  return tuple(types)
+
+
+def uses_moe(m, layer: int) -> bool:
+  return bool(m.moe.enabled) and layer >= m.moe.first_dense_layers
+
+
+def compute_dtype(m):
+  return jnp.dtype(m.dtype)
+
+
+def kda_head_dim(m) -> int:
+  return _head_dim(m, "kda.num_heads", m.kda.head_dim, "kda.head_dim")
+
+
+def mla_head_dims(m) -> tuple[int, int]:
+  """(qk_head_dim, v_head_dim)."""
+  qk = _head_dim(m, "mla.num_heads", m.mla.qk_head_dim, "mla.qk_head_dim")
+  v = qk if m.mla.v_head_dim is None else m.mla.v_head_dim
+  if not isinstance(v, int) or v <= 0:
+    raise ValueError(f"model.mla.v_head_dim must be a positive int or None, got {v!r}")
+  return qk, v
+
+
+def _head_dim(m, heads_field, head_dim, head_dim_field) -> int:
+  heads = _get(m, heads_field)
+  if head_dim is None:
+    if m.d_model % heads:
+      raise ValueError(f"model.{heads_field}={heads} does not divide model.d_model={m.d_model}; choose a divisor "
+                       f"or set model.{head_dim_field} explicitly")
+    return m.d_model // heads
+  if not isinstance(head_dim, int) or head_dim <= 0:
+    raise ValueError(f"model.{head_dim_field} must be a positive int or None, got {head_dim!r}")
+  return head_dim
+
+
+def _get(m, dotted: str):
+  node = m
+  for part in dotted.split("."):
+    if part not in node:
+      raise ValueError(f"model.{dotted} is missing from the config (see k3jax.config.model_config for every field)")
+    node = node[part]
+  return node
+
+
+def _positive_int(m, *fields):
+  for f in fields:
+    v = _get(m, f)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+      raise ValueError(f"model.{f} must be a positive int, got {v!r}")
+
+
+def _optional_positive_int(m, field):
+  v = _get(m, field)
+  if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+    raise ValueError(f"model.{field} must be a positive int or None, got {v!r}")
+
+
+def _positive_float(m, field):
+  v = _get(m, field)
+  if not isinstance(v, (int, float)) or v <= 0:
+    raise ValueError(f"model.{field} must be a positive number, got {v!r}")
+
+
+def _one_of(m, field, choices):
+  v = _get(m, field)
+  if v not in choices:
+    raise ValueError(f"model.{field} must be one of {choices}, got {v!r}")

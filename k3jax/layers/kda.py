@@ -1,0 +1,121 @@
+"""The KDA layer (SPEC.md §2): projections, causal short convolution, bounded decay gate, chunked/recurrent KDA.
+
+    q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x));  q, k L2-normalised per head
+    g = γ_min·σ(e^{A_log}(W_f x + dt_bias))   (or −e^{A_log}·softplus(W_f x + dt_bias)),   β = σ(W_β x)
+    y = W_o( RMSNorm_head(KDA(q, k, v, g, β)) ⊙ σ(W_g x) )
+
+Initialisation: projections N(0, 1/fan_in); conv taps N(0, 1/conv_size); A_log = log U[1, 16];
+dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 1e-1] (the Mamba / Kimi Linear convention); norm weights 1.
+A_log and dt_bias should take no weight decay.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import config as config_lib
+from k3jax.layers.common import Linear, RMSNorm, l2_normalize, normal_param
+from k3jax.ops.kda import chunk_kda, kda_decode_step, kda_gate
+
+
+@flax.struct.dataclass
+class KDACache:
+  """Decode state of one KDA layer: the last conv_size−1 pre-conv q|k|v inputs and the recurrent state."""
+  conv_BWC: jax.Array     # [B, conv_size−1, 2·H·K + H·V], compute dtype
+  state_BHKV: jax.Array   # [B, H, K, V], fp32
+
+
+def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None):
+  """Causal depthwise conv then SiLU: y_t = SiLU(Σ_j w_j x_{t−W+1+j}); inputs of an earlier document count as zero.
+
+  `state_BWC` holds the W−1 inputs before x (zeros when None; taken to belong to x's first document).
+  Returns (y_BTC, the last W−1 inputs: the next call's state).
+  """
+  B, T, C = x_BTC.shape
+  W = w_WC.shape[0]
+  if state_BWC is None:
+    state_BWC = jnp.zeros((B, W - 1, C), x_BTC.dtype)
+  xp = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC], axis=1)         # [B, T+W−1, C]
+  if segment_ids_BT is not None:
+    seg_p = jnp.concatenate([jnp.repeat(segment_ids_BT[:, :1], W - 1, axis=1), segment_ids_BT], axis=1)
+  w = w_WC.astype(jnp.float32)
+  y = jnp.zeros((B, T, C), jnp.float32)
+  for j in range(W):
+    tap = xp[:, j:j + T].astype(jnp.float32)
+    if segment_ids_BT is not None and j < W - 1:
+      tap = tap * (seg_p[:, j:j + T] == segment_ids_BT)[..., None]
+    y = y + tap * w[j]
+  return jax.nn.silu(y).astype(x_BTC.dtype), xp[:, T:]
+
+
+class KDALayer(nnx.Module):
+  """KDA token mixer. `__call__` for training (chunked), `prefill` for a prompt, `decode` for one token."""
+
+  def __init__(self, model_cfg, *, rngs: nnx.Rngs):
+    c = model_cfg.kda
+    d, H, K = model_cfg.d_model, c.num_heads, config_lib.kda_head_dim(model_cfg)
+    self.H, self.K, self.V = H, K, K
+    self.dtype = config_lib.compute_dtype(model_cfg)
+    self.lower_bound = c.lower_bound if c.gate == "bounded" else None
+    self.backend = c.backend
+    self.conv_size = c.conv_size
+    lin = lambda d_in, d_out, rank=None: Linear(d_in, d_out, rngs=rngs, dtype=self.dtype, rank=rank)
+    self.w_qkv = lin(d, H * (2 * K + self.V))
+    self.conv = normal_param(rngs, (c.conv_size, H * (2 * K + self.V)), c.conv_size ** -0.5)
+    self.w_f = lin(d, H * K, c.gate_rank)
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
+    dt = jnp.exp(jax.random.uniform(rngs.params(), (H, K), jnp.float32, math.log(1e-3), math.log(1e-1)))
+    self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))                      # softplus⁻¹(dt)
+    self.w_beta = lin(d, H)
+    self.w_g = lin(d, H * self.V, c.gate_rank)
+    self.o_norm = RMSNorm(self.V, eps=model_cfg.norm_eps)
+    self.w_o = lin(H * self.V, d)
+
+  def __call__(self, x_BTD, *, segment_ids_BT=None):
+    q, k, v, g, beta, _ = self._inputs(x_BTD, None, segment_ids_BT)
+    o, _ = chunk_kda(q, k, v, g, beta, segment_ids=segment_ids_BT, lower_bound=self.lower_bound,
+                     backend=self.backend)
+    return self._output(o, x_BTD)
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> KDACache:
+    """The empty state (before any token); `max_len` is unused (the state does not grow)."""
+    C = self.H * (2 * self.K + self.V)
+    return KDACache(jnp.zeros((batch, self.conv_size - 1, C), self.dtype),
+                    jnp.zeros((batch, self.H, self.K, self.V), jnp.float32))
+
+  def prefill(self, x_BTD, max_len: int | None = None):
+    """Full forward over a prompt from an empty state; returns (y, KDACache). `max_len` is unused (no growth)."""
+    del max_len
+    q, k, v, g, beta, conv = self._inputs(x_BTD, None, None)
+    o, S = chunk_kda(q, k, v, g, beta, output_final_state=True, lower_bound=self.lower_bound, backend=self.backend)
+    return self._output(o, x_BTD), KDACache(conv, S)
+
+  def decode(self, x_B1D, cache: KDACache, pos=None):
+    """One token through the recurrence; `pos` is unused (the state carries position)."""
+    del pos
+    q, k, v, g, beta, conv = self._inputs(x_B1D, cache.conv_BWC, None)
+    o, S = kda_decode_step(q, k, v, g, beta, cache.state_BHKV)
+    return self._output(o, x_B1D), KDACache(conv, S)
+
+  def _inputs(self, x_BTD, conv_state, segment_ids_BT):
+    B, T, _ = x_BTD.shape
+    H, K, V = self.H, self.K, self.V
+    qkv, conv_state = short_conv(self.w_qkv(x_BTD), self.conv[...], conv_state, segment_ids_BT)
+    q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+    q = l2_normalize(q.reshape(B, T, H, K)).astype(self.dtype)
+    k = l2_normalize(k.reshape(B, T, H, K)).astype(self.dtype)
+    v = v.reshape(B, T, H, V)
+    g = kda_gate(self.w_f(x_BTD).reshape(B, T, H, K), self.A_log[...], self.dt_bias[...],
+                 lower_bound=self.lower_bound)
+    beta = jax.nn.sigmoid(self.w_beta(x_BTD).astype(jnp.float32))
+    return q, k, v, g, beta, conv_state
+
+  def _output(self, o_BTHV, x_BTD):
+    B, T, _ = x_BTD.shape
+    gate = jax.nn.sigmoid(self.w_g(x_BTD).astype(jnp.float32)).reshape(B, T, self.H, self.V)
+    o = self.o_norm(o_BTHV.astype(jnp.float32)) * gate
+    return self.w_o(o.reshape(B, T, self.H * self.V))

@@ -1,0 +1,111 @@
+"""Gated multi-head latent attention, NoPE (SPEC.md §3): the global-attention layers between the KDA layers.
+
+    c_kv = RMSNorm(W_dkv x)                   latent, rank r_kv: the only thing decoding caches
+    k_h = c_kv W_uk,h,   v_h = c_kv W_uv,h,   q_h = RMSNorm(x W_dq) W_uq,h   (or x W_q,h without q-LoRA)
+    y = W_o[ σ(W_g x) ⊙ concat_h softmax(q_h k_hᵀ / sqrt(d_qk) + causal/document mask) v_h ]
+
+Decoding uses the absorbed form: q̃_h = W_uk,h q_h scores the cached latents directly (multi-query attention over
+c_kv), and W_uv,h is applied to the attention-weighted latent, so no per-token key or value is ever formed.
+Initialisation: projections N(0, 1/fan_in), norm weights 1.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import config as config_lib
+from k3jax.layers.common import Linear, RMSNorm, normal_param
+
+
+@flax.struct.dataclass
+class MLACache:
+  """Decode state of one MLA layer: the latents of every position so far, zero-padded to the cache length."""
+  ckv_BLR: jax.Array      # [B, max_len, r_kv], compute dtype
+
+
+class GatedMLA(nnx.Module):
+  """Gated MLA token mixer. `__call__` for training, `prefill` for a prompt, `decode` for one token (absorbed)."""
+
+  def __init__(self, model_cfg, *, rngs: nnx.Rngs):
+    c = model_cfg.mla
+    d, H, R = model_cfg.d_model, c.num_heads, c.kv_lora_rank
+    (self.Dqk, self.Dv), self.H, self.R = config_lib.mla_head_dims(model_cfg), H, R
+    self.dtype = config_lib.compute_dtype(model_cfg)
+    self.impl = c.attention_impl
+    lin = lambda d_in, d_out: Linear(d_in, d_out, rngs=rngs, dtype=self.dtype)
+    if c.q_lora_rank is None:
+      self.w_dq, self.q_norm = None, None
+      self.w_uq = lin(d, H * self.Dqk)
+    else:
+      self.w_dq, self.q_norm = lin(d, c.q_lora_rank), RMSNorm(c.q_lora_rank, eps=model_cfg.norm_eps)
+      self.w_uq = lin(c.q_lora_rank, H * self.Dqk)
+    self.w_dkv = lin(d, R)
+    self.kv_norm = RMSNorm(R, eps=model_cfg.norm_eps)
+    self.w_uk = normal_param(rngs, (R, H, self.Dqk), R ** -0.5)
+    self.w_uv = normal_param(rngs, (R, H, self.Dv), R ** -0.5)
+    self.w_g = lin(d, H * self.Dv)
+    self.w_o = lin(H * self.Dv, d)
+
+  def __call__(self, x_BTD, *, segment_ids_BT=None):
+    return self._forward(x_BTD, segment_ids_BT)[0]
+
+  def init_cache(self, batch: int, max_len: int) -> MLACache:
+    """The empty cache: room for `max_len` latents, none written."""
+    return MLACache(jnp.zeros((batch, max_len, self.R), self.dtype))
+
+  def prefill(self, x_BTD, max_len: int):
+    """Full forward over a prompt; the cache holds its latents, zero-padded to `max_len` positions."""
+    B, T, _ = x_BTD.shape
+    if max_len < T:
+      raise ValueError(f"max_len={max_len} is shorter than the prompt (T={T})")
+    y, ckv = self._forward(x_BTD, None)
+    return y, MLACache(jnp.pad(ckv, ((0, 0), (0, max_len - T), (0, 0))))
+
+  def decode(self, x_B1D, cache: MLACache, pos):
+    """The token at position `pos` (int32 scalar) attends to cached positions 0..pos, in the absorbed form."""
+    B = x_B1D.shape[0]
+    q = self._queries(x_B1D)[:, 0]                                                     # [B,H,Dqk]
+    c_new = self._latents(x_B1D)                                                       # [B,1,R]
+    ckv = jax.lax.dynamic_update_slice(cache.ckv_BLR, c_new.astype(cache.ckv_BLR.dtype), (0, pos, 0))
+    w_uk, w_uv = self.w_uk[...].astype(self.dtype), self.w_uv[...].astype(self.dtype)
+    q_lat = jnp.einsum("bhd,rhd->bhr", q, w_uk)
+    s = jnp.einsum("bhr,blr->bhl", q_lat, ckv, preferred_element_type=jnp.float32) * self.Dqk ** -0.5
+    s = jnp.where(jnp.arange(ckv.shape[1]) <= pos, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
+    o = jnp.einsum("bhr,rhv->bhv", jnp.einsum("bhl,blr->bhr", p, ckv), w_uv)
+    return self._output(o.reshape(B, 1, self.H, self.Dv), x_B1D), MLACache(ckv)
+
+  def _forward(self, x_BTD, segment_ids_BT):
+    ckv = self._latents(x_BTD)
+    k = jnp.einsum("btr,rhd->bthd", ckv, self.w_uk[...].astype(self.dtype))
+    v = jnp.einsum("btr,rhv->bthv", ckv, self.w_uv[...].astype(self.dtype))
+    mask = None
+    if segment_ids_BT is not None:
+      mask = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]          # [B,1,T,T]
+    q, D = self._queries(x_BTD), max(self.Dqk, self.Dv)
+    # dot_product_attention wants one head dim for q, k and v: zero-pad to the larger (scores and outputs unchanged).
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, D - a.shape[-1])))
+    o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=mask, is_causal=True, scale=self.Dqk ** -0.5,
+                                     implementation=self._implementation())
+    return self._output(o[..., :self.Dv], x_BTD), ckv
+
+  def _queries(self, x_BTD):
+    B, T, _ = x_BTD.shape
+    h = x_BTD if self.w_dq is None else self.q_norm(self.w_dq(x_BTD))
+    return self.w_uq(h).reshape(B, T, self.H, self.Dqk)
+
+  def _latents(self, x_BTD):
+    return self.kv_norm(self.w_dkv(x_BTD))
+
+  def _output(self, o_BTHV, x_BTD):
+    B, T, _ = x_BTD.shape
+    gate = jax.nn.sigmoid(self.w_g(x_BTD).astype(jnp.float32))
+    return self.w_o((gate * o_BTHV.reshape(B, T, self.H * self.Dv).astype(jnp.float32)).astype(self.dtype))
+
+  def _implementation(self):
+    if self.impl != "auto":
+      return self.impl
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and self.dtype in (jnp.bfloat16, jnp.float16) else "xla"

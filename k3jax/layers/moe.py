@@ -1,0 +1,137 @@
+"""Stable LatentMoE (SPEC.md §4): sigmoid router with a balancer bias, routed SiTU-GLU experts in a latent space.
+
+    s = σ(x W_r) (fp32),  sel = top_k(s + b),  p = s[sel] / Σ s[sel] · routed_scaling
+    y = Shared(x) + W_up RMSNorm(Σ_{i∈sel} p_i E_i(W_down x))
+
+Dropless: token-slots are sorted by expert and run through grouped GEMMs (`pallas_kernels.grouped_gemm`);
+with a mesh, experts are sharded over its `expert` axis (`k3jax.parallel`). The shared experts are one SiTU-GLU of
+width `num_shared_experts · shared_hidden`: a sum of GLUs on the same input is one GLU over their concatenated
+hidden units.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx, struct
+
+from k3jax import balancer, parallel
+from k3jax.layers.common import Linear, RMSNorm
+from k3jax.layers.ffn import SiTUGLU, situ_glu
+from pallas_kernels.grouped_gemm import grouped_matmul
+
+BALANCERS = ("quantile", "none", "aux_loss", "sign")
+
+
+@struct.dataclass
+class MoEStats:
+  scores_TE: jax.Array  # fp32 router scores of every token, [B*T, E]
+  aux_loss: jax.Array   # scalar; 0 unless balancer == "aux_loss" (already times aux_loss_coef)
+  load_E: jax.Array     # fp32 token-slots routed to each expert in this call, [E]
+
+
+def check_config(d_model: int, cfg: ml_collections.ConfigDict, mesh=None) -> None:
+  """ValueErrors for a MoE config (and mesh) the layer cannot be built from, naming the field."""
+  def get(name):
+    if name not in cfg or cfg[name] is None:
+      raise ValueError(f"moe.{name} must be set for the MoE layer")
+    return cfg[name]
+  for name in ("num_experts", "top_k", "latent_dim", "expert_hidden"):
+    if not isinstance(get(name), int) or get(name) < 1:
+      raise ValueError(f"moe.{name} must be a positive int, got {get(name)!r}")
+  if get("top_k") > get("num_experts"):
+    raise ValueError(f"moe.top_k={cfg.top_k} exceeds moe.num_experts={cfg.num_experts}")
+  if not isinstance(get("num_shared_experts"), int) or cfg.num_shared_experts < 0:
+    raise ValueError(f"moe.num_shared_experts must be an int >= 0, got {cfg.num_shared_experts!r}")
+  if cfg.num_shared_experts and (not isinstance(get("shared_hidden"), int) or cfg.shared_hidden < 1):
+    raise ValueError(f"moe.shared_hidden must be a positive int with shared experts, got {cfg.shared_hidden!r}")
+  if get("balancer") not in BALANCERS:
+    raise ValueError(f"moe.balancer must be one of {BALANCERS}, got {cfg.balancer!r}")
+  if cfg.balancer == "quantile" and get("balancer_method") not in ("exact", "histogram"):
+    raise ValueError(f"moe.balancer_method must be 'exact' or 'histogram', got {cfg.balancer_method!r}")
+  if not isinstance(d_model, int) or d_model < 1:
+    raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+  if mesh is not None and cfg.num_experts % parallel.expert_parallel_size(mesh):
+    raise ValueError(f"moe.num_experts={cfg.num_experts} is not divisible by the expert-parallel size "
+                     f"{parallel.expert_parallel_size(mesh)}")
+
+
+def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, backend: str = "auto"):
+  """Routed SiTU-GLU experts on rows sorted by expert: `[M, ℓ] -> [M, ℓ]` (rows past the groups: unspecified).
+
+  `w_gate_up_GLF` is `[G, ℓ, 2h]`: the gate units, then the up units.
+  """
+  h = w_down_GHL.shape[1]
+  ab_MF = grouped_matmul(x_ML, w_gate_up_GLF, group_sizes_G, backend=backend)
+  # The GPU kernels leave rows past the groups unwritten; zero them so nothing non-finite reaches dW.
+  valid_M1 = (jnp.arange(x_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None]
+  ab_MF = jnp.where(valid_M1, ab_MF, 0)
+  return grouped_matmul(situ_glu(ab_MF[:, :h], ab_MF[:, h:]), w_down_GHL, group_sizes_G, backend=backend)
+
+
+def slot_outputs(z_TL, expert_ids_TK, w_gate_up_ELF, w_down_EHL, *, backend: str = "auto"):
+  """Every token-slot's expert output `[T, k, ℓ]` on one device: sort slots by expert, grouped GEMMs, unsort."""
+  t, k = expert_ids_TK.shape
+  order, sizes_E = parallel.sort_by_expert(expert_ids_TK, w_gate_up_ELF.shape[0])
+  y_sorted = expert_ffn(z_TL[order // k], sizes_E, w_gate_up_ELF, w_down_EHL, backend=backend)
+  return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+
+
+class LatentMoE(nnx.Module):
+  """The MoE FFN: `(x_BTD) -> (y_BTD, MoEStats)`. The balancer bias is a `BalancerState`, never a Param."""
+
+  def __init__(self, d_model: int, moe_cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
+               mesh=None, grouped_gemm_backend: str = "auto"):
+    check_config(d_model, moe_cfg, mesh)
+    e, l, h = moe_cfg.num_experts, moe_cfg.latent_dim, moe_cfg.expert_hidden
+    on_experts = lambda ndim: {} if mesh is None else {"out_sharding": (parallel.EXPERT,) + (None,) * (ndim - 1),
+                                                       "mesh": mesh}
+    self.router = Linear(d_model, e, rngs=rngs, dtype=jnp.float32)
+    self.latent_down = Linear(d_model, l, rngs=rngs, dtype=dtype)
+    self.w_gate_up = nnx.Param(l ** -0.5 * jax.random.normal(rngs.params(), (e, l, 2, h), jnp.float32),
+                               **on_experts(4))
+    self.w_down = nnx.Param(h ** -0.5 * jax.random.normal(rngs.params(), (e, h, l), jnp.float32), **on_experts(3))
+    self.norm = RMSNorm(l)
+    self.latent_up = Linear(l, d_model, rngs=rngs, dtype=dtype)
+    self.shared = (SiTUGLU(d_model, moe_cfg.num_shared_experts * moe_cfg.shared_hidden, rngs=rngs, dtype=dtype)
+                   if moe_cfg.num_shared_experts else None)
+    self.balancer = balancer.BalancerState(balancer.init(e))
+    self.cfg = ml_collections.FrozenConfigDict(moe_cfg)  # hashable: it is static module data
+    self.dtype, self.mesh, self.backend = dtype, mesh, grouped_gemm_backend
+
+  def __call__(self, x_BTD):
+    b, t, d = x_BTD.shape
+    cfg = self.cfg
+    x_TD = x_BTD.reshape(b * t, d)
+    scores_TE = jax.nn.sigmoid(self.router(x_TD))
+    weights_TK, ids_TK = balancer.select(scores_TE, self.balancer.get_value().bias, top_k=cfg.top_k,
+                                         routed_scaling=cfg.routed_scaling)
+    z_TL = self.latent_down(x_TD)
+    e, l, _, h = self.w_gate_up.shape
+    experts = (self.w_gate_up[...].reshape(e, l, 2 * h).astype(self.dtype), self.w_down[...].astype(self.dtype))
+    if self.mesh is None:
+      y_TKL = slot_outputs(z_TL, ids_TK, *experts, backend=self.backend)
+    else:
+      y_TKL = parallel.expert_parallel_slot_outputs(
+          z_TL, ids_TK, experts, mesh=self.mesh, num_experts=cfg.num_experts,
+          expert_fn=lambda x, sizes, wgu, wd: expert_ffn(x, sizes, wgu, wd, backend=self.backend))
+    u_TL = jnp.einsum("tkl,tk->tl", y_TKL.astype(jnp.float32), weights_TK)
+    y_BTD = self.latent_up(self.norm(u_TL)).reshape(b, t, d)
+    if self.shared is not None:
+      y_BTD = y_BTD + self.shared(x_BTD)
+    aux = (cfg.aux_loss_coef * balancer.switch_aux_loss(scores_TE, ids_TK) if cfg.balancer == "aux_loss"
+           else jnp.zeros((), jnp.float32))
+    stats = MoEStats(scores_TE=scores_TE, aux_loss=aux, load_E=balancer.expert_load(ids_TK, cfg.num_experts))
+    return y_BTD, stats
+
+  def update_balance(self, stats_list) -> None:
+    """After the optimizer step: the new bias from this step's router scores (a list of stats, or one)."""
+    stats_list = [stats_list] if isinstance(stats_list, MoEStats) else list(stats_list)
+    cfg = self.cfg
+    if cfg.balancer in ("none", "aux_loss"):
+      return
+    scores_TE = jax.lax.stop_gradient(jnp.concatenate([s.scores_TE for s in stats_list], axis=0))
+    method = "sign" if cfg.balancer == "sign" else cfg.balancer_method
+    self.balancer.set_value(balancer.update(
+        self.balancer.get_value(), scores_TE, top_k=cfg.top_k, eta=cfg.get("balancer_eta", 1.0), method=method,
+        sign_rate=cfg.get("sign_update_rate", 1e-3)))

@@ -1,0 +1,70 @@
+"""Evaluation: held-out loss (the training mixture on its held-out split) and synthetic-task accuracy at several
+lengths, including lengths beyond the training length.
+
+Task accuracy is the fraction of answer tokens the model predicts exactly (argmax), each example alone in a row
+of the evaluated length; `chance` is what uniform guessing among the task's answer tokens scores.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from k3jax.data import pipeline, tasks
+from k3jax.train import batches
+
+
+def task_rows(name: str, seed: int, start: int, stop: int, length: int) -> dict[str, np.ndarray]:
+  """Examples `start..stop-1` of task `name` at `length`, one per row: `[stop - start, length]` arrays."""
+  rows = [pipeline.pack([tasks.make_example(name, seed, i, length)], length) for i in range(start, stop)]
+  tokens = np.stack([r.tokens for r in rows])
+  segment_ids = np.stack([r.segment_ids for r in rows])
+  targets, weights = pipeline.next_token_targets(tokens, segment_ids, np.stack([r.target_mask for r in rows]))
+  return {"tokens": tokens, "segment_ids": segment_ids, "targets": targets, "weights": weights}
+
+
+def eval_lengths(config, seq_len: int) -> tuple[int, ...]:
+  return tuple(config.eval.lengths) or (seq_len, 2 * seq_len, 4 * seq_len)
+
+
+def evaluate(eval_step, state, config, seq_len: int, mesh) -> dict:
+  """{"heldout_loss", "heldout_tokens", "accuracy": {"task@L": acc}, "chance": {task: p}} for a stage of
+  length `seq_len`; `eval_step` is the jitted `step.make_eval_step` function."""
+  e = config.eval
+  if e.batch_size % mesh.size or e.examples % e.batch_size:
+    raise ValueError(f"config.eval.batch_size={e.batch_size} must divide config.eval.examples={e.examples} and be "
+                     f"divisible by the {mesh.size} mesh devices")
+
+  def run(rows):
+    out = eval_step(state, batches.to_device(rows, batches.rows_sharding(mesh)))
+    return {k: float(v) for k, v in out.items()}
+
+  heldout = pipeline.Mixture(config.data, seq_len, pipeline.derive_seed(config.seed, 0, "heldout"),
+                             vocab_size=config.model.vocab_size, split="heldout")
+  ce = weight = 0.0
+  for b in range(e.batches):
+    out = run(heldout.rows(b * e.batch_size, (b + 1) * e.batch_size))
+    ce, weight = ce + out["ce_sum"], weight + out["weight"]
+  result = {"heldout_loss": ce / max(weight, 1.0), "heldout_tokens": weight, "accuracy": {}, "chance": {}}
+
+  seed = pipeline.derive_seed(config.seed, 0, "tasks")
+  for name in e.tasks:
+    if name not in tasks.TASKS:
+      raise ValueError(f"config.eval.tasks: unknown task {name!r}; expected some of {sorted(tasks.TASKS)}")
+    result["chance"][name] = tasks.TASKS[name].chance
+    for length in eval_lengths(config, seq_len):
+      correct = weight = 0.0
+      for start in range(0, e.examples, e.batch_size):
+        out = run(task_rows(name, seed, start, start + e.batch_size, length))
+        correct, weight = correct + out["correct"], weight + out["weight"]
+      result["accuracy"][f"{name}@{length}"] = correct / max(weight, 1.0)
+  return result
+
+
+def format_table(result: dict, train_lengths: dict[str, int]) -> str:
+  """The result as text: held-out loss, then accuracy per task and length against chance."""
+  lines = [f"held-out loss {result['heldout_loss']:.4f} ({result['heldout_tokens']:.0f} tokens)",
+           "task          length  accuracy  chance"]
+  for key, acc in result["accuracy"].items():
+    name, length = key.split("@")
+    beyond = " (beyond training length)" if int(length) > train_lengths.get(name, 0) else ""
+    lines.append(f"{name:<12} {length:>7}  {acc:8.3f}  {result['chance'][name]:6.3f}{beyond}")
+  return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""Optimizer: global-norm clipping, then AdamW (or Muon for matrices), on a warmup-stable-decay schedule per stage."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import contrib
+
+# SPEC.md §2: the KDA decay parameters take no weight decay; nor do vectors (norm weights, biases, AttnRes queries).
+NO_DECAY_NAMES = ("A_log", "dt_bias")
+# Muon orthogonalises hidden matrices; embeddings and the output head stay with AdamW.
+ADAM_ONLY_NAMES = ("embed", "lm_head")
+
+
+def wsd_schedule(peak: float, steps: int, warmup_fraction: float, decay_fraction: float, final_fraction: float):
+  """Warmup-stable-decay: linear rise to `peak` over the first steps, flat, linear fall to `final_fraction*peak`."""
+  warmup = max(round(warmup_fraction * steps), 1)
+  decay = round(decay_fraction * steps)
+  decay_start = steps - decay
+
+  def schedule(step):
+    s = jnp.asarray(step, jnp.float32)
+    rise = jnp.minimum(1.0, (s + 1.0) / warmup)
+    fall = 1.0 - (1.0 - final_fraction) * jnp.clip((s - decay_start) / max(decay, 1), 0.0, 1.0)
+    return peak * rise * fall
+  return schedule
+
+
+def learning_rate(config, stages) -> optax.Schedule:
+  """One schedule over global steps: each stage's WSD, started at the stage's first step."""
+  scheds = [wsd_schedule(s.lr, s.steps, s.warmup_fraction, s.decay_fraction, config.optimizer.final_lr_fraction)
+            for s in stages]
+  return optax.join_schedules(scheds, [s.start for s in stages[1:]]) if len(scheds) > 1 else scheds[0]
+
+
+def _names(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def decay_mask(params):
+  """True for matrices (ndim >= 2) that take weight decay."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x.ndim >= 2 and not set(_names(path)) & set(NO_DECAY_NAMES), params)
+
+
+def muon_dims(params):
+  """Muon on the 2-D hidden matrices; everything else (vectors, embeddings, stacked experts) goes to AdamW."""
+  def dims(path, x):
+    names = set(_names(path))
+    use = x.ndim == 2 and not names & set(NO_DECAY_NAMES) and not names & set(ADAM_ONLY_NAMES)
+    return contrib.MuonDimensionNumbers(0, 1) if use else None
+  return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def make_optimizer(config, stages) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """(optimizer, learning-rate schedule) for `config.optimizer`."""
+  o = config.optimizer
+  lr = learning_rate(config, stages)
+  if o.name == "adamw":
+    core = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+  elif o.name == "muon":
+    core = contrib.muon(lr, beta=o.b1, weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
+                        adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.weight_decay,
+                        muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2)
+  else:
+    raise ValueError(f"config.optimizer.name must be 'adamw' or 'muon', got {o.name!r}")
+  if not o.grad_clip > 0:
+    raise ValueError(f"config.optimizer.grad_clip must be > 0, got {o.grad_clip}")
+  return optax.chain(optax.clip_by_global_norm(o.grad_clip), core), lr

@@ -1,0 +1,62 @@
+"""Training stages (staged context extension): sequence length, steps, batch size and learning-rate schedule.
+
+`config.stages` lists them as dicts; empty means one stage from the top-level `seq_len`, `batch_size`, `steps`.
+Every stage keeps `seq_len * batch_size` (tokens per step) of the first; steps count on across stages, so stage i
+covers global steps `[start, end)`, and it starts from stage i-1's checkpoint at `start`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+REQUIRED = ("seq_len", "steps", "batch_size")
+SCHEDULE = ("lr", "warmup_fraction", "decay_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  index: int
+  seq_len: int
+  batch_size: int
+  steps: int
+  start: int                # first global step of the stage
+  lr: float                 # peak learning rate
+  warmup_fraction: float
+  decay_fraction: float
+
+  @property
+  def end(self) -> int:
+    return self.start + self.steps
+
+
+def stages_of(config) -> list[Stage]:
+  """The stages of `config`, validated (positive sizes, constant tokens per step, divisible micro-batches)."""
+  opt = config.optimizer
+  raw = [dict(s) for s in config.stages] or [dict(seq_len=config.seq_len, steps=config.steps,
+                                                   batch_size=config.batch_size)]
+  out, start = [], 0
+  for i, s in enumerate(raw):
+    unknown = set(s) - set(REQUIRED) - set(SCHEDULE)
+    missing = set(REQUIRED) - set(s)
+    if unknown or missing:
+      raise ValueError(f"config.stages[{i}]: needs {REQUIRED}, may set {SCHEDULE}; "
+                       f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+    stage = Stage(i, int(s["seq_len"]), int(s["batch_size"]), int(s["steps"]), start,
+                  float(s.get("lr", opt.lr)), float(s.get("warmup_fraction", opt.warmup_fraction)),
+                  float(s.get("decay_fraction", opt.decay_fraction)))
+    if min(stage.seq_len, stage.batch_size, stage.steps) <= 0:
+      raise ValueError(f"config.stages[{i}]: seq_len, batch_size and steps must be positive, got {s}")
+    if stage.batch_size % config.micro_batches:
+      raise ValueError(f"stage {i}: batch_size {stage.batch_size} is not divisible by "
+                       f"config.micro_batches={config.micro_batches}")
+    if not (0 <= stage.warmup_fraction and 0 <= stage.decay_fraction and
+            stage.warmup_fraction + stage.decay_fraction <= 1):
+      raise ValueError(f"stage {i}: warmup_fraction and decay_fraction must be >= 0 with sum <= 1, got "
+                       f"{stage.warmup_fraction}, {stage.decay_fraction}")
+    if out and stage.seq_len * stage.batch_size != out[0].seq_len * out[0].batch_size:
+      raise ValueError(f"stage {i}: seq_len*batch_size = {stage.seq_len * stage.batch_size} tokens per step, "
+                       f"stage 0 has {out[0].seq_len * out[0].batch_size}; stages keep tokens per step constant")
+    out.append(stage)
+    start = stage.end
+  if config.stages and config.steps != start:
+    raise ValueError(f"config.steps ({config.steps}) must equal the sum of the stages' steps ({start})")
+  return out

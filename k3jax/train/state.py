@@ -1,0 +1,58 @@
+"""The train state: fp32 master parameters, optimizer state, balancer state, the rest of the model's state, and
+the step (which is also the data position: batches are pure functions of the step).
+
+The model is used functionally: `nnx.split` separates its parameters (differentiated), its balancer state
+(updated outside the gradient) and everything else; the train step merges them back inside `jax.jit`.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from k3jax.balancer import BalancerState
+from k3jax.model import K3Model
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array           # int32 scalar: optimizer steps taken
+  params: nnx.State         # nnx.Param variables, fp32
+  opt_state: optax.OptState
+  balancer: nnx.State       # BalancerState variables of the MoE layers
+  other: nnx.State          # any other model state
+
+
+def split(model):
+  """(graphdef, params, balancer, other) of a model."""
+  return nnx.split(model, nnx.Param, BalancerState, ...)
+
+
+def merge(graphdef, state: TrainState):
+  return nnx.merge(graphdef, state.params, state.balancer, state.other)
+
+
+def abstract_state(config, tx: optax.GradientTransformation, mesh):
+  """(graphdef, shape/dtype/sharding tree of the TrainState, the init function), without allocating."""
+  def init():
+    model = K3Model(config.model, rngs=nnx.Rngs(config.seed), mesh=mesh)
+    _, params, balancer, other = split(model)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), balancer, other)
+
+  graphdef = split(nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(config.seed), mesh=mesh)))[0]
+  shapes = jax.eval_shape(init)
+  shardings = nnx.get_named_sharding(shapes, mesh)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+  return graphdef, abstract, init
+
+
+def init_state(config, tx: optax.GradientTransformation, mesh):
+  """(graphdef, freshly initialised TrainState placed on the mesh)."""
+  graphdef, abstract, init = abstract_state(config, tx, mesh)
+  return graphdef, jax.jit(init, out_shardings=shardings_of(abstract))()
+
+
+def shardings_of(abstract):
+  return jax.tree.map(lambda a: a.sharding, abstract)

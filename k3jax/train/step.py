@@ -1,0 +1,79 @@
+"""The jitted train step (gradient accumulation over micro-batches, clipping, optimizer, balancer update) and the
+evaluation step.
+
+Batches are dicts of `[A, M, T]` arrays (A micro-batches of M rows): tokens, segment_ids, targets, weights.
+The loss is the next-token cross-entropy on fp32 logits, summed over weighted positions and divided by the
+step's total weight (so A micro-batches give exactly the gradient of one batch of A·M rows), plus the model's
+z-loss and, with the aux-loss balancer, the MoE auxiliary loss (each averaged over micro-batches).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from k3jax import balancer as balancer_lib
+from k3jax.train import state as state_lib
+
+
+def token_losses(logits_BTV, targets_BT, weights_BT):
+  """(Σ w·CE, Σ w·[argmax == target]) over positions, CE on fp32 logits."""
+  logits = logits_BTV.astype(jnp.float32)
+  lse_BT = jax.nn.logsumexp(logits, axis=-1)
+  target_BT = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+  correct_BT = (jnp.argmax(logits, axis=-1) == targets_BT).astype(jnp.float32)
+  return jnp.sum((lse_BT - target_BT) * weights_BT), jnp.sum(correct_BT * weights_BT)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, model_cfg):
+  """`train_step(state, batch) -> (state, metrics)`, to be jitted."""
+  moe = model_cfg.moe
+
+  def loss_fn(params, state, mb, total_weight, num_micro):
+    model = state_lib.merge(graphdef, state.replace(params=params))
+    logits, aux = model(mb["tokens"], segment_ids_BT=mb["segment_ids"])
+    ce_sum, correct = token_losses(logits, mb["targets"], mb["weights"])
+    moe_aux = sum((s.aux_loss for s in aux["moe"]), jnp.zeros((), jnp.float32))
+    objective = ce_sum / total_weight + (aux["z_loss"] + moe_aux) / num_micro
+    return objective, (ce_sum, correct, aux["moe"])
+
+  def train_step(state: state_lib.TrainState, batch):
+    num_micro = batch["tokens"].shape[0]
+    total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+
+    def micro(grads, mb):
+      (objective, (ce_sum, correct, stats)), g = jax.value_and_grad(loss_fn, has_aux=True)(
+          state.params, state, mb, total_weight, num_micro)
+      return jax.tree.map(jnp.add, grads, g), (objective, ce_sum, correct, stats)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (objectives, ce_sums, corrects, stats) = jax.lax.scan(micro, zeros, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+
+    model = state_lib.merge(graphdef, state.replace(params=params))
+    for layer, layer_stats in zip(model.moe_layers(), stats):
+      layer.update_balance([jax.tree.map(lambda x: x[a], layer_stats) for a in range(num_micro)])
+    _, params, balancer, other = state_lib.split(model)
+
+    metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
+               "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.global_norm(grads),
+               "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"])}
+    if stats:
+      num_tokens = batch["tokens"].size
+      per_layer = [balancer_lib.load_metrics(jnp.sum(s.load_E, axis=0), moe.top_k, num_tokens) for s in stats]
+      metrics["moe_max_vio"] = jnp.stack([m["max_vio"] for m in per_layer])
+      metrics["moe_load_p90"] = jnp.stack([m["p90"] for m in per_layer])
+    new_state = state_lib.TrainState(state.step + 1, params, opt_state, balancer, other)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef):
+  """`eval_step(state, batch) -> {ce_sum, correct, weight}` on `[N, T]` rows, to be jitted."""
+  def eval_step(state, batch):
+    logits, _ = state_lib.merge(graphdef, state)(batch["tokens"], segment_ids_BT=batch["segment_ids"])
+    ce_sum, correct = token_losses(logits, batch["targets"], batch["weights"])
+    return {"ce_sum": ce_sum, "correct": correct, "weight": jnp.sum(batch["weights"])}
+  return eval_step

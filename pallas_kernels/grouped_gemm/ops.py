@@ -1,0 +1,109 @@
+"""Grouped GEMM `Y[m] = X[m] @ W[g(m)]` for MoE experts, with its two backward products, behind `jax.custom_vjp`.
+
+Rows of X are sorted by group: the first `group_sizes[0]` rows belong to group 0, and so on. Backends:
+- "mosaic": Pallas Mosaic-GPU kernels (`mosaic.py`) for the forward, dX and dW (Hopper GPUs, bf16/fp16);
+- "xla": `jax.lax.ragged_dot` / `ragged_dot_general` (any device; on GPU it runs at about 2% of a dense GEMM);
+- "auto": "mosaic" where `mosaic.unsupported_reason` is None, else "xla".
+Output rows at or past `sum(group_sizes)` are zeros with "xla" and unspecified with "mosaic": callers must not
+use them (the MoE layer masks them), and such input rows must be finite.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_gemm import mosaic
+
+BACKENDS = ("auto", "mosaic", "xla")
+_DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, backend: str = "auto", configs: mosaic.Configs | None = None):
+  """`[M, K] x [G, K, N] -> [M, N]` in x's dtype (fp32 accumulation); differentiable in x and w."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if x_MK.ndim != 2 or w_GKN.ndim != 3 or x_MK.shape[1] != w_GKN.shape[1]:
+    raise ValueError(f"expected x [M, K] and w [G, K, N] with equal K, got x {x_MK.shape} and w {w_GKN.shape}")
+  if group_sizes_G.shape != (w_GKN.shape[0],) or not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be an integer [G={w_GKN.shape[0]}] array, got {group_sizes_G.dtype}"
+                     f"{list(group_sizes_G.shape)}")
+  if x_MK.dtype != w_GKN.dtype or not jnp.issubdtype(x_MK.dtype, jnp.floating):
+    raise ValueError(f"x and w must share one floating dtype, got {x_MK.dtype} and {w_GKN.dtype}")
+  impl = products(backend, x_MK.shape[1], w_GKN.shape[2], x_MK.dtype, configs)
+  return _gmm(*_same_varying_axes(x_MK, w_GKN, group_sizes_G.astype(jnp.int32)), impl)
+
+
+def products(backend: str, k: int, n: int, dtype, configs: mosaic.Configs | None = None):
+  """The implementation of the three products that `backend` means for `[M, k] x [G, k, n]` in `dtype` here."""
+  configs = configs or mosaic.Configs()
+  reason = mosaic.unsupported_reason(k, n, dtype, configs)
+  if backend == "mosaic" and reason is not None:
+    raise ValueError(f"backend='mosaic' cannot run here: {reason}")
+  if backend == "auto" and reason is not None and jax.default_backend() == "gpu":
+    warnings.warn(f"grouped_matmul falls back to jax.lax.ragged_dot (about 2% of a dense GEMM here): {reason}")
+  if backend == "xla" or (backend == "auto" and reason is not None):
+    return XlaProducts()
+  return MosaicProducts(configs)
+
+
+def _same_varying_axes(*args):
+  """Inside shard_map: marks every arg varying over the axes any one varies over, so the custom VJP's cotangents
+  match their inputs' types (a weight replicated over `data` then gets its gradient summed over `data`)."""
+  axes = set().union(*(jax.typeof(a).mat.varying for a in args))
+  return [jax.lax.pcast(a, tuple(sorted(axes - jax.typeof(a).mat.varying)), to="varying") for a in args]
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaProducts:
+  """`fwd(x, w, gs)`, `dx(dy, w, gs)`, `dw(x, dy, gs)` through XLA's ragged dots."""
+
+  def fwd(self, x, w, gs):
+    return jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
+
+  def dx(self, dy, w, gs):
+    return jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=jnp.float32).astype(dy.dtype)
+
+  def dw(self, x, dy, gs):
+    return jax.lax.ragged_dot_general(x, dy, gs, _DW_DIMS, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicProducts:
+  """The three products through the Mosaic-GPU kernels, rows padded to the kernels' tile multiple."""
+  configs: mosaic.Configs
+
+  def _pad(self, a_MX):
+    pad = -a_MX.shape[0] % mosaic.row_multiple(self.configs)
+    return jnp.pad(a_MX, ((0, pad), (0, 0))) if pad else a_MX
+
+  def fwd(self, x, w, gs):
+    return mosaic.ragged_dot(self._pad(x), w, gs, self.configs.fwd)[:x.shape[0]]
+
+  def dx(self, dy, w, gs):
+    return mosaic.ragged_dot(self._pad(dy), w, gs, self.configs.dx, transpose_rhs=True)[:dy.shape[0]]
+
+  def dw(self, x, dy, gs):
+    return mosaic.transposed_ragged_dot(self._pad(x), self._pad(dy), gs, self.configs.dw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm(x, w, gs, impl):
+  return impl.fwd(x, w, gs)
+
+
+def _gmm_fwd(x, w, gs, impl):
+  return impl.fwd(x, w, gs), (x, w, gs)
+
+
+def _gmm_bwd(impl, res, dy):
+  x, w, gs = res
+  dy = dy.astype(x.dtype)
+  return impl.dx(dy, w, gs), impl.dw(x, dy, gs).astype(w.dtype), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)

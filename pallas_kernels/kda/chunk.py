@@ -1,0 +1,74 @@
+"""Chunked KDA through the Pallas kernels, differentiable with `jax.custom_vjp`.
+
+Forward: intra pass (parallel over chunks) -> state pass (sequential, writes o). Backward: the intra pass again,
+the state pass again saving the states entering each chunk, a reverse state pass, and the intra backward.
+Nothing but the inputs is kept between forward and backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import bwd, fwd
+from pallas_kernels.kda.tiles import CHUNK
+
+
+def default_block_v(B, H, V, target_programs=256):
+  """Columns of the state per program in the sequential passes: enough programs to fill the GPU."""
+  bv = V
+  while bv > 16 and (V // bv) * B * H < target_programs:
+    bv //= 2
+  return bv
+
+
+def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids, lower_bound,
+                     block_v=None):
+  """Inputs as `k3jax.ops.kda.chunk_kda` (already checked there); T is padded to a multiple of 64 here."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  pad = -T % CHUNK
+  padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+  dt = q.dtype
+  q, k, v, beta = (padt(x.astype(dt)) for x in (q, k, v, beta))
+  g = padt(g.astype(jnp.float32))
+  reset = None
+  if segment_ids is not None:
+    from k3jax.ops.kda import reset_mask
+    reset = padt(reset_mask(segment_ids, B, T).astype(jnp.int32))
+  S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+  cfg = (float(scale), float(lower_bound), block_v or default_block_v(B, H, V))
+  o, S = _kda(cfg, q, k, v, g, beta, S0, reset)
+  return o[:, :T], (S if output_final_state else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda(cfg, q, k, v, g, beta, S0, reset):
+  return _forward(cfg, q, k, v, g, beta, S0, reset)
+
+
+def _forward(cfg, q, k, v, g, beta, S0, reset):
+  scale, lower_bound, block_v = cfg
+  w, u, qs, kd, aqk, decay = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
+  return fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v)
+
+
+def _kda_fwd(cfg, q, k, v, g, beta, S0, reset):
+  return _forward(cfg, q, k, v, g, beta, S0, reset), (q, k, v, g, beta, S0, reset)
+
+
+def _kda_bwd(cfg, res, cotangents):
+  scale, lower_bound, block_v = cfg
+  q, k, v, g, beta, S0, reset = res
+  do, dS_T = cotangents
+  w, u, qs, kd, aqk, decay = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
+  _, _, h, v_new = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=True)
+  dv_new, dh, dS0 = bwd.state_backward(do.astype(q.dtype), aqk, kd, qs, w, decay, dS_T.astype(jnp.float32),
+                                       block_v=block_v)
+  dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, g, beta, reset, h, dh, v_new, dv_new, do.astype(q.dtype),
+                                             scale=scale, lower_bound=lower_bound)
+  return dq, dk, dv, dg, dbeta.astype(beta.dtype), dS0, None
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)

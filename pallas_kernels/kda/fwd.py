@@ -1,0 +1,106 @@
+"""Forward kernels: the parallel intra-chunk pass and the sequential state pass that also writes the output."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import triton_call
+from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB, Gates, Intra, mm, store_tiles, t_mm, tiles
+
+
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref = refs
+  gates = Gates(tiles(g_ref), tiles(reset_ref, jnp.int32) if has_reset else None, lower_bound)
+  x = Intra(tiles(q_ref), tiles(k_ref), tiles(v_ref), tiles(beta_ref), gates, scale=scale, dtype=dtype)
+  store_tiles(w_ref, x.W)
+  store_tiles(u_ref, x.U)
+  store_tiles(qs_ref, x.q_state())
+  store_tiles(kd_ref, x.k_to_end())
+  zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+  for i in range(NT):
+    for j in range(NT):
+      aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = x.A_qk[i, j].astype(aqk_ref.dtype) if j <= i else zero
+  decay_ref[...] = gates.state_decay().reshape(decay_ref.shape)
+
+
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound):
+  """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay.
+
+  Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
+  Returns w, qs, kd `[B,T,H,K]`, u `[B,T,H,V]`, aqk `[B,T,H,64]` (row i: A_qk[i, :] of its chunk), decay
+  `[B,N,H,K]` fp32.
+  """
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  N = T // CHUNK
+  dt = q.dtype
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  in_specs = [row(K), row(K), row(V), row(K), pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))]
+  args = [q, k, v, g, beta]
+  if reset is not None:
+    in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
+    args.append(reset)
+  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), dt), jax.ShapeDtypeStruct((B, T, H, V), dt),
+               jax.ShapeDtypeStruct((B, T, H, K), dt), jax.ShapeDtypeStruct((B, T, H, K), dt),
+               jax.ShapeDtypeStruct((B, T, H, CHUNK), dt), jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  out_specs = [row(K), row(V), row(K), row(K), row(CHUNK),
+               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
+                             dtype=dt)
+  return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                     name="kda_intra_fwd", num_warps=4, num_stages=1)(*args)
+
+
+def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out_refs, num_chunks, save, dtype):
+  if save:
+    sT_ref, h_ref, vn_ref = out_refs
+  else:
+    o_ref, sT_ref = out_refs
+
+  def body(n, S_KV):
+    rows = pl.ds(n * CHUNK, CHUNK)
+    S_in = S_KV.astype(dtype)
+    v_new = u_ref[rows, :].astype(F32) - mm(w_ref[rows, :], S_in, dtype)
+    if save:
+      h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
+      vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
+    else:
+      o = mm(qs_ref[rows, :], S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
+      o_ref[rows, :] = o.astype(o_ref.dtype)
+    decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
+    return decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
+
+  sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
+
+
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False):
+  """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
+
+  Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently.
+  Returns (o, final state); with `save=True` (None, final state, the states entering each chunk `[B,H,N·K,V]`
+  in the input dtype, v_new `[B,T,H,V]`) for the backward pass, and no o.
+  """
+  B, T, H, K = w.shape
+  V = u.shape[-1]
+  N = T // CHUNK
+  dt = w.dtype
+  whole = lambda d: pl.BlockSpec((None, T, None, d), lambda vb, bh: (bh // H, 0, bh % H, 0))
+  vcols = pl.BlockSpec((None, T, None, block_v), lambda vb, bh: (bh // H, 0, bh % H, vb))
+  state = pl.BlockSpec((None, None, K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb))
+  in_specs = [whole(K), vcols, whole(K), whole(K), whole(CHUNK),
+              pl.BlockSpec((None, N, None, K), lambda vb, bh: (bh // H, 0, bh % H, 0)), state]
+  final = jax.ShapeDtypeStruct((B, H, K, V), F32)
+  if save:
+    out_shape = [final, jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
+    out_specs = [state, pl.BlockSpec((None, None, N * K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb)), vcols]
+  else:
+    out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [vcols, state]
+  kernel = functools.partial(_state_kernel, num_chunks=N, save=save, dtype=dt)
+  outs = triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
+                     out_shape=out_shape, name="kda_state_fwd", num_warps=4, num_stages=2)(
+                         w, u, qs, kd, aqk, decay, S0)
+  return (None, *outs) if save else tuple(outs)

@@ -1,0 +1,85 @@
+"""Shared helpers for the layer, model and generation tests: small fp32 configs, shared jitted calls, random inputs.
+
+Compiles dominate these tests on CPU (the initialiser alone compiles once per parameter shape), so most tests take
+modules with NumPy-drawn random parameters (`random_module`), share them (`shared_model`), and call them through the
+jitted functions below (traced once per module structure and input shape). The real initialisers are tested where it
+matters (zero AttnRes queries, the KDA gate ranges).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import config as config_lib
+from k3jax.model import K3Model
+
+T, T0 = 12, 6   # sequence length of the tests and the prompt length after which decoding starts
+# The model tests' model: KDA, KDA, MLA (the last layer forced to MLA); layer 0 dense, layers 1-2 a small LatentMoE;
+# one AttnRes block closes after layer 1.
+MODEL = {"num_layers": 3, "layer_pattern": ("kda",), "moe.enabled": True, "moe.num_experts": 4, "moe.top_k": 2,
+         "moe.latent_dim": 16, "moe.expert_hidden": 16, "moe.shared_hidden": 24}
+
+
+def small_config(**changes):
+  """A 4-layer fp32 model config (KDA, KDA, KDA, MLA), d = 32; `changes` maps dotted field names to values."""
+  m = config_lib.model_config()
+  m.dtype = "float32"
+  m.vocab_size = 64
+  m.d_model = 32
+  m.ffn_hidden = 48
+  m.kda.num_heads = 2
+  m.mla.num_heads = 2
+  m.mla.kv_lora_rank = 16
+  m.residual.block_size = 2
+  for dotted, value in changes.items():
+    *path, last = dotted.split(".")
+    node = m
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return m
+
+
+def random_module(factory, seed=0):
+  """`factory(rngs)` with every Param redrawn by NumPy: N(0, 1/n), n its largest leading dim, and 1 + N(0, 0.2²)
+  for vectors (norm weights, pseudo-queries, A_log). Other state (the balancer bias) stays zero."""
+  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
+  rng = np.random.default_rng(seed)
+
+  def draw(x):
+    z = rng.standard_normal(x.shape)
+    z = 1.0 + 0.2 * z if len(x.shape) == 1 else z / np.sqrt(max(x.shape[:-1]))
+    return jnp.asarray(z, x.dtype)
+
+  params = jax.tree.map(draw, params)
+  rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
+  return nnx.merge(graphdef, params, rest)
+
+
+@functools.cache
+def shared_model(changes=tuple(MODEL.items()), seed=0):
+  """One random K3Model (see `random_module`) per (changes, seed) and test process; tests must not modify it."""
+  return random_module(lambda rngs: K3Model(small_config(**dict(changes)), rngs=rngs), seed)
+
+
+forward = nnx.jit(lambda module, x, seg: module(x, segment_ids_BT=seg))
+prefill = nnx.jit(lambda module, x, max_len: module.prefill(x, max_len), static_argnums=2)
+decode = nnx.jit(lambda module, x, cache, pos: module.decode(x, cache, pos))
+
+
+def normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+
+
+def segments(B, lengths):
+  """Segment ids `[B, sum(lengths)]`: document i covers lengths[i] consecutive tokens."""
+  ids = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(lengths)])
+  return jnp.broadcast_to(ids, (B, ids.shape[0]))
+
+
+def abstract(factory, fn, *args):
+  """Shapes and dtypes of `fn(module, *args)` for `module = factory(rngs)`, never allocated: nothing compiles."""
+  module = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+  return nnx.eval_shape(fn, module, *args)

@@ -1,0 +1,151 @@
+"""Quantile balancing (SPEC.md §5), its baselines and load metrics."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax import balancer
+
+T, E, K = 2048, 16, 2
+
+
+def skewed_scores(key, skew=3.0, t=T, e=E):
+  """Router scores where the experts' popularity differs strongly (MaxVio > 3 with a zero bias)."""
+  return jax.nn.sigmoid(jax.random.normal(key, (t, e)) + skew * jnp.linspace(-1.0, 1.0, e))
+
+
+def max_vio(scores, bias, top_k=K):
+  load = balancer.expert_load(balancer.select(scores, bias, top_k=top_k)[1], scores.shape[1])
+  return float(balancer.load_metrics(load, top_k, scores.shape[0])["max_vio"])
+
+
+def test_select_chooses_by_biased_scores_and_weights_by_unbiased_ones():
+  scores = jax.random.uniform(jax.random.key(0), (64, 8), minval=0.05, maxval=0.95)
+  bias = jnp.zeros(8).at[3].set(10.0)
+  weights, ids = balancer.select(scores, bias, top_k=2, routed_scaling=2.5)
+  assert bool(jnp.all(jnp.any(ids == 3, axis=1)))  # the huge bias wins every token
+  chosen = jnp.take_along_axis(scores, ids, axis=1)
+  chex.assert_trees_all_close(weights, chosen / chosen.sum(1, keepdims=True) * 2.5, rtol=1e-6)
+  grad_bias = jax.grad(lambda b: balancer.select(scores, b, top_k=2)[0].sum())(bias)
+  assert float(jnp.abs(grad_bias).max()) == 0.0
+
+
+def test_exact_quantile_gives_each_expert_its_share_at_fixed_cutoffs():
+  """With the cut-offs α of the current bias held fixed, expert j wins T·k/E tokens at b̂_j: #{r < b̂} ≤ T·k/E ≤
+  #{r ≤ b̂} (residuals tie at r = b_j, where j is a token's (k+1)-th choice)."""
+  scores = skewed_scores(jax.random.key(1))
+  bias = jax.random.normal(jax.random.key(2), (E,))
+  r = balancer.cutoff_residuals(scores, bias, top_k=K)
+  target = balancer.exact_quantile(r, top_k=K)
+  assert bool(jnp.all(jnp.sum(r < target, axis=0) <= T * K // E))
+  assert bool(jnp.all(jnp.sum(r <= target, axis=0) >= T * K // E))
+  distinct = jnp.sum(r < target, axis=0) == jnp.sum(r <= target, axis=0)
+  assert int(distinct.sum()) >= E // 2  # and the count is exact where nothing ties at the cut
+  chex.assert_trees_all_equal(jnp.where(distinct, jnp.sum(r < target, axis=0), T * K // E), jnp.full((E,), T * K // E))
+
+
+def test_exact_update_rebalances_a_skewed_batch():
+  """One exact update cuts MaxVio several-fold; repeated on the same batch it converges to near-perfect balance.
+  (One step alone does not reach T·k/E per expert: moving all biases at once moves the cut-offs α.)"""
+  scores = skewed_scores(jax.random.key(3))
+  state = balancer.init(E)
+  start = max_vio(scores, state.bias)
+  assert start > 3.0
+  state = balancer.update(state, scores, top_k=K)
+  assert max_vio(scores, state.bias) < start / 4
+  for _ in range(9):
+    state = balancer.update(state, scores, top_k=K)
+  assert max_vio(scores, state.bias) <= 0.05  # ≤ 13 of the 256 slots each expert should get
+  assert abs(float(jnp.mean(state.bias))) < 1e-5
+
+
+def test_eta_moves_the_bias_part_way():
+  scores = skewed_scores(jax.random.key(4))
+  start = balancer.State(bias=jax.random.normal(jax.random.key(5), (E,)))
+  full = balancer.update(start, scores, top_k=K)
+  half = balancer.update(start, scores, top_k=K, eta=0.5)
+  chex.assert_trees_all_close(half.bias, 0.5 * (start.bias + full.bias), atol=1e-6)
+
+
+def test_histogram_update_is_close_to_exact():
+  scores = skewed_scores(jax.random.key(6))
+  state = balancer.State(bias=0.3 * jax.random.normal(jax.random.key(7), (E,)))
+  exact = balancer.update(state, scores, top_k=K)
+  hist = balancer.update(state, scores, top_k=K, method="histogram")
+  lo, hi = balancer.histogram_range(state.bias)
+  bin_width = float(hi - lo) / balancer.NUM_BINS
+  assert float(jnp.abs(hist.bias - exact.bias).max()) <= 2 * bin_width
+  assert abs(max_vio(scores, hist.bias) - max_vio(scores, exact.bias)) <= 0.05
+
+
+def test_histograms_of_two_halves_sum_to_the_whole():
+  scores = skewed_scores(jax.random.key(8))
+  bias = jax.random.normal(jax.random.key(9), (E,))
+  halves = [balancer.histogram(s, bias, top_k=K) for s in (scores[: T // 2], scores[T // 2:])]
+  whole = balancer.histogram(scores, bias, top_k=K)
+  chex.assert_trees_all_equal(halves[0] + halves[1], whole)
+  chex.assert_trees_all_equal(jnp.sum(whole, axis=1), jnp.full((E,), float(T)))
+
+
+@pytest.mark.parametrize("method", ["histogram", "exact", "sign"])
+def test_update_over_a_sharded_axis_equals_the_whole_batch(method):
+  """Inside shard_map with `axis_name`, every shard computes the update of the unsharded batch."""
+  scores = skewed_scores(jax.random.key(10))
+  state = balancer.State(bias=0.2 * jax.random.normal(jax.random.key(11), (E,)))
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharded = jax.jit(jax.shard_map(
+      lambda s, b: balancer.update(balancer.State(bias=b), s, top_k=K, method=method, axis_name="d").bias,
+      mesh=mesh, in_specs=(P("d"), P()), out_specs=P(), check_vma=False))
+  whole = balancer.update(state, scores, top_k=K, method=method).bias
+  chex.assert_trees_all_close(sharded(scores, state.bias), whole, atol=1e-6)
+
+
+def test_sign_update_steps_each_bias_by_the_rate_against_its_load():
+  scores = skewed_scores(jax.random.key(12))
+  state = balancer.init(E)
+  load = balancer.expert_load(balancer.select(scores, state.bias, top_k=K)[1], E)
+  new = balancer.update(state, scores, top_k=K, method="sign", sign_rate=1e-3)
+  chex.assert_trees_all_close(new.bias, 1e-3 * jnp.sign(T * K / E - load))
+
+
+def test_top_k_equal_to_num_experts_leaves_the_bias_alone():
+  scores = skewed_scores(jax.random.key(13), e=4)
+  state = balancer.State(bias=jnp.array([0.1, -0.2, 0.3, 0.0]))
+  chex.assert_trees_all_equal(balancer.update(state, scores, top_k=4).bias, state.bias)
+
+
+def test_update_is_not_differentiated():
+  scores = skewed_scores(jax.random.key(14))
+  grad = jax.grad(lambda s: jnp.sum(balancer.update(balancer.init(E), s, top_k=K).bias ** 2))(scores)
+  assert float(jnp.abs(grad).max()) == 0.0
+
+
+def test_switch_aux_loss_is_e_times_sum_of_load_fraction_times_mean_probability():
+  scores = skewed_scores(jax.random.key(15))
+  _, ids = balancer.select(scores, jnp.zeros(E), top_k=K)
+  f = np.bincount(np.asarray(ids).ravel(), minlength=E) / (T * K)
+  p = np.mean(np.asarray(scores) / np.asarray(scores).sum(1, keepdims=True), axis=0)
+  np.testing.assert_allclose(balancer.switch_aux_loss(scores, ids), E * np.sum(f * p), rtol=1e-5)
+  grad = jax.grad(lambda s: balancer.switch_aux_loss(s, ids))(scores)
+  assert float(jnp.abs(grad).max()) > 0.0  # it trains the router through P
+
+
+def test_load_metrics():
+  load = jnp.array([2.0, 4.0, 4.0, 6.0])  # T·k/E = 8·2/4 = 4
+  m = balancer.load_metrics(load, top_k=2, num_tokens=8)
+  chex.assert_trees_all_close({k: float(v) for k, v in m.items()},
+                              {"max_vio": 0.5, "p50": 1.0, "p90": 1.35, "max": 1.5}, rtol=1e-6)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: balancer.init(0), "num_experts"),
+    (lambda: balancer.select(jnp.ones((4, 3)), jnp.zeros(2), top_k=1), "expected scores"),
+    (lambda: balancer.select(jnp.ones((4, 3)), jnp.zeros(3), top_k=4), "top_k"),
+    (lambda: balancer.update(balancer.init(3), jnp.ones((4, 3)), top_k=1, method="median"), "method"),
+    (lambda: balancer.update(balancer.init(3), jnp.ones((4, 3)), top_k=1, eta=0.0), "eta"),
+])
+def test_bad_arguments_raise_value_errors(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()

@@ -1,0 +1,64 @@
+"""Pallas KDA kernels (interpret mode on CPU) against the recurrence: outputs and every gradient (SPEC.md §8)."""
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k3jax.ops import kda
+from kda_testing import random_inputs, rel_err
+from test_kda import _run_with_grads
+
+# (B, T, H, K, V): T not a multiple of the 64-token chunk; K = V = 32 keeps interpret mode fast.
+SHAPE = (1, 100, 2, 32, 32)
+BF16_TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
+
+
+def _pallas(**kw):
+  return kda.chunk_kda(**kw, lower_bound=-5.0, backend="pallas")
+
+
+def _compare(x, S0, seg, tol):
+  o, S, grads = _run_with_grads(_pallas, x, S0, seg, cot_seed=11)
+  f32 = {n: a.astype(jnp.float32) for n, a in x.items()}
+  o_ref, S_ref, grads_ref = _run_with_grads(kda.naive_recurrent_kda, f32, S0, seg, cot_seed=11)
+  errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref)}
+  errs.update({n: rel_err(grads[n], grads_ref[n]) for n in grads_ref})
+  bad = {n: e for n, e in errs.items() if not e <= tol(n)}
+  assert not bad, f"errors above tolerance: {bad} (all: {errs})"
+
+
+def test_fp32_outputs_and_grads_with_segments_and_states():
+  x, S0, seg = random_inputs(21, *SHAPE, segments=True)
+  _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
+
+
+@pytest.mark.parametrize("saturate", [None, -5.0])
+def test_bf16_outputs_and_grads_within_spec_tolerances(saturate):
+  x, S0, _ = random_inputs(22, *SHAPE, dtype=jnp.bfloat16, saturate=saturate)
+  _compare(x, S0, None, BF16_TOL.get)
+
+
+def test_gate_at_zero_is_exact_and_finite():
+  x, S0, _ = random_inputs(23, *SHAPE, saturate=0.0)
+  o, S = _pallas(**x, initial_state=S0, output_final_state=True)
+  o_ref, S_ref = kda.naive_recurrent_kda(**x, initial_state=S0, output_final_state=True)
+  chex.assert_tree_all_finite((o, S))
+  assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+
+
+def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
+  B, T, H, K, V = SHAPE
+  ks = jax.random.split(jax.random.PRNGKey(24), 8)
+  args = (jax.random.normal(ks[0], (B, T, H, K)), jax.random.normal(ks[1], (B, T, H, K)),
+          jax.random.normal(ks[2], (B, T, H, V)), 3 * jax.random.normal(ks[3], (B, T, H, K)),
+          jax.random.normal(ks[4], (B, T, H)), jnp.log(jax.random.uniform(ks[5], (H,), minval=1, maxval=16)),
+          jax.random.normal(ks[6], (H, K)))
+  cot = jax.random.normal(ks[7], (B, T, H, V))
+
+  def loss(backend, *a):
+    return jnp.sum(kda.fused_kda(*a, backend=backend)[0] * cot)
+
+  grads = jax.grad(lambda *a: loss("pallas", *a), argnums=tuple(range(7)))(*args)
+  grads_ref = jax.grad(lambda *a: loss("xla", *a), argnums=tuple(range(7)))(*args)
+  for name, d, d_ref in zip(("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias"), grads, grads_ref):
+    assert rel_err(d, d_ref) < 1e-4, name

@@ -1,0 +1,88 @@
+"""KDA layer: shapes and dtypes, short convolution against its formula, decode == full forward, packed documents."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.layers.kda import KDALayer, short_conv
+from kda_testing import rel_err
+from model_testing import T, T0, abstract, decode, forward, normal, prefill, random_module, segments, small_config
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def layer():
+  return random_module(lambda rngs: KDALayer(small_config(), rngs=rngs))
+
+
+def test_shapes_and_dtypes_bf16():
+  cfg = small_config(dtype="bfloat16")
+  H, K, C = cfg.kda.num_heads, cfg.d_model // cfg.kda.num_heads, 3 * cfg.d_model
+  x = jax.ShapeDtypeStruct((2, T, cfg.d_model), jnp.float32)
+  make = lambda rngs: KDALayer(cfg, rngs=rngs)
+  y, cache = abstract(make, lambda l, x: l.prefill(x), x)
+  chex.assert_shape(y, (2, T, cfg.d_model))
+  chex.assert_type(y, jnp.bfloat16)
+  chex.assert_shape([cache.conv_BWC, cache.state_BHKV], [(2, cfg.kda.conv_size - 1, C), (2, H, K, K)])
+  chex.assert_type([cache.conv_BWC, cache.state_BHKV], [jnp.bfloat16, jnp.float32])
+  x1 = jax.ShapeDtypeStruct((2, 1, cfg.d_model), jnp.float32)
+  y1, _ = abstract(make, lambda l, x: l.decode(x, l.init_cache(2)), x1)
+  chex.assert_shape(y1, (2, 1, cfg.d_model))
+  chex.assert_type(y1, jnp.bfloat16)
+
+
+def test_short_conv_matches_formula_with_state_and_documents():
+  B, C, W = 2, 5, 4
+  x, w, state = normal(2, (B, T, C)), normal(3, (W, C)), normal(4, (B, W - 1, C))
+  seg = segments(B, (4, T - 4))
+  y, new_state = jax.jit(short_conv)(x, w, state, seg)
+  xp = np.concatenate([np.asarray(state), np.asarray(x)], axis=1)      # xp[t + W - 1] is token t
+  segp = np.concatenate([np.zeros((B, W - 1), int), np.asarray(seg)], axis=1)
+  ref = np.zeros((B, T, C))
+  for t in range(T):
+    for j in range(W):
+      ref[:, t] += np.asarray(w)[j] * xp[:, t + j] * (segp[:, t + j] == np.asarray(seg)[:, t])[:, None]
+  np.testing.assert_allclose(y, ref / (1 + np.exp(-ref)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(new_state, xp[:, -(W - 1):])
+
+
+def test_decode_matches_full_forward(layer):
+  x = normal(5, (2, T, layer.w_o.w.shape[1]))
+  full = forward(layer, x, None)
+  y0, cache = prefill(layer, x[:, :T0], T)
+  assert rel_err(y0, full[:, :T0]) < TOL
+  for t in range(T0, T):
+    y, cache = decode(layer, x[:, t:t + 1], cache, t)
+    assert rel_err(y[:, 0], full[:, t]) < TOL, t
+
+
+def test_softplus_low_rank_variant_decodes_like_its_full_forward():
+  cfg = small_config(**{"kda.gate": "softplus", "kda.gate_rank": 8})
+  layer = random_module(lambda rngs: KDALayer(cfg, rngs=rngs), seed=1)
+  chex.assert_shape([layer.w_f.w[...], layer.w_f.w_b[...]], [(cfg.d_model, 8), (8, cfg.d_model)])
+  chex.assert_shape([layer.w_g.w[...], layer.w_g.w_b[...]], [(cfg.d_model, 8), (8, cfg.d_model)])
+  assert layer.lower_bound is None
+  x = normal(6, (2, T, cfg.d_model))
+  full = forward(layer, x, None)
+  cache = layer.init_cache(2)
+  for t in range(T):
+    y, cache = decode(layer, x[:, t:t + 1], cache, t)
+    assert rel_err(y[:, 0], full[:, t]) < TOL, t
+
+
+def test_packed_sequence_equals_documents_run_alone(layer):
+  x = normal(7, (2, T, layer.w_o.w.shape[1]))
+  packed = forward(layer, x, segments(2, (T0, T - T0)))
+  assert rel_err(packed[:, :T0], prefill(layer, x[:, :T0], T)[0]) < TOL
+  assert rel_err(packed[:, T0:], prefill(layer, x[:, T0:], T)[0]) < TOL
+
+
+def test_init_follows_documented_ranges():
+  layer = KDALayer(small_config(), rngs=nnx.Rngs(0))
+  A = np.exp(np.asarray(layer.A_log[...]))
+  dt = np.log1p(np.exp(np.asarray(layer.dt_bias[...], np.float64)))
+  assert np.all((A >= 1.0) & (A <= 16.0))
+  assert np.all((dt >= 1e-3 * (1 - 1e-5)) & (dt <= 1e-1 * (1 + 1e-5)))

@@ -1,0 +1,123 @@
+"""K3Model: shapes and dtypes, decode == full forward with MoE, packed documents, residual modes, remat, z-loss."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.layers.ffn import SiTUGLU
+from k3jax.layers.moe import LatentMoE, MoEStats
+from k3jax.model import K3Model, z_loss
+from kda_testing import rel_err
+from model_testing import MODEL, T, T0, abstract, random_module, segments, shared_model, small_config
+
+# fp32 roundoff compounded over layers (chunked vs recurrent KDA, standard vs absorbed MLA) on random weights
+# stays near 1e-5; a wrong cache or mask gives errors of order one.
+TOL = 1e-4
+model_forward = nnx.jit(lambda m, tokens, seg: m(tokens, segment_ids_BT=seg))
+model_prefill = nnx.jit(lambda m, tokens, max_len: m.prefill(tokens, max_len), static_argnums=2)
+model_decode = nnx.jit(lambda m, token, cache: m.decode(token, cache))
+
+
+def _tokens(seed, shape, vocab=64):
+  return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, vocab)
+
+
+def test_shapes_and_dtypes_bf16():
+  cfg = small_config(dtype="bfloat16", z_loss_coef=1e-4, **MODEL)
+  tokens = jax.ShapeDtypeStruct((2, T), jnp.int32)
+  logits, aux = abstract(lambda rngs: K3Model(cfg, rngs=rngs), lambda m, t: m(t), tokens)
+  chex.assert_shape(logits, (2, T, cfg.vocab_size))
+  chex.assert_type(logits, jnp.float32)
+  assert len(aux["moe"]) == cfg.num_layers - 1 and isinstance(aux["moe"][0], MoEStats)
+  chex.assert_shape([aux["moe"][0].scores_TE, aux["moe"][0].load_E, aux["z_loss"]], [(2 * T, 4), (4,), ()])
+  step = lambda m, t: m.decode(t[:, 0], m.prefill(t, T + 3)[1])
+  logits1, cache = abstract(lambda rngs: K3Model(cfg, rngs=rngs), step, tokens)
+  chex.assert_shape(logits1, (2, cfg.vocab_size))
+  chex.assert_type(logits1, jnp.float32)
+  assert [type(c).__name__ for c in cache.layers] == ["KDACache", "KDACache", "MLACache"]
+  chex.assert_shape(cache.layers[2].ckv_BLR, (2, T + 3, cfg.mla.kv_lora_rank))
+  chex.assert_type([cache.layers[0].conv_BWC, cache.layers[2].ckv_BLR], [jnp.bfloat16, jnp.bfloat16])
+
+
+def test_decode_matches_full_forward_with_moe():
+  model = shared_model()
+  tokens = _tokens(1, (2, T))
+  full, aux = model_forward(model, tokens, None)
+  assert len(aux["moe"]) == 2 and [m is l.ffn for m, l in zip(model.moe_layers(), model.layers[1:])] == [True] * 2
+  assert all(isinstance(m, LatentMoE) for m in model.moe_layers()) and isinstance(model.layers[0].ffn, SiTUGLU)
+  assert [float(s.load_E.sum()) for s in aux["moe"]] == [2 * T * 2] * 2        # every token reaches its k experts
+  logits, cache = model_prefill(model, tokens[:, :T0], T)
+  assert rel_err(logits, full[:, T0 - 1]) < TOL
+  for t in range(T0, T):
+    logits, cache = model_decode(model, tokens[:, t], cache)
+    assert rel_err(logits, full[:, t]) < TOL, t
+  assert int(cache.pos) == T
+
+
+def test_packed_sequence_equals_documents_run_alone():
+  model = shared_model()
+  tokens = _tokens(2, (2, T))
+  packed, _ = model_forward(model, tokens, segments(2, (T0, T - T0)))
+  alone = [model_forward(model, tokens[:, s], None)[0] for s in (slice(0, T0), slice(T0, T))]
+  assert rel_err(packed[:, :T0], alone[0]) < TOL
+  assert rel_err(packed[:, T0:], alone[1]) < TOL
+
+
+def test_block_structure_of_the_residual():
+  model = shared_model()
+  assert [layer.closes_block for layer in model.layers] == [False, True, False]
+  assert [layer.kind for layer in model.layers] == ["kda", "kda", "mla"]
+  none = nnx.eval_shape(lambda: K3Model(small_config(**{"residual.mode": "none"}), rngs=nnx.Rngs(0)))
+  assert none.final_res is None and all(l.mixer_res is None and l.ffn_res is None for l in none.layers)
+  full = nnx.eval_shape(lambda: K3Model(small_config(**{"residual.mode": "full"}), rngs=nnx.Rngs(0)))
+  assert all(l.close_each and not l.closes_block for l in full.layers)
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+  # One MLA layer with a MoE FFN and full AttnRes: remat must pass the stream and the MoE stats through.
+  changes = {**MODEL, "num_layers": 1, "layer_pattern": ("mla",), "moe.first_dense_layers": 0,
+             "residual.mode": "full", "z_loss_coef": 1e-3}
+  plain = random_module(lambda rngs: K3Model(small_config(**changes), rngs=rngs), seed=3)
+  remat = random_module(lambda rngs: K3Model(small_config(remat=True, **changes), rngs=rngs), seed=3)
+  tokens = _tokens(4, (2, T))
+
+  @nnx.jit
+  def loss_and_grads(model):
+    def loss(m):
+      logits, aux = m(tokens)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux["z_loss"]
+    return nnx.value_and_grad(loss)(model)
+
+  (l1, g1), (l2, g2) = loss_and_grads(plain), loss_and_grads(remat)
+  assert rel_err(l2, l1) < TOL
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    assert rel_err(b, a) < 1e-4
+  assert float(jnp.max(jnp.abs(g1.layers[0].ffn_res.query[...]))) > 0    # gradients reach the pseudo-queries
+
+
+def test_tied_head_shares_the_embedding():
+  count = lambda cfg: sum(x.size for x in jax.tree.leaves(nnx.state(
+      nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))), nnx.Param)))
+  cfg = small_config()
+  assert count(cfg) - count(small_config(tie_embeddings=True)) == cfg.d_model * cfg.vocab_size
+
+
+def test_z_loss_is_the_mean_squared_logsumexp():
+  logits = 3.0 * jax.random.normal(jax.random.PRNGKey(5), (2, 4, 7))
+  lse = np.log(np.sum(np.exp(np.asarray(logits, np.float64)), -1))
+  mask = jnp.array([[1, 1, 0, 1], [0, 1, 1, 1]], bool)
+  np.testing.assert_allclose(z_loss(logits, 0.1), 0.1 * np.mean(lse ** 2), rtol=1e-5)
+  np.testing.assert_allclose(z_loss(logits, 0.1, mask), 0.1 * np.mean(lse[np.asarray(mask)] ** 2), rtol=1e-5)
+  assert float(z_loss(logits, 0.0)) == 0.0
+
+
+def test_bad_inputs_raise_clear_errors():
+  model = shared_model()
+  with pytest.raises(ValueError, match="tokens_BT must be an integer array"):
+    model(jnp.zeros((2, 3), jnp.float32))
+  with pytest.raises(ValueError, match="segment_ids_BT must be an integer array shaped like tokens"):
+    model(jnp.zeros((2, 3), jnp.int32), segment_ids_BT=jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match="token_B must be an integer array of shape"):
+    model.decode(jnp.zeros((2, 1), jnp.int32), None)

@@ -1,0 +1,196 @@
+"""LatentMoE layer against a dense all-experts reference; stats, balancer state and config errors."""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import pytest
+from flax import nnx
+
+from k3jax import balancer
+from k3jax.layers.ffn import SiTUGLU, situ_glu
+from k3jax.layers.moe import LatentMoE, MoEStats
+
+D = 16
+
+
+def moe_config(**overrides) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict(dict(
+      enabled=True, num_experts=8, top_k=2, num_shared_experts=2, expert_hidden=8, shared_hidden=6, latent_dim=8,
+      routed_scaling=2.0, balancer="quantile", balancer_eta=1.0, balancer_method="exact", aux_loss_coef=1e-2,
+      sign_update_rate=1e-3, first_dense_layers=1))
+  c.update(overrides)
+  return c
+
+
+@functools.cache
+def base_layer():
+  """One fp32 layer with a non-zero balancer bias, built once per process (building is slow on the CPU);
+  variants copy its state."""
+  layer = LatentMoE(D, moe_config(), rngs=nnx.Rngs(0), dtype=jnp.float32)
+  layer.balancer.set_value(balancer.State(bias=0.05 * jax.random.normal(jax.random.key(1), (8,))))
+  return layer
+
+
+@pytest.fixture
+def base():
+  return base_layer()
+
+
+@functools.cache
+def base_output_and_grads(seed):
+  """The single-device layer's output and gradients on tokens(key(seed)) (shared with test_parallel)."""
+  return output_and_grads(base_layer(), tokens(jax.random.key(seed)), lambda m, x: m(x)[0])
+
+
+def variant(base, dtype=jnp.float32, mesh=None, **cfg):
+  layer = nnx.eval_shape(lambda: LatentMoE(D, moe_config(**cfg), rngs=nnx.Rngs(0), dtype=dtype, mesh=mesh))
+  nnx.update(layer, nnx.state(base))
+  return layer
+
+
+def tokens(key, b=2, t=16):
+  return jax.random.normal(key, (b, t, D))
+
+
+def rel(a, b):
+  return float(jnp.sqrt(jnp.mean((a - b) ** 2)) / jnp.sqrt(jnp.mean(b ** 2)))
+
+
+def dense_reference(layer, x_BTD):
+  """Every expert on every token, combined with the routing weights: SPEC.md §4 written out directly."""
+  cfg = layer.cfg
+  x = x_BTD.reshape(-1, D)
+  s = jax.nn.sigmoid(x @ layer.router.w[...])
+  _, ids = jax.lax.top_k(s + layer.balancer.get_value().bias, cfg.top_k)
+  p = jnp.take_along_axis(s, ids, 1)
+  p = p / p.sum(1, keepdims=True) * cfg.routed_scaling
+  dense_p = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts) * p[..., None], axis=1)        # [T, E]
+  z = x @ layer.latent_down.w[...]
+  ab = jnp.einsum("tl,elgh->tegh", z, layer.w_gate_up[...])
+  y_e = jnp.einsum("teh,ehl->tel", situ_glu(ab[:, :, 0], ab[:, :, 1]), layer.w_down[...])
+  u = jnp.einsum("te,tel->tl", dense_p, y_e)
+  u = u * jax.lax.rsqrt(jnp.mean(u ** 2, -1, keepdims=True) + 1e-6) * layer.norm.weight[...]
+  return (u @ layer.latent_up.w[...]).reshape(x_BTD.shape) + layer.shared(x_BTD)
+
+
+def output_and_grads(layer, x, fn):
+  """fn(layer, x) and the gradients of a random projection of it, w.r.t. the params and x (one jit)."""
+  graph, params, rest = nnx.split(layer, nnx.Param, ...)
+  cot = jax.random.normal(jax.random.key(7), x.shape)
+
+  def loss(params, x):
+    y = fn(nnx.merge(graph, params, rest), x)
+    return jnp.sum(y * cot), y
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  return y, grads
+
+
+def forward(layer, x, fn=lambda m, x: m(x)[0]):
+  graph, state = nnx.split(layer)
+  return jax.jit(lambda state, x: fn(nnx.merge(graph, state), x))(state, x)
+
+
+def test_layer_matches_dense_all_experts_reference_outputs_and_gradients(base):
+  x = tokens(jax.random.key(2))
+  (y, (dp, dx)), (y_ref, (dp_ref, dx_ref)) = base_output_and_grads(2), output_and_grads(base, x, dense_reference)
+  assert rel(y, y_ref) <= 1e-5 and rel(dx, dx_ref) <= 1e-5
+  for g, g_ref in zip(jax.tree.leaves(dp), jax.tree.leaves(dp_ref)):
+    assert rel(g, g_ref) <= 1e-5
+
+
+def test_every_token_reaches_all_its_experts(base):
+  """Dropless: the loads add up to T·k whatever the skew (here a bias that sends every token to expert 0)."""
+  skewed = variant(base)
+  skewed.balancer.set_value(balancer.State(bias=jnp.zeros(8).at[0].set(5.0)))
+  x = tokens(jax.random.key(3))
+  y, stats = forward(skewed, x, lambda m, x: m(x))
+  assert float(stats.load_E[0]) == 32.0 and float(stats.load_E.sum()) == 64.0
+  assert rel(y, forward(skewed, x, dense_reference)) <= 1e-5
+
+
+def test_fused_shared_experts_equal_the_sum_of_separate_ones():
+  """Why one SiTU-GLU of width n·h stands for n shared experts: a sum of GLUs is a GLU over the joint units."""
+  a, b = (SiTUGLU(D, 6, rngs=nnx.Rngs(i), dtype=jnp.float32) for i in (1, 2))
+  fused = SiTUGLU(D, 12, rngs=nnx.Rngs(3), dtype=jnp.float32)
+  fused.w_gate_up.set_value(jnp.concatenate([a.w_gate_up[...], b.w_gate_up[...]], axis=-1))
+  fused.w_down.set_value(jnp.concatenate([a.w_down[...], b.w_down[...]], axis=0))
+  x = tokens(jax.random.key(4))
+  chex.assert_trees_all_close(fused(x), a(x) + b(x), atol=1e-5)
+
+
+def test_stats_report_scores_loads_and_no_aux_loss_for_quantile(base):
+  x = tokens(jax.random.key(5))
+  _, stats = base(x)
+  assert isinstance(stats, MoEStats)
+  chex.assert_shape(stats.scores_TE, (32, 8))
+  chex.assert_type([stats.scores_TE, stats.load_E], jnp.float32)
+  assert float(stats.load_E.sum()) == 32 * 2 and float(stats.aux_loss) == 0.0
+  assert bool(jnp.all((stats.scores_TE > 0) & (stats.scores_TE < 1)))
+
+
+def test_aux_loss_balancer_adds_a_loss_that_trains_the_router(base):
+  layer = variant(base, balancer="aux_loss")
+  x = tokens(jax.random.key(6))
+  _, stats = layer(x)
+  _, ids = balancer.select(stats.scores_TE, layer.balancer.get_value().bias, top_k=2)
+  chex.assert_trees_all_close(stats.aux_loss, 1e-2 * balancer.switch_aux_loss(stats.scores_TE, ids), rtol=1e-6)
+  _, (dp, _) = output_and_grads(layer, x, lambda m, x: m(x)[1].aux_loss * jnp.ones_like(x))
+  assert float(jnp.abs(dp["router"]["w"][...]).max()) > 0.0
+
+
+def test_balancer_state_is_not_a_param_and_update_balance_runs_in_jit(base):
+  layer = variant(base)
+  graph, params, bal, rest = nnx.split(layer, nnx.Param, balancer.BalancerState, ...)
+  assert "balancer" not in params and "balancer" in bal
+  x1, x2 = tokens(jax.random.key(8)), tokens(jax.random.key(9))
+
+  @jax.jit
+  def step(params, bal, rest):
+    m = nnx.merge(graph, params, bal, rest)
+    stats = [m(x1)[1], m(x2)[1]]
+    m.update_balance(stats)
+    return nnx.split(m, nnx.Param, balancer.BalancerState, ...)[1:]
+  new_params, new_bal, _ = step(params, bal, rest)
+  chex.assert_trees_all_equal(new_params, params)
+  scores = jnp.concatenate([layer(x1)[1].scores_TE, layer(x2)[1].scores_TE])
+  expected = balancer.update(layer.balancer.get_value(), scores, top_k=2)
+  chex.assert_trees_all_close(new_bal["balancer"].get_value().bias, expected.bias, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg, method", [
+    (dict(balancer="none"), None), (dict(balancer="aux_loss"), None), (dict(balancer="sign"), "sign"),
+    (dict(balancer_method="exact"), "exact"), (dict(balancer_method="histogram"), "histogram"),
+])
+def test_update_balance_follows_the_configured_method(base, cfg, method):
+  layer = variant(base, **cfg)
+  old = layer.balancer.get_value()
+  stats = layer(tokens(jax.random.key(10)))[1]
+  layer.update_balance(stats)
+  new = layer.balancer.get_value().bias
+  if method is None:
+    chex.assert_trees_all_equal(new, old.bias)
+  else:
+    expected = balancer.update(old, stats.scores_TE, top_k=2, method=method)
+    chex.assert_trees_all_close(new, expected.bias, atol=1e-7)
+    assert float(jnp.abs(new - old.bias).max()) > 0.0
+
+
+def test_bfloat16_layer_is_close_to_float32(base):
+  x = tokens(jax.random.key(11))
+  assert rel(variant(base, dtype=jnp.bfloat16)(x)[0].astype(jnp.float32), base(x)[0]) <= 3e-2
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(latent_dim=None), "moe.latent_dim must be set"),
+    (dict(expert_hidden=None), "moe.expert_hidden must be set"),
+    (dict(top_k=9), "top_k=9 exceeds"),
+    (dict(num_experts=0), "num_experts must be a positive int"),
+    (dict(num_shared_experts=1, shared_hidden=0), "shared_hidden"),
+    (dict(balancer="loss_free"), "moe.balancer must be one of"),
+    (dict(balancer_method="median"), "balancer_method"),
+])
+def test_bad_configs_raise_value_errors(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    nnx.eval_shape(lambda: LatentMoE(D, moe_config(**overrides), rngs=nnx.Rngs(0)))

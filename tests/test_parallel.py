@@ -1,0 +1,78 @@
+"""Expert parallelism on 8 simulated devices: the sharded layer equals the single-device one (fp32, ≤ 1e-5)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax import parallel
+from test_moe import base, base_output_and_grads, forward, output_and_grads, rel, tokens, variant  # noqa: F401
+
+
+def reference_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv):
+  """The documented semantics of `jax.lax.ragged_all_to_all`, per device, in numpy."""
+  n = len(operands)
+  spd = len(send[0]) // n
+  results = [o.copy() for o in outputs]
+  for src in range(n):
+    for i in range(len(send[src])):
+      dst, j = divmod(i, spd)
+      rows = operands[src][in_off[src][i]:in_off[src][i] + send[src][i]]
+      assert recv[dst][src * spd + j] == len(rows)
+      results[dst][out_off[src][i]:out_off[src][i] + len(rows)] = rows
+  return results
+
+
+def test_cpu_ragged_all_to_all_has_the_documented_semantics():
+  n, spd, rows, out_rows = 4, 2, 12, 20
+  rng = np.random.default_rng(0)
+  send = rng.integers(0, 3, size=(n, n * spd))            # sizes from each source, per (dest, slot)
+  in_off = np.cumsum(send, axis=1) - send                  # packed back to back (≤ 2·8 rows < 12)
+  recv = np.stack([send[:, d * spd:(d + 1) * spd].reshape(-1) for d in range(n)])
+  # receivers place (source, slot) slices back to back in reverse source order, leaving a gap of 1 row first
+  out_off = np.zeros_like(send)
+  for d in range(n):
+    pos = 1
+    for src in reversed(range(n)):
+      for j in range(spd):
+        out_off[src, d * spd + j] = pos
+        pos += send[src, d * spd + j]
+  operands = rng.normal(size=(n, rows, 3)).astype(np.float32)
+  outputs = rng.normal(size=(n, out_rows, 3)).astype(np.float32)
+  mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+  fn = jax.jit(jax.shard_map(
+      lambda *a: parallel.ragged_all_to_all(*(v[0] for v in a), axis_name="x")[None],
+      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  got = fn(operands, outputs, *(jnp.asarray(v, jnp.int32) for v in (in_off, send, out_off, recv)))
+  expected = reference_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv)
+  np.testing.assert_array_equal(np.asarray(got), np.stack(expected))
+
+
+@pytest.mark.parametrize("mesh_spec", ["data:8,expert:1", "data:4,expert:2", "data:2,expert:4", "data:1,expert:8"])
+def test_expert_parallel_layer_equals_single_device_outputs_and_gradients(base, mesh_spec):
+  sharded = variant(base, mesh=parallel.mesh_from_string(mesh_spec))
+  x = tokens(jax.random.key(2))
+  (y, (dp, dx)), (y_ref, (dp_ref, dx_ref)) = (output_and_grads(sharded, x, lambda m, x: m(x)[0]),
+                                             base_output_and_grads(2))
+  assert rel(y, y_ref) <= 1e-5 and rel(dx, dx_ref) <= 1e-5
+  for g, g_ref in zip(jax.tree.leaves(dp), jax.tree.leaves(dp_ref)):
+    assert rel(g, g_ref) <= 1e-5
+
+
+def test_expert_parallel_layer_works_on_an_explicit_mesh(base):
+  mesh = jax.make_mesh((2, 4), (parallel.DATA, parallel.EXPERT))
+  assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  assert rel(forward(variant(base, mesh=mesh), tokens(jax.random.key(2))), base_output_and_grads(2)[0]) <= 1e-5
+
+
+def test_mesh_and_divisibility_errors(base):
+  with pytest.raises(ValueError, match="not divisible by the expert-parallel size 8"):
+    variant(base, num_experts=4, mesh=parallel.mesh_from_string("data:1,expert:8"))
+  with pytest.raises(ValueError, match="not divisible by the 8 devices"):
+    variant(base, mesh=parallel.mesh_from_string("data:2,expert:4"))(tokens(jax.random.key(4), b=1, t=12))
+  with pytest.raises(ValueError, match="needs 16 devices"):
+    parallel.mesh_from_string("data:4,expert:4")
+  with pytest.raises(ValueError, match="exactly the axes"):
+    parallel.mesh_from_string("data:2,model:4")
+  with pytest.raises(ValueError, match="must look like"):
+    parallel.mesh_from_string("data=2")
