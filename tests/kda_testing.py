@@ -1,17 +1,10 @@
-"""Shared helpers for KDA tests: random inputs, the float64 NumPy recurrence, the SPEC.md §8 error measure."""
+"""Shared helpers for KDA tests: random inputs and the float64 NumPy recurrence."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.numerics import rel_err  # noqa: F401 (re-exported for the tests)
 from k3jax.ops import kda
-
-
-def rel_err(out, ref):
-  """RMS(out − ref) / RMS(ref) in float64; NaN/Inf anywhere makes it inf."""
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  if not np.all(np.isfinite(out)):
-    return np.inf
-  return float(np.sqrt(np.mean((out - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
 
 
 def random_inputs(seed, B, T, H, K, V, *, gate="bounded", saturate=None, dtype=jnp.float32, segments=False):

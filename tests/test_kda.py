@@ -8,21 +8,11 @@ import numpy as np
 import pytest
 
 from k3jax.ops import kda
+from k3jax.numerics import kda_outputs_and_grads
 from kda_testing import numpy_recurrence, random_inputs, rel_err
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 LOWER = {"bounded": -5.0, "softplus": None}
-
-
-def _run_with_grads(fn, x, S0, seg, cot_seed):
-  """Outputs and gradients of a random linear functional of (o, final state) w.r.t. every input and S0."""
-  def loss(x, S0):
-    o, S = fn(**x, initial_state=S0, output_final_state=True, segment_ids=seg)
-    ko, ks = jax.random.split(jax.random.PRNGKey(cot_seed))
-    return (jnp.sum(o.astype(jnp.float32) * jax.random.normal(ko, o.shape))
-            + jnp.sum(S * jax.random.normal(ks, S.shape))), (o, S)
-  (_, (o, S)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, S0)
-  return o, S, {**grads[0], "initial_state": grads[1]}
 
 
 def test_naive_recurrence_matches_float64_loop():
@@ -37,8 +27,8 @@ def test_naive_recurrence_matches_float64_loop():
 def test_chunk_matches_recurrence_outputs_and_grads(gate, T, segments):
   x, S0, seg = random_inputs(T, 2, T, 2, 32, 16, gate=gate, segments=segments)
   chunk = lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER[gate], backend="xla")
-  o, S, grads = _run_with_grads(chunk, x, S0, seg, cot_seed=1)
-  o_ref, S_ref, grads_ref = _run_with_grads(kda.naive_recurrent_kda, x, S0, seg, cot_seed=1)
+  o, S, grads = kda_outputs_and_grads(chunk, x, S0, seg, cot_seed=1)
+  o_ref, S_ref, grads_ref = kda_outputs_and_grads(kda.naive_recurrent_kda, x, S0, seg, cot_seed=1)
   assert rel_err(o, o_ref) < FWD_TOL and rel_err(S, S_ref) < FWD_TOL
   for name in grads_ref:
     assert rel_err(grads[name], grads_ref[name]) < GRAD_TOL, name

@@ -6,7 +6,7 @@ import pytest
 
 from k3jax.ops import kda
 from kda_testing import random_inputs, rel_err
-from test_kda import _run_with_grads
+from k3jax.numerics import kda_outputs_and_grads
 
 # (B, T, H, K, V): T not a multiple of the 64-token chunk; K = V = 32 keeps interpret mode fast.
 SHAPE = (1, 100, 2, 32, 32)
@@ -18,9 +18,9 @@ def _pallas(**kw):
 
 
 def _compare(x, S0, seg, tol):
-  o, S, grads = _run_with_grads(_pallas, x, S0, seg, cot_seed=11)
+  o, S, grads = kda_outputs_and_grads(_pallas, x, S0, seg, cot_seed=11)
   f32 = {n: a.astype(jnp.float32) for n, a in x.items()}
-  o_ref, S_ref, grads_ref = _run_with_grads(kda.naive_recurrent_kda, f32, S0, seg, cot_seed=11)
+  o_ref, S_ref, grads_ref = kda_outputs_and_grads(kda.naive_recurrent_kda, f32, S0, seg, cot_seed=11)
   errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref)}
   errs.update({n: rel_err(grads[n], grads_ref[n]) for n in grads_ref})
   bad = {n: e for n, e in errs.items() if not e <= tol(n)}

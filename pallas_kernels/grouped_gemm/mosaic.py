@@ -10,6 +10,7 @@ in fp32 and return the input dtype. There is no CPU or interpreter mode; `suppor
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ class Configs:
 
 def row_multiple(configs: Configs) -> int:
   """Row counts are padded to a multiple of this, so no kernel tile reads past the end of its operands."""
-  return max(configs.fwd.block_m, configs.dx.block_m, configs.dw.block_k)
+  return math.lcm(configs.fwd.block_m, configs.dx.block_m, configs.dw.block_k)
 
 
 def unsupported_reason(k: int, n: int, dtype, configs: Configs) -> str | None:

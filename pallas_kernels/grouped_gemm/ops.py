@@ -5,7 +5,8 @@ Rows of X are sorted by group: the first `group_sizes[0]` rows belong to group 0
 - "xla": `jax.lax.ragged_dot` / `ragged_dot_general` (any device; on GPU it runs at about 2% of a dense GEMM);
 - "auto": "mosaic" where `mosaic.unsupported_reason` is None, else "xla".
 Output rows at or past `sum(group_sizes)` are zeros with "xla" and unspecified with "mosaic": callers must not
-use them (the MoE layer masks them), and such input rows must be finite.
+use them (the MoE layer masks them), and such input rows must be finite. Inside `jax.shard_map`, use
+`check_vma=False`: the Mosaic kernels type their outputs as replicated over the mesh axes.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, backend: str = "auto", configs
   if x_MK.dtype != w_GKN.dtype or not jnp.issubdtype(x_MK.dtype, jnp.floating):
     raise ValueError(f"x and w must share one floating dtype, got {x_MK.dtype} and {w_GKN.dtype}")
   impl = products(backend, x_MK.shape[1], w_GKN.shape[2], x_MK.dtype, configs)
-  return _gmm(*_same_varying_axes(x_MK, w_GKN, group_sizes_G.astype(jnp.int32)), impl)
+  return _gmm(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), impl)
 
 
 def products(backend: str, k: int, n: int, dtype, configs: mosaic.Configs | None = None):
@@ -49,13 +50,6 @@ def products(backend: str, k: int, n: int, dtype, configs: mosaic.Configs | None
   if backend == "xla" or (backend == "auto" and reason is not None):
     return XlaProducts()
   return MosaicProducts(configs)
-
-
-def _same_varying_axes(*args):
-  """Inside shard_map: marks every arg varying over the axes any one varies over, so the custom VJP's cotangents
-  match their inputs' types (a weight replicated over `data` then gets its gradient summed over `data`)."""
-  axes = set().union(*(jax.typeof(a).mat.varying for a in args))
-  return [jax.lax.pcast(a, tuple(sorted(axes - jax.typeof(a).mat.varying)), to="varying") for a in args]
 
 
 @dataclasses.dataclass(frozen=True)

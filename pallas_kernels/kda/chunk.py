@@ -31,8 +31,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
   pad = -T % CHUNK
   padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
   dt = q.dtype
-  q, k, v, beta = (padt(x.astype(dt)) for x in (q, k, v, beta))
-  g = padt(g.astype(jnp.float32))
+  q, k, v = (padt(x.astype(dt)) for x in (q, k, v))
+  g, beta = (padt(x.astype(jnp.float32)) for x in (g, beta))
   reset = None
   if segment_ids is not None:
     from k3jax.ops.kda import reset_mask
@@ -68,7 +68,7 @@ def _kda_bwd(cfg, res, cotangents):
                                        block_v=block_v)
   dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, g, beta, reset, h, dh, v_new, dv_new, do.astype(q.dtype),
                                              scale=scale, lower_bound=lower_bound)
-  return dq, dk, dv, dg, dbeta.astype(beta.dtype), dS0, None
+  return dq, dk, dv, dg, dbeta, dS0, None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

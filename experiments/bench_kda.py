@@ -1,0 +1,260 @@
+"""KDA benchmark: our paths and FLA's `chunk_kda` side by side in one process, forward and forward+backward.
+
+  python -m experiments.bench_kda --shapes=8x4096x16x128,2x16384x16x128 --impls=pallas,xla,fla
+
+Each implementation runs the layer's fused operator (q/k L2 norm, bounded gate, β sigmoid, KDA) in bf16.
+`--check` first compares the Pallas kernels in bf16 with the XLA path in fp32 (outputs and every gradient).
+Times are medians of a host timer around `block_until_ready` (JAX) or CUDA events (FLA, `triton.testing.do_bench`).
+"""
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and PyTorch share the GPU here
+
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from k3jax.numerics import kda_outputs_and_grads, rel_err
+from k3jax.ops import kda
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("shapes", ["1x512x4x64"], "BxTxHxD shapes (K = V = D).")
+flags.DEFINE_list("impls", ["recurrent", "xla"], "Any of: recurrent, xla, pallas, fla.")
+flags.DEFINE_list("modes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd.")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Input dtype.")
+flags.DEFINE_integer("repeats", 20, "Timed repetitions (median reported).")
+flags.DEFINE_integer("warmup", 3, "Untimed runs first.")
+flags.DEFINE_bool("check", False, "Check Pallas (bf16) against the XLA path (fp32) before timing, with random gates "
+                  "and with every gate at the bound.")
+flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
+flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
+                    "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
+
+LOWER_BOUND = -5.0
+CHECK_TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
+ARG_NAMES = ("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias")
+
+
+def make_inputs(B, T, H, D, dtype, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+  x = dict(q=jax.random.normal(ks[0], (B, T, H, D), dtype), k=jax.random.normal(ks[1], (B, T, H, D), dtype),
+           v=jax.random.normal(ks[2], (B, T, H, D), dtype), g_raw=jax.random.normal(ks[3], (B, T, H, D), dtype),
+           beta_logits=jax.random.normal(ks[4], (B, T, H), dtype),
+           A_log=jnp.log(jax.random.uniform(ks[5], (H,), minval=1.0, maxval=16.0)),
+           dt_bias=jax.random.normal(ks[6], (H, D)))
+  return x, jax.random.normal(ks[7], (B, T, H, D), dtype)
+
+
+def jax_fns(impl):
+  """(forward, forward+backward) jitted functions of (inputs, do) for one of our implementations."""
+  if impl == "recurrent":
+    def run(x):
+      g = kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=LOWER_BOUND)
+      beta = jax.nn.sigmoid(x["beta_logits"].astype(jnp.float32)).astype(x["v"].dtype)
+      return kda.naive_recurrent_kda(kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"]), x["v"], g, beta)[0]
+  else:
+    def run(x):
+      return kda.fused_kda(*(x[n] for n in ARG_NAMES), lower_bound=LOWER_BOUND, backend=impl)[0]
+
+  fwd = jax.jit(run)
+  fwdbwd = jax.jit(jax.grad(lambda x, do: jnp.sum(run(x).astype(jnp.float32) * do.astype(jnp.float32))))
+  return (lambda x, do: fwd(x)), fwdbwd
+
+
+def time_jax(fn, args, repeats, warmup):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def jax_temp_bytes(fn, args):
+  """Bytes XLA allocates for one call beyond its arguments (temporaries + outputs)."""
+  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+  return None if stats is None else stats.temp_size_in_bytes + stats.output_size_in_bytes
+
+
+def fla_runner(x, do):
+  """FLA's chunk_kda with the gate, L2 norm and β sigmoid fused, as ANCHORS.md runs it; None if not importable."""
+  try:
+    import torch
+    import triton
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+  except ImportError as e:
+    print(f"[bench_kda] FLA not importable ({e}); skipping the anchor")
+    return None
+  to_t = lambda a, grad=True: torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda().to(
+      torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32).requires_grad_(grad)
+  H, D = x["q"].shape[2], x["q"].shape[3]
+  t = {n: to_t(x[n]) for n in ("q", "k", "v", "g_raw", "beta_logits")}
+  A_log = torch.from_numpy(np.asarray(x["A_log"])).cuda().requires_grad_()
+  dt_bias = torch.from_numpy(np.asarray(x["dt_bias"]).reshape(H * D)).cuda().requires_grad_()
+  do_t = to_t(do, grad=False)
+
+  def fwd():
+    return fla_chunk_kda(t["q"], t["k"], t["v"], t["g_raw"], t["beta_logits"], A_log=A_log, dt_bias=dt_bias,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=LOWER_BOUND)[0]
+
+  def fwdbwd():
+    fwd().backward(do_t)
+
+  def timed(fn, no_grad):
+    with torch.no_grad() if no_grad else torch.enable_grad():
+      return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+  def peak_bytes(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+  return dict(fwd=lambda: timed(fwd, True), fwdbwd=lambda: timed(fwdbwd, False), fwdbwd_mem=lambda: peak_bytes(fwdbwd))
+
+
+def check_pallas(x, saturate=None):
+  """The Pallas kernels in the input dtype against the XLA path in fp32 on the same (upcast) inputs: o, the final
+  state and every gradient (SPEC.md §8). The q/k L2 norm, gate and β sigmoid are applied first, as the layer does."""
+  q, k, v = kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"]), x["v"]
+  g = kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=LOWER_BOUND)
+  if saturate is not None:
+    g = jnp.full_like(g, saturate)
+  inputs = dict(q=q, k=k, v=v, g=g, beta=jax.nn.sigmoid(x["beta_logits"].astype(jnp.float32)))
+  B, _, H, K = q.shape
+  S0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, v.shape[-1]), jnp.float32)
+  run = lambda backend: lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
+  o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
+  f32 = {n: a.astype(jnp.float32) for n, a in inputs.items()}
+  o_ref, S_ref, grads_ref = kda_outputs_and_grads(run("xla"), f32, S0)
+  errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
+  return errs, all(e <= CHECK_TOL[n] for n, e in errs.items())
+
+
+def model_counts(B, T, H, D, mode):
+  """FLOPs (SPEC.md §2: ~6KV + 3CK + C² per token and head forward; backward taken as twice that) and the fewest
+  bytes: forward reads the five inputs and writes o; forward+backward reads the inputs and dO and writes the five
+  input gradients."""
+  C, el = 64, 2
+  flops = B * T * H * (6 * D * D + 3 * C * D + C * C)
+  io = B * T * H * el * (4 * D + 1)  # q, k, v, g_raw, beta_logits
+  out = B * T * H * el * D
+  if mode == "fwd":
+    return flops, io + out
+  return 3 * flops, 2 * io + out
+
+
+def main(argv):
+  del argv
+  dtype = jnp.dtype(FLAGS.dtype)
+  rows = []
+  out_path = FLAGS.out or None
+
+  def save(rows):
+    if out_path:
+      json.dump(rows, open(out_path, "w"), indent=1)
+
+  print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
+  for shape in FLAGS.shapes:
+    B, T, H, D = (int(s) for s in shape.split("x"))
+    x, do = make_inputs(B, T, H, D, dtype)
+    fla = fla_runner(x, do) if "fla" in FLAGS.impls else None
+    for impl in FLAGS.impls:
+      if impl == "fla" and fla is None:
+        continue
+      fns = None if impl == "fla" else jax_fns(impl)
+      for mode in FLAGS.modes:
+        row = dict(kind="time", shape=shape, impl=impl, mode=mode)
+        try:
+          if impl == "fla":
+            row["ms"] = fla[mode]()
+            if mode == "fwdbwd":
+              row["mem_bytes"] = fla["fwdbwd_mem"]()
+          else:
+            fn = fns[0] if mode == "fwd" else fns[1]
+            row["ms"] = time_jax(fn, (x, do), FLAGS.repeats, FLAGS.warmup)
+            if mode == "fwdbwd":
+              row["mem_bytes"] = jax_temp_bytes(fn, (x, do))
+          flops, nbytes = model_counts(B, T, H, D, mode)
+          row.update(tflops=flops / row["ms"] / 1e9, gbps=nbytes / row["ms"] / 1e6)
+        except Exception as e:  # a failing implementation is reported, not fatal for the others
+          row["error"] = repr(e)[:400]
+        rows.append(row)
+        print(row, flush=True)
+        save(rows)
+    if "pallas" in FLAGS.impls and (FLAGS.check or FLAGS.per_kernel):
+      try:
+        if FLAGS.check:
+          for saturate in (None, LOWER_BOUND):
+            errs, ok = check_pallas(x, saturate)
+            gate = "random" if saturate is None else saturate
+            print(f"[check] {shape} gate={gate} pallas-{FLAGS.dtype} vs xla-fp32: {'PASS' if ok else 'FAIL'} "
+                  + " ".join(f"{n}={e:.2e}" for n, e in errs.items()), flush=True)
+            rows.append(dict(kind="check", shape=shape, saturate=saturate, ok=ok, **errs))
+        if FLAGS.per_kernel:
+          rows += per_kernel_times(x, do, shape)
+      except Exception as e:
+        rows.append(dict(kind="error", shape=shape, error=repr(e)[:2000]))
+        print(rows[-1], flush=True)
+      save(rows)
+  print_table(rows)
+
+
+def per_kernel_times(x, do, shape):
+  """Each Pallas kernel alone, on the layer's inputs (for finding where the time goes)."""
+  from pallas_kernels.kda import bwd, fwd
+  from pallas_kernels.kda.chunk import default_block_v
+  B, T, H, D = x["q"].shape
+  q, k = kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"])
+  g = kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=LOWER_BOUND)
+  beta = jax.nn.sigmoid(x["beta_logits"].astype(jnp.float32)).astype(q.dtype)
+  S0 = jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
+  bv = default_block_v(B, H, D)
+  intra = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=D ** -0.5, lower_bound=LOWER_BOUND))
+  w, u, qs, kd, aqk, decay = intra(q, k, x["v"], g, beta)
+  state = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv))
+  state_save = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))
+  _, _, h, v_new = state_save(w, u, qs, kd, aqk, decay, S0)
+  state_b = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))
+  dv_new, dh, _ = state_b(do, aqk, kd, qs, w, decay, S0)
+  intra_b = jax.jit(lambda *a: bwd.intra_backward(*a, scale=D ** -0.5, lower_bound=LOWER_BOUND))
+  prep = jax.jit(lambda x: (kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"]),
+                            kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=LOWER_BOUND)))
+  cases = [("prepass", prep, (x,)), ("intra_fwd", intra, (q, k, x["v"], g, beta)),
+           ("state_fwd", state, (w, u, qs, kd, aqk, decay, S0)),
+           ("state_fwd_save", state_save, (w, u, qs, kd, aqk, decay, S0)),
+           ("state_bwd", state_b, (do, aqk, kd, qs, w, decay, S0)),
+           ("intra_bwd", intra_b, (q, k, x["v"], g, beta, None, h, dh, v_new, dv_new, do))]
+  rows = []
+  for name, fn, args in cases:
+    ms = time_jax(fn, args, FLAGS.repeats, FLAGS.warmup)
+    rows.append(dict(kind="kernel", shape=shape, kernel=name, ms=ms, block_v=bv))
+    print(rows[-1], flush=True)
+  return rows
+
+
+def print_table(rows):
+  times = [r for r in rows if r["kind"] == "time" and "ms" in r]
+  ref = {(r["shape"], r["mode"]): r["ms"] for r in times if r["impl"] == "fla"}
+  print(f"\n{'shape':>16} {'mode':>7} {'impl':>10} {'ms':>9} {'x FLA':>7} {'TFLOP/s':>8} {'GB/s':>7} {'mem MB':>8}")
+  for r in times:
+    anchor = ref.get((r["shape"], r["mode"]))
+    ratio = f"{anchor / r['ms']:.2f}" if anchor else "-"
+    mem = f"{r['mem_bytes'] / 2**20:.0f}" if r.get("mem_bytes") else "-"
+    print(f"{r['shape']:>16} {r['mode']:>7} {r['impl']:>10} {r['ms']:9.3f} {ratio:>7} {r['tflops']:8.1f} "
+          f"{r['gbps']:7.0f} {mem:>8}")
+  print("(x FLA = FLA's time / this time: above 1 is faster than FLA, measured in this run)")
+
+
+if __name__ == "__main__":
+  app.run(main)
