@@ -211,34 +211,51 @@ def main(argv):
 
 
 def per_kernel_times(x, do, shape):
-  """Each Pallas kernel alone, on the layer's inputs (for finding where the time goes)."""
+  """Each Pallas kernel alone on the layer's inputs, over a few launch parameters (where the time goes)."""
   from pallas_kernels.kda import bwd, fwd
   from pallas_kernels.kda.chunk import default_block_v
   B, T, H, D = x["q"].shape
-  q, k = kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"])
-  g = kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=LOWER_BOUND)
-  beta = jax.nn.sigmoid(x["beta_logits"].astype(jnp.float32)).astype(q.dtype)
+  scale, lb = D ** -0.5, LOWER_BOUND
+  q, k, v = kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"]), x["v"]
+  g = kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=lb)
+  beta = jax.nn.sigmoid(x["beta_logits"].astype(jnp.float32))
   S0 = jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
   bv = default_block_v(B, H, D)
-  intra = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=D ** -0.5, lower_bound=LOWER_BOUND))
-  w, u, qs, kd, aqk, decay = intra(q, k, x["v"], g, beta)
-  state = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv))
-  state_save = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))
-  _, _, h, v_new = state_save(w, u, qs, kd, aqk, decay, S0)
-  state_b = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))
-  dv_new, dh, _ = state_b(do, aqk, kd, qs, w, decay, S0)
-  intra_b = jax.jit(lambda *a: bwd.intra_backward(*a, scale=D ** -0.5, lower_bound=LOWER_BOUND))
-  prep = jax.jit(lambda x: (kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"]),
-                            kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=LOWER_BOUND)))
-  cases = [("prepass", prep, (x,)), ("intra_fwd", intra, (q, k, x["v"], g, beta)),
-           ("state_fwd", state, (w, u, qs, kd, aqk, decay, S0)),
-           ("state_fwd_save", state_save, (w, u, qs, kd, aqk, decay, S0)),
-           ("state_bwd", state_b, (do, aqk, kd, qs, w, decay, S0)),
-           ("intra_bwd", intra_b, (q, k, x["v"], g, beta, None, h, dh, v_new, dv_new, do))]
+  w, u, qs, kd, aqk, decay = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
+      q, k, v, g, beta)
+  _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
+  dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
+  dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
+  prep = lambda x: (kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"]),
+                    kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=lb))
+  cases = [("prepass", {}, prep, (x,))]
+  for nw in (4, 8):
+    cases.append(("intra_fwd", dict(num_warps=nw),
+                  lambda *a, nw=nw: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb, num_warps=nw),
+                  (q, k, v, g, beta)))
+  for b in sorted({16, 32, 64, 128, bv}):
+    for nw in ((4, 8) if b >= 64 else (4,)):
+      if b <= D:
+        cases.append(("state_fwd", dict(block_v=b, num_warps=nw),
+                      lambda *a, b=b, nw=nw: fwd.state_forward(*a, block_v=b, num_warps=nw),
+                      (w, u, qs, kd, aqk, decay, S0)))
+        cases.append(("state_bwd", dict(block_v=b, num_warps=nw),
+                      lambda *a, b=b, nw=nw: bwd.state_backward(*a, block_v=b, num_warps=nw),
+                      (do, aqk, kd, qs, w, decay, S0)))
+  cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
+                (w, u, qs, kd, aqk, decay, S0)))
+  cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
+  for nw in (4, 8):
+    cases.append(("intra_bwd", dict(num_warps=nw),
+                  lambda *a, nw=nw: bwd.intra_backward(*a, scale=scale, lower_bound=lb, num_warps=nw),
+                  (q, k, v, g, beta, None, u, w, v_new, dv_new, do, dw, dqs, dkd, dd)))
   rows = []
-  for name, fn, args in cases:
-    ms = time_jax(fn, args, FLAGS.repeats, FLAGS.warmup)
-    rows.append(dict(kind="kernel", shape=shape, kernel=name, ms=ms, block_v=bv))
+  for name, params, fn, args in cases:
+    try:
+      ms = time_jax(jax.jit(fn), args, FLAGS.repeats, FLAGS.warmup)
+      rows.append(dict(kind="kernel", shape=shape, kernel=name, ms=ms, **params))
+    except Exception as e:
+      rows.append(dict(kind="kernel", shape=shape, kernel=name, error=repr(e)[:300], **params))
     print(rows[-1], flush=True)
   return rows
 

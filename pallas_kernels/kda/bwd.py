@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, Intra, masked, mm, mm_t, pairs, store_tiles, t_mm,
-                                      tiles)
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, Gates, key_factor, load, masked, mm, mm_t, pairs, rows, store,
+                                      t_mm, unit_lower_inverse, upper_ones)
 
 
 def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref, dvn_ref, dh_ref, ds0_ref, *,
@@ -27,7 +27,7 @@ def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref
   ds0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dsT_ref[...].astype(F32))
 
 
-def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v):
+def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=4):
   """Reverse pass over chunks. Returns dv_new `[B,T,H,V]` fp32, the gradient w.r.t. the state leaving each chunk
   `[B,H,N·K,V]` (input dtype) and the gradient w.r.t. the initial state `[B,H,K,V]` fp32."""
   B, T, H, K = w.shape
@@ -44,99 +44,128 @@ def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v):
   out_specs = [vcols, pl.BlockSpec((None, None, N * K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb)), state]
   kernel = functools.partial(_state_bwd_kernel, num_chunks=N, dtype=dt)
   return triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, name="kda_state_bwd", num_warps=4, num_stages=2)(
+                     out_shape=out_shape, name="kda_state_bwd", num_warps=num_warps, num_stages=2)(
                          do, aqk, kd, qs, w, decay, dS_T)
 
 
-def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, dh_ref, vn_ref, dvn_ref, do_ref, *refs,
-                      scale, lower_bound, has_reset, dtype):
+def _state_grad_kernel(h_ref, dh_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref, dkd_ref, dd_ref, *, dtype):
+  S, dS = h_ref[...], dh_ref[...]                                   # [BK, V] rows of the state, and its gradient
+  dw_ref[...] = -mm_t(dvn_ref[...], S, dtype)
+  dqs_ref[...] = mm_t(do_ref[...], S, dtype)
+  dkd_ref[...] = mm_t(vn_ref[...], dS, dtype)
+  dd_ref[...] = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
+
+
+def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=32):
+  """Gradients through v_new = U − W S, o = Qs S + …, S' = decay ⊙ S + Kdᵀ v_new w.r.t. W, Qs, Kd `[B,T,H,K]` and
+  the state decay `[B,N,H,K]` (all fp32), from the states entering each chunk and the gradients leaving it.
+  Parallel over chunks and blocks of K."""
+  B, T, H, V = do.shape
+  K = h.shape[2] // (T // CHUNK)
+  N, nk = T // CHUNK, K // block_k
+  state = pl.BlockSpec((None, None, block_k, V), lambda n, bh, kb: (bh // H, bh % H, n * nk + kb, 0))
+  row_v = pl.BlockSpec((None, CHUNK, None, V), lambda n, bh, kb: (bh // H, n, bh % H, 0))
+  row_k = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
+  kdim = jax.ShapeDtypeStruct((B, T, H, K), F32)
+  return triton_call(
+      functools.partial(_state_grad_kernel, dtype=h.dtype), grid=(N, B * H, nk),
+      in_specs=[state, state, row_v, row_v, row_v],
+      out_specs=[row_k, row_k, row_k, pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))],
+      out_shape=[kdim, kdim, kdim, jax.ShapeDtypeStruct((B, N, H, K), F32)], name="kda_state_grads",
+      num_warps=4, num_stages=1)(h, dh, v_new, dv_new, do)
+
+
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref,
+                      dkd_ref, dd_ref, *refs, scale, lower_bound, has_reset, dtype):
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
-  gt = Gates(tiles(g_ref), tiles(reset_ref, jnp.int32) if has_reset else None, lower_bound)
-  x = Intra(tiles(q_ref), tiles(k_ref), tiles(v_ref), tiles(beta_ref), gt, scale=scale, dtype=dtype)
-  S, dS = h_ref[...].astype(F32), dh_ref[...].astype(F32)      # state entering / gradient leaving the chunk
-  vn, dvn, do = tiles(vn_ref), tiles(dvn_ref), tiles(do_ref)
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  beta = [rows(load(beta_ref, i)) for i in range(NT)]
 
-  # Through the state pass: v_new = U − W S, o = Qs S + A_qk v_new, S' = decay ⊙ S + Kdᵀ v_new.
-  dW = [-mm_t(d, S, dtype) for d in dvn]
-  dQs = [mm_t(d, S, dtype) for d in do]
-  dKd = [mm_t(v, dS, dtype) for v in vn]
-  dAqk = {(i, j): masked(mm_t(do[i], vn[j], dtype), gt.pair_mask(i, j, False)) for i, j in pairs()}
+  # Recompute B = A_kk/β and M = (I + βB)⁻¹.
+  e_k = [gates.e_k(j) for j in range(NT)]
+  B = {}
+  for i in range(NT):
+    kh = load(k_ref, i) * gates.e_q(i)
+    for j in range(i + 1):
+      B[i, j] = masked(mm_t(kh, load(k_ref, j) * key_factor(gates, e_k, i, j), dtype), gates.pair_mask(i, j, True))
+  M = unit_lower_inverse({p: beta[p[0]] * B[p] for p in pairs()}, dtype)
 
-  # Through [U, W] = M [βV, βΓK] with M = (I + A_kk)⁻¹: dX = Mᵀ dY, dA_kk = −dX [U, W]ᵀ.
-  dXv = [sum(t_mm(x.M[p, i], dvn[p], dtype) for p in range(i, NT)) for i in range(NT)]
-  dXk = [sum(t_mm(x.M[p, i], dW[p], dtype) for p in range(i, NT)) for i in range(NT)]
-  dAkk = {(i, j): masked(-(mm_t(dXv[i], x.U[j], dtype) + mm_t(dXk[i], x.W[j], dtype)), gt.pair_mask(i, j, True))
-          for i, j in pairs()}
-  dv = [b * d for b, d in zip(x.beta, dXv)]
-  dbeta = [jnp.sum(dXv[i] * x.v[i], axis=1) + jnp.sum(dXk[i] * x.gamma[i] * x.k[i], axis=1)
-           + sum(jnp.sum(dAkk[i, j] * x.B[i, j], axis=1) for j in range(i + 1)) for i in range(NT)]
-  dk = [b * gm * d for b, gm, d in zip(x.beta, x.gamma, dXk)]
-  dG = [a * d for a, d in zip(x.bgk, dXk)]
+  # Through [U, W] = M [βV, βΓK]: dX = Mᵀ [dU, dW] with dU = dv_new, and dA_kk = −dX [U, W]ᵀ.
+  dB, dbeta, dk, dG = {}, [], [], []
+  for i in range(NT):
+    dXv = sum(t_mm(M[p, i], load(dvn_ref, p), dtype) for p in range(i, NT))
+    dXk = sum(t_mm(M[p, i], load(dw_ref, p), dtype) for p in range(i, NT))
+    k_i, gamma = load(k_ref, i), gates.gamma(i, gates.e_q(i))
+    db = jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * k_i, axis=1)
+    for j in range(i + 1):
+      dA = masked(-(mm_t(dXv, load(u_ref, j), dtype) + mm_t(dXk, load(w_ref, j), dtype)), gates.pair_mask(i, j, True))
+      db += jnp.sum(dA * B[i, j], axis=1)
+      dB[i, j] = beta[i] * dA
+    store(dv_ref, i, beta[i] * dXv)
+    dbeta.append(db)
+    dk.append(beta[i] * gamma * dXk)
+    dG.append(dk[i] * k_i)
 
-  # Through the anchored products A_qk = scale·q̂ k̃ᵀ and A_kk/β = k̂ k̃ᵀ; each term depends on G_i − G_j only, so it
-  # adds to dG_i and subtracts from dG_j. Both sides use the operands as rounded for the GEMM, so that a pair's
-  # two parts cancel exactly in dg where they should (the diagonal terms, e^0, dominate otherwise).
+  # Through A_qk = scale·q̂ k̃ᵀ and B = k̂ k̃ᵀ. Each term depends on G_i − G_j only: it adds to dG_i and subtracts
+  # from dG_j. Both sides use the operands as rounded for the GEMM, so that a pair's parts cancel exactly in dg
+  # where they should (the diagonal e^0 terms would otherwise dominate dg's error).
   rounded = lambda a: a.astype(dtype).astype(F32)
-  dqh = [jnp.zeros_like(a) for a in x.qh]
-  dkh = [jnp.zeros_like(a) for a in x.kh]
-  for i, j in pairs():
-    dB = x.beta[i] * dAkk[i, j]
-    dqh[i] += scale * mm(dAqk[i, j], x.kt[i, j], dtype)
-    dkh[i] += mm(dB, x.kt[i, j], dtype)
-    dkt = scale * t_mm(dAqk[i, j], x.qh[i], dtype) + t_mm(dB, x.kh[i], dtype)
-    dk[j] += dkt * x.anchor_k[i, j]
-    dG[j] -= dkt * rounded(x.kt[i, j])
-  dq = [d * a for d, a in zip(dqh, x.anchor_q)]
   for i in range(NT):
-    dk[i] += dkh[i] * x.anchor_q[i]
-    dG[i] += dqh[i] * rounded(x.qh[i]) + dkh[i] * rounded(x.kh[i])
+    e_q = gates.e_q(i)
+    q_i, k_i, do_i = load(q_ref, i), load(k_ref, i), load(do_ref, i)
+    qh, kh = q_i * e_q, k_i * e_q
+    dqh, dkh = jnp.zeros_like(qh), jnp.zeros_like(kh)
+    for j in range(i + 1):
+      factor = key_factor(gates, e_k, i, j)
+      kt = load(k_ref, j) * factor
+      dAqk = masked(scale * mm_t(do_i, load(vn_ref, j), dtype), gates.pair_mask(i, j, False))
+      dqh += mm(dAqk, kt, dtype)
+      dkh += mm(dB[i, j], kt, dtype)
+      dkt = t_mm(dAqk, qh, dtype) + t_mm(dB[i, j], kh, dtype)
+      dk[j] += dkt * factor
+      dG[j] -= dkt * rounded(kt)
+    gamma = gates.gamma(i, e_q)
+    dqs = load(dqs_ref, i)
+    store(dq_ref, i, dqh * e_q + scale * gamma * dqs)
+    dk[i] += dkh * e_q
+    dG[i] += dqh * rounded(qh) + dkh * rounded(kh) + scale * q_i * gamma * dqs
 
-  # Through Qs = scale·q·Γ, Kd = k·e^{G_C − G}, decay = e^{G_C}.
-  kd = x.k_to_end()
-  dG_C = gt.state_decay() * jnp.sum(S * dS, axis=1)[None, :]
+  # Through Kd = k·e^{G_C − G} and decay = e^{G_C}; then dg_m = Σ_{i>=m} dG_i + dG_C.
+  dG_C = gates.decay() * dd_ref[...].reshape(1, -1)
   for i in range(NT):
-    dq[i] += scale * x.gamma[i] * dQs[i]
-    dG[i] += scale * x.q[i] * x.gamma[i] * dQs[i]
-    dk[i] += masked(jnp.exp(gt.to_end[i]), gt.in_last_doc(i)) * dKd[i]
-    dG[i] -= kd[i] * dKd[i]
-    dG_C += jnp.sum(kd[i] * dKd[i], axis=0, keepdims=True)
-
-  # G_i = Σ_{m<=i} g_m and G_C = Σ_m g_m: dg_m = Σ_{i>=m} dG_i + dG_C (suffix sums as a triangular product).
-  r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-  c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-  upper = jnp.where(c >= r, 1.0, 0.0).astype(F32)
-  dg, later = [None] * NT, dG_C
+    te = gates.to_end(i, e_k[i])
+    dkd, k_i = load(dkd_ref, i), load(k_ref, i)
+    store(dk_ref, i, dk[i] + te * dkd)
+    dG[i] -= k_i * te * dkd
+    dG_C += jnp.sum(k_i * te * dkd, axis=0, keepdims=True)
+  later = dG_C
   for i in reversed(range(NT)):
-    dg[i] = mm(upper, dG[i], F32) + later
+    store(dg_ref, i, mm(upper_ones(), dG[i], F32) + later)
     later = later + jnp.sum(dG[i], axis=0, keepdims=True)
-
-  store_tiles(dq_ref, dq)
-  store_tiles(dk_ref, dk)
-  store_tiles(dv_ref, dv)
-  store_tiles(dg_ref, dg)
   for i in range(NT):
-    dbeta_ref[pl.ds(i * SUB, SUB)] = dbeta[i].astype(dbeta_ref.dtype)
+    store(dbeta_ref, i, dbeta[i])
 
 
-def intra_backward(q, k, v, g, beta, reset, h, dh, v_new, dv_new, do, *, scale, lower_bound):
-  """Per chunk, from the states and state gradients of the two sequential passes: dq, dk, dv, dg (fp32), dβ (fp32)."""
+def intra_backward(q, k, v, g, beta, reset, u, w, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale, lower_bound,
+                   num_warps=4):
+  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the recomputed U, W, the state pass's v_new and its gradient,
+  dO, and the state-gradient products (dW, dQs, dKd, d decay)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  per_chunk = pl.BlockSpec((None, None, K, V), lambda n, bh: (bh // H, bh % H, n, 0))
-  in_specs = [row(K), row(K), row(V), row(K), pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H)),
-              per_chunk, per_chunk, row(V), row(V), row(V)]
-  args = [q, k, v, g, beta, h, dh, v_new, dv_new, do]
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
+  in_specs = [row(K), row(K), row(V), row(K), tok, row(V), row(K), row(V), row(V), row(V), row(K), row(K), row(K),
+              pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  args = [q, k, v, g, beta, u, w, v_new, dv_new, do, dw, dqs, dkd, dd]
   if reset is not None:
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
     args.append(reset)
   out_shape = [jax.ShapeDtypeStruct((B, T, H, K), q.dtype), jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
                jax.ShapeDtypeStruct((B, T, H, V), v.dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
                jax.ShapeDtypeStruct((B, T, H), F32)]
-  out_specs = [row(K), row(K), row(V), row(K), pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))]
   kernel = functools.partial(_intra_bwd_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
                              dtype=q.dtype)
-  return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="kda_intra_bwd", num_warps=4, num_stages=1)(*args)
+  return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=[row(K), row(K), row(V), row(K), tok],
+                     out_shape=out_shape, name="kda_intra_bwd", num_warps=num_warps, num_stages=1)(*args)

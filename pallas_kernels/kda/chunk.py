@@ -63,10 +63,11 @@ def _kda_bwd(cfg, res, cotangents):
   q, k, v, g, beta, S0, reset = res
   do, dS_T = cotangents
   w, u, qs, kd, aqk, decay = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
+  do = do.astype(q.dtype)
   _, _, h, v_new = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=True)
-  dv_new, dh, dS0 = bwd.state_backward(do.astype(q.dtype), aqk, kd, qs, w, decay, dS_T.astype(jnp.float32),
-                                       block_v=block_v)
-  dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, g, beta, reset, h, dh, v_new, dv_new, do.astype(q.dtype),
+  dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v)
+  dw, dqs, dkd, dd = bwd.state_grad_products(h, dh, v_new, dv_new, do)
+  dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, g, beta, reset, u, w, v_new, dv_new, do, dw, dqs, dkd, dd,
                                              scale=scale, lower_bound=lower_bound)
   return dq, dk, dv, dg, dbeta, dS0, None
 

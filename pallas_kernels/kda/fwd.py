@@ -8,26 +8,46 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import triton_call
-from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB, Gates, Intra, mm, store_tiles, t_mm, tiles
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, key_factor, load, masked, mm, mm_t, pairs, rows, store,
+                                      t_mm, unit_lower_inverse)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref = refs
-  gates = Gates(tiles(g_ref), tiles(reset_ref, jnp.int32) if has_reset else None, lower_bound)
-  x = Intra(tiles(q_ref), tiles(k_ref), tiles(v_ref), tiles(beta_ref), gates, scale=scale, dtype=dtype)
-  store_tiles(w_ref, x.W)
-  store_tiles(u_ref, x.U)
-  store_tiles(qs_ref, x.q_state())
-  store_tiles(kd_ref, x.k_to_end())
-  zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  e_k = [gates.e_k(j) for j in range(NT)]
+
+  # A_qk (written as it is made), B = A_kk/β, and the decayed queries.
+  B, zero = {}, jnp.zeros((SUB, SUB), aqk_ref.dtype)
   for i in range(NT):
+    e_q = gates.e_q(i)
+    q_i = load(q_ref, i)
+    qh, kh = q_i * e_q, load(k_ref, i) * e_q
     for j in range(NT):
-      aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = x.A_qk[i, j].astype(aqk_ref.dtype) if j <= i else zero
-  decay_ref[...] = gates.state_decay().reshape(decay_ref.shape)
+      cols = (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB))
+      if j > i:
+        aqk_ref[cols] = zero
+        continue
+      kt = load(k_ref, j) * key_factor(gates, e_k, i, j)
+      aqk_ref[cols] = masked(scale * mm_t(qh, kt, dtype), gates.pair_mask(i, j, False)).astype(aqk_ref.dtype)
+      B[i, j] = masked(mm_t(kh, kt, dtype), gates.pair_mask(i, j, True))
+    store(qs_ref, i, scale * q_i * gates.gamma(i, e_q))
+  for i in range(NT):
+    store(kd_ref, i, load(k_ref, i) * gates.to_end(i, e_k[i]))
+  decay_ref[...] = gates.decay().reshape(decay_ref.shape)
+
+  # U = M βV and W = M βΓK with M = (I + βB)⁻¹.
+  beta = [rows(load(beta_ref, i)) for i in range(NT)]
+  M = unit_lower_inverse({p: beta[p[0]] * B[p] for p in pairs()}, dtype)
+  bv = [(b * load(v_ref, j)).astype(dtype) for j, b in enumerate(beta)]
+  bgk = [(b * gates.gamma(j, gates.e_q(j)) * load(k_ref, j)).astype(dtype) for j, b in enumerate(beta)]
+  for i in range(NT):
+    store(u_ref, i, sum(mm(M[i, j], bv[j], dtype) for j in range(i + 1)))
+    store(w_ref, i, sum(mm(M[i, j], bgk[j], dtype) for j in range(i + 1)))
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound):
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=4):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
@@ -52,7 +72,7 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound):
   kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
                              dtype=dt)
   return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="kda_intra_fwd", num_warps=4, num_stages=1)(*args)
+                     name="kda_intra_fwd", num_warps=num_warps, num_stages=1)(*args)
 
 
 def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out_refs, num_chunks, save, dtype):
@@ -77,7 +97,7 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=4):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently.
@@ -101,6 +121,6 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False):
     out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [vcols, state]
   kernel = functools.partial(_state_kernel, num_chunks=N, save=save, dtype=dt)
   outs = triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, name="kda_state_fwd", num_warps=4, num_stages=2)(
+                     out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps, num_stages=2)(
                          w, u, qs, kd, aqk, decay, S0)
   return (None, *outs) if save else tuple(outs)
