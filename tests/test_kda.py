@@ -121,6 +121,7 @@ def _valid():
     (lambda x, kw: kw.update(lower_bound=-8.0, backend="pallas"), "needs a bounded gate"),
     (lambda x, kw: kw.update(lower_bound=None, backend="pallas"), "needs a bounded gate"),
     (lambda x, kw: kw.update(backend="cuda"), "backend must be one of"),
+    (lambda x, kw: kw.update(lower_bound=-5.0, backend="pallas"), "needs head dims"),
 ])
 def test_bad_input_raises_clear_value_error(change, match):
   x, S0 = _valid()

@@ -100,7 +100,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   """
   B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
   _check_lower_bound(lower_bound)
-  backend = _pick_backend(backend, lower_bound)
+  backend = _pick_backend(backend, lower_bound, K, V)
   scale = K ** -0.5 if scale is None else float(scale)
   if backend == "pallas":
     from pallas_kernels.kda import chunk_kda_pallas
@@ -134,25 +134,27 @@ def l2_normalize(x, eps: float = 1e-6):
   return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def _pick_backend(backend, lower_bound):
+def _pick_backend(backend, lower_bound, K, V):
   global _auto_fallback_said
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  pallas_ok = lower_bound is not None and SAFE_LOWER_BOUND <= lower_bound < 0
+  gate_ok = lower_bound is not None and SAFE_LOWER_BOUND <= lower_bound < 0
+  dims_ok = all(d in (16, 32, 64, 128, 256) for d in (K, V))
   if backend == "pallas":
-    if not pallas_ok:
+    if not gate_ok:
       raise ValueError(
           f"backend='pallas' needs a bounded gate with lower_bound in [{SAFE_LOWER_BOUND}, 0) so every 16-token tile "
           f"factorises safely (SPEC.md §2); got lower_bound={lower_bound}. Use backend='xla' for this gate.")
+    if not dims_ok:
+      raise ValueError(f"backend='pallas' needs head dims K, V in (16, 32, 64, 128, 256); got K={K}, V={V}")
     return "pallas"
-  if backend == "auto":
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and pallas_ok and _pallas_available():
+  if backend == "auto" and jax.default_backend() == "gpu":
+    if gate_ok and dims_ok and _pallas_available():
       return "pallas"
-    if on_gpu and not _auto_fallback_said:
+    if not _auto_fallback_said:
       _auto_fallback_said = True
-      _log.warning("chunk_kda(backend='auto'): lower_bound=%s is outside the Pallas kernels' range; using the XLA "
-                   "path", lower_bound)
+      _log.warning("chunk_kda(backend='auto'): lower_bound=%s, K=%d, V=%d are outside the Pallas kernels' range; "
+                   "using the XLA path", lower_bound, K, V)
   return "xla"
 
 

@@ -27,7 +27,7 @@ def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref
   ds0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dsT_ref[...].astype(F32))
 
 
-def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=4):
+def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None):
   """Reverse pass over chunks. Returns dv_new `[B,T,H,V]` fp32, the gradient w.r.t. the state leaving each chunk
   `[B,H,N·K,V]` (input dtype) and the gradient w.r.t. the initial state `[B,H,K,V]` fp32."""
   B, T, H, K = w.shape
@@ -43,6 +43,7 @@ def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=4):
                jax.ShapeDtypeStruct((B, H, K, V), F32)]
   out_specs = [vcols, pl.BlockSpec((None, None, N * K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb)), state]
   kernel = functools.partial(_state_bwd_kernel, num_chunks=N, dtype=dt)
+  num_warps = num_warps or (8 if block_v > 64 else 4)
   return triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, name="kda_state_bwd", num_warps=num_warps, num_stages=2)(
                          do, aqk, kd, qs, w, decay, dS_T)
@@ -56,12 +57,13 @@ def _state_grad_kernel(h_ref, dh_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref, 
   dd_ref[...] = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
 
 
-def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=32):
+def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
   """Gradients through v_new = U − W S, o = Qs S + …, S' = decay ⊙ S + Kdᵀ v_new w.r.t. W, Qs, Kd `[B,T,H,K]` and
   the state decay `[B,N,H,K]` (all fp32), from the states entering each chunk and the gradients leaving it.
   Parallel over chunks and blocks of K."""
   B, T, H, V = do.shape
   K = h.shape[2] // (T // CHUNK)
+  block_k = min(block_k, K)
   N, nk = T // CHUNK, K // block_k
   state = pl.BlockSpec((None, None, block_k, V), lambda n, bh, kb: (bh // H, bh % H, n * nk + kb, 0))
   row_v = pl.BlockSpec((None, CHUNK, None, V), lambda n, bh, kb: (bh // H, n, bh % H, 0))

@@ -16,7 +16,8 @@ from pallas_kernels.kda.tiles import CHUNK
 
 
 def default_block_v(B, H, V, target_programs=256):
-  """Columns of the state per program in the sequential passes: enough programs to fill the GPU."""
+  """Columns of the state per program in the sequential passes: enough programs to fill the GPU (132 SMs).
+  Measured on the H200 at B·H = 128 (BUILD_NOTES.md): 64 columns best forward, 128 (8 warps) best backward."""
   bv = V
   while bv > 16 and (V // bv) * B * H < target_programs:
     bv //= 2
@@ -38,7 +39,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     from k3jax.ops.kda import reset_mask
     reset = padt(reset_mask(segment_ids, B, T).astype(jnp.int32))
   S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-  cfg = (float(scale), float(lower_bound), block_v or default_block_v(B, H, V))
+  block_fwd, block_bwd = (block_v, block_v) if block_v else (default_block_v(B, H, V), default_block_v(B, H, V, 128))
+  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd)
   o, S = _kda(cfg, q, k, v, g, beta, S0, reset)
   return o[:, :T], (S if output_final_state else None)
 
@@ -49,7 +51,7 @@ def _kda(cfg, q, k, v, g, beta, S0, reset):
 
 
 def _forward(cfg, q, k, v, g, beta, S0, reset):
-  scale, lower_bound, block_v = cfg
+  scale, lower_bound, block_v, _ = cfg
   w, u, qs, kd, aqk, decay = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
   return fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v)
 
@@ -59,13 +61,13 @@ def _kda_fwd(cfg, q, k, v, g, beta, S0, reset):
 
 
 def _kda_bwd(cfg, res, cotangents):
-  scale, lower_bound, block_v = cfg
+  scale, lower_bound, block_v, block_v_bwd = cfg
   q, k, v, g, beta, S0, reset = res
   do, dS_T = cotangents
   w, u, qs, kd, aqk, decay = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
   do = do.astype(q.dtype)
   _, _, h, v_new = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=True)
-  dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v)
+  dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v_bwd)
   dw, dqs, dkd, dd = bwd.state_grad_products(h, dh, v_new, dv_new, do)
   dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, g, beta, reset, u, w, v_new, dv_new, do, dw, dqs, dkd, dd,
                                              scale=scale, lower_bound=lower_bound)

@@ -47,7 +47,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
     store(w_ref, i, sum(mm(M[i, j], bgk[j], dtype) for j in range(i + 1)))
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=4):
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
@@ -97,7 +97,7 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=4):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently.
@@ -120,6 +120,7 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   else:
     out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [vcols, state]
   kernel = functools.partial(_state_kernel, num_chunks=N, save=save, dtype=dt)
+  num_warps = num_warps or (8 if block_v > 64 else 4)
   outs = triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps, num_stages=2)(
                          w, u, qs, kd, aqk, decay, S0)
