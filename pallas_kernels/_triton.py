@@ -25,3 +25,10 @@ def triton_call(kernel, *, grid, in_specs, out_specs, out_shape, name, num_warps
       interpret=interpret_mode(),
       name=name,
   )
+
+
+def barrier():
+  """Orders a CTA's global-memory writes before its later reads (a kernel's scratch round trip). Interpret mode
+  runs a program sequentially and needs none."""
+  if not interpret_mode():
+    pltriton.debug_barrier()

@@ -62,3 +62,11 @@ def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
   grads_ref = jax.grad(lambda *a: loss("xla", *a), argnums=tuple(range(7)))(*args)
   for name, d, d_ref in zip(("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias"), grads, grads_ref):
     assert rel_err(d, d_ref) < 1e-4, name
+
+
+def test_repeated_keys_with_no_decay_are_exact():
+  """I + A_kk is then far from the identity (every row near one): the inverse must stay exact."""
+  x, S0, _ = random_inputs(25, *SHAPE)
+  x["k"] = jnp.broadcast_to(x["k"][:, :1], x["k"].shape)
+  x["g"], x["beta"] = jnp.full_like(x["g"], -1e-3), jnp.full_like(x["beta"], 0.99)
+  _compare(x, S0, None, lambda n: 1e-5 if n in ("o", "S") else 1e-4)

@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, Gates, key_factor, load, masked, mm, mm_t, pairs, rows, store,
-                                      t_mm, unit_lower_inverse, upper_ones)
+from pallas_kernels import barrier, triton_call
+from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB, Gates, load, masked, mm, mm_t, store, t_mm
 
 
 def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref, dvn_ref, dh_ref, ds0_ref, *,
@@ -77,97 +76,86 @@ def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
       num_warps=4, num_stages=1)(h, dh, v_new, dv_new, do)
 
 
-def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref,
-                      dkd_ref, dd_ref, *refs, scale, lower_bound, has_reset, dtype):
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref,
+                      do_ref, dw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale, lower_bound, has_reset, dtype):
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
+  dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dAqk_ref, dB_ref = refs
   gates = Gates(g_ref, reset_ref, lower_bound)
-  beta = [rows(load(beta_ref, i)) for i in range(NT)]
-
-  # Recompute B = A_kk/β and M = (I + βB)⁻¹.
-  e_k = [gates.e_k(j) for j in range(NT)]
-  B = {}
-  for i in range(NT):
-    kh = load(k_ref, i) * gates.e_q(i)
-    for j in range(i + 1):
-      B[i, j] = masked(mm_t(kh, load(k_ref, j) * key_factor(gates, e_k, i, j), dtype), gates.pair_mask(i, j, True))
-  M = unit_lower_inverse({p: beta[p[0]] * B[p] for p in pairs()}, dtype)
-
-  # Through [U, W] = M [βV, βΓK]: dX = Mᵀ [dU, dW] with dU = dv_new, and dA_kk = −dX [U, W]ᵀ.
-  dB, dbeta, dk, dG = {}, [], [], []
-  for i in range(NT):
-    dXv = sum(t_mm(M[p, i], load(dvn_ref, p), dtype) for p in range(i, NT))
-    dXk = sum(t_mm(M[p, i], load(dw_ref, p), dtype) for p in range(i, NT))
-    k_i, gamma = load(k_ref, i), gates.gamma(i, gates.e_q(i))
-    db = jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * k_i, axis=1)
-    for j in range(i + 1):
-      dA = masked(-(mm_t(dXv, load(u_ref, j), dtype) + mm_t(dXk, load(w_ref, j), dtype)), gates.pair_mask(i, j, True))
-      db += jnp.sum(dA * B[i, j], axis=1)
-      dB[i, j] = beta[i] * dA
-    store(dv_ref, i, beta[i] * dXv)
-    dbeta.append(db)
-    dk.append(beta[i] * gamma * dXk)
-    dG.append(dk[i] * k_i)
-
-  # Through A_qk = scale·q̂ k̃ᵀ and B = k̂ k̃ᵀ. Each term depends on G_i − G_j only: it adds to dG_i and subtracts
-  # from dG_j. Both sides use the operands as rounded for the GEMM, so that a pair's parts cancel exactly in dg
-  # where they should (the diagonal e^0 terms would otherwise dominate dg's error).
+  e_k = gates.e_k()
   rounded = lambda a: a.astype(dtype).astype(F32)
+  exact = dtype == F32
+
+  # 1. Query tile I. Through [U, W] = M [βV, βΓK]: rows I of dX = Mᵀ [dv_new, dW] and of dA_kk = −dX [U, W]ᵀ.
+  #    Through A_qk = scale·q̂ k̃ᵀ and B = k̂ k̃ᵀ (keys scaled for anchor I): the query-side gradients. The rows of
+  #    dA_qk and dB go to memory for the key-side pass.
+  dk_part, dG_part = [], []
   for i in range(NT):
-    e_q = gates.e_q(i)
-    q_i, k_i, do_i = load(q_ref, i), load(k_ref, i), load(do_ref, i)
+    beta_i, e_q = load(beta_ref, i)[:, None], gates.e_q(i)
+    q_i, k_i = load(q_ref, i), load(k_ref, i)
+    gamma = gates.gamma_tile(i, e_q)
+    m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
+    dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
+    dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), gates.row_mask(i, True))
+    store(dv_ref, i, beta_i * dXv)
+    store(dbeta_ref, i, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * k_i, axis=1)
+          + jnp.sum(dA * load(kk_ref, i), axis=1))
+    dB = beta_i * dA
+    dAqk = masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), gates.row_mask(i, False))
+    store(dB_ref, i, dB)
+    store(dAqk_ref, i, dAqk)
+    keys = load(k_ref) * e_k * gates.anchor_scale(i)
     qh, kh = q_i * e_q, k_i * e_q
-    dqh, dkh = jnp.zeros_like(qh), jnp.zeros_like(kh)
-    for j in range(i + 1):
-      factor = key_factor(gates, e_k, i, j)
-      kt = load(k_ref, j) * factor
-      dAqk = masked(scale * mm_t(do_i, load(vn_ref, j), dtype), gates.pair_mask(i, j, False))
-      dqh += mm(dAqk, kt, dtype)
-      dkh += mm(dB[i, j], kt, dtype)
-      dkt = t_mm(dAqk, qh, dtype) + t_mm(dB[i, j], kh, dtype)
-      dk[j] += dkt * factor
-      dG[j] -= dkt * rounded(kt)
-    gamma = gates.gamma(i, e_q)
+    dqh, dkh = mm(dAqk, keys, dtype), mm(dB, keys, dtype)
     dqs = load(dqs_ref, i)
     store(dq_ref, i, dqh * e_q + scale * gamma * dqs)
-    dk[i] += dkh * e_q
-    dG[i] += dqh * rounded(qh) + dkh * rounded(kh) + scale * q_i * gamma * dqs
+    dk_part.append(dkh * e_q + beta_i * gamma * dXk)
+    # Each A term depends on G_i − G_j only: + at i here, − at j below, both from the operands as rounded for the
+    # GEMMs, so a pair's parts cancel exactly in dg where they should (the e^0 diagonal terms dominate otherwise).
+    dG_part.append(dqh * rounded(qh) + dkh * rounded(kh) + (beta_i * gamma * k_i) * dXk + scale * q_i * gamma * dqs)
+  barrier()
 
-  # Through Kd = k·e^{G_C − G} and decay = e^{G_C}; then dg_m = Σ_{i>=m} dG_i + dG_C.
+  # 2. Key tile J: dk̃ = Σ_I dA_qk[I, J]ᵀ q̂_I + dB[I, J]ᵀ k̂_I with the queries scaled for anchor J; then the terms
+  #    of Kd = k·e^{G_C − G} and decay = e^{G_C}, and dg_m = Σ_{i>=m} dG_i + dG_C.
+  e_q_all = gates.e_q()
   dG_C = gates.decay() * dd_ref[...].reshape(1, -1)
-  for i in range(NT):
-    te = gates.to_end(i, e_k[i])
-    dkd, k_i = load(dkd_ref, i), load(k_ref, i)
-    store(dk_ref, i, dk[i] + te * dkd)
-    dG[i] -= k_i * te * dkd
-    dG_C += jnp.sum(k_i * te * dkd, axis=0, keepdims=True)
+  dG = []
+  for j in range(NT):
+    scale_j = e_q_all * gates.anchor_scale_t(j)
+    cols = (slice(None), pl.ds(j * SUB, SUB))
+    dkeys = t_mm(dAqk_ref[cols], load(q_ref) * scale_j, dtype) + t_mm(dB_ref[cols], load(k_ref) * scale_j, dtype)
+    e_k_j, k_j, dkd = gates.e_k(j), load(k_ref, j), load(dkd_ref, j)
+    te = gates.to_end_tile(j, e_k_j)
+    store(dk_ref, j, dk_part[j] + dkeys * e_k_j + te * dkd)
+    dG.append(dG_part[j] - dkeys * rounded(k_j * e_k_j) - k_j * te * dkd)
+    dG_C += jnp.sum(k_j * te * dkd, axis=0, keepdims=True)
   later = dG_C
-  for i in reversed(range(NT)):
-    store(dg_ref, i, mm(upper_ones(), dG[i], F32) + later)
-    later = later + jnp.sum(dG[i], axis=0, keepdims=True)
-  for i in range(NT):
-    store(dbeta_ref, i, dbeta[i])
+  for j in reversed(range(NT)):
+    tot = jnp.sum(dG[j], axis=0, keepdims=True)
+    store(dg_ref, j, tot - jnp.cumsum(dG[j], axis=0) + dG[j] + later)
+    later = later + tot
 
 
-def intra_backward(q, k, v, g, beta, reset, u, w, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale, lower_bound,
-                   num_warps=4):
-  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the recomputed U, W, the state pass's v_new and its gradient,
-  dO, and the state-gradient products (dW, dQs, dKd, d decay)."""
+def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
+                   lower_bound, num_warps=8):
+  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's U, W, B and M, the state pass's v_new and
+  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
   tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
-  in_specs = [row(K), row(K), row(V), row(K), tok, row(V), row(K), row(V), row(V), row(V), row(K), row(K), row(K),
-              pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
-  args = [q, k, v, g, beta, u, w, v_new, dv_new, do, dw, dqs, dkd, dd]
+  in_specs = [row(K), row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V),
+              row(K), row(K), row(K), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  args = [q, k, v, g, beta, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd]
   if reset is not None:
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
     args.append(reset)
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), q.dtype), jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
-               jax.ShapeDtypeStruct((B, T, H, V), v.dtype), jax.ShapeDtypeStruct((B, T, H, K), F32),
-               jax.ShapeDtypeStruct((B, T, H), F32)]
+  shape = lambda d, dtype: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  out_shape = [shape(K, q.dtype), shape(K, k.dtype), shape(V, v.dtype), shape(K, F32),
+               jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, F32), shape(CHUNK, F32)]
   kernel = functools.partial(_intra_bwd_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
                              dtype=q.dtype)
-  return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=[row(K), row(K), row(V), row(K), tok],
+  outs = triton_call(kernel, grid=(N, B * H), in_specs=in_specs,
+                     out_specs=[row(K), row(K), row(V), row(K), tok, row(CHUNK), row(CHUNK)],
                      out_shape=out_shape, name="kda_intra_bwd", num_warps=num_warps, num_stages=1)(*args)
+  return outs[:5]

@@ -52,7 +52,7 @@ def _kda(cfg, q, k, v, g, beta, S0, reset):
 
 def _forward(cfg, q, k, v, g, beta, S0, reset):
   scale, lower_bound, block_v, _ = cfg
-  w, u, qs, kd, aqk, decay = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
+  w, u, qs, kd, aqk, decay, _, _ = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
   return fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v)
 
 
@@ -64,13 +64,14 @@ def _kda_bwd(cfg, res, cotangents):
   scale, lower_bound, block_v, block_v_bwd = cfg
   q, k, v, g, beta, S0, reset = res
   do, dS_T = cotangents
-  w, u, qs, kd, aqk, decay = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
+  w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale,
+                                                         lower_bound=lower_bound)
   do = do.astype(q.dtype)
   _, _, h, v_new = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=True)
   dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v_bwd)
   dw, dqs, dkd, dd = bwd.state_grad_products(h, dh, v_new, dv_new, do)
-  dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, g, beta, reset, u, w, v_new, dv_new, do, dw, dqs, dkd, dd,
-                                             scale=scale, lower_bound=lower_bound)
+  dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs,
+                                             dkd, dd, scale=scale, lower_bound=lower_bound)
   return dq, dk, dv, dg, dbeta, dS0, None
 
 

@@ -7,52 +7,63 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, key_factor, load, masked, mm, mm_t, pairs, rows, store,
-                                      t_mm, unit_lower_inverse)
+from pallas_kernels import barrier, triton_call
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load, masked, mm, mm_t, store, t_mm,
+                                      unit_lower_inverse_16)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref = refs
+  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref = refs
   gates = Gates(g_ref, reset_ref, lower_bound)
-  e_k = [gates.e_k(j) for j in range(NT)]
+  kek = load(k_ref) * gates.e_k()                                        # keys, each against its own tile's anchor
+  exact = dtype == F32
 
-  # A_qk (written as it is made), B = A_kk/β, and the decayed queries.
-  B, zero = {}, jnp.zeros((SUB, SUB), aqk_ref.dtype)
+  # 1. Rows of A_qk and of B = A_kk/β: query tile I against the chunk's keys scaled for anchor I. The diagonal
+  #    block of (I + βB) is inverted here; the rest of βB's row is kept for the substitution below.
+  M_diag, A_off = [], []
   for i in range(NT):
     e_q = gates.e_q(i)
-    q_i = load(q_ref, i)
-    qh, kh = q_i * e_q, load(k_ref, i) * e_q
-    for j in range(NT):
-      cols = (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB))
-      if j > i:
-        aqk_ref[cols] = zero
-        continue
-      kt = load(k_ref, j) * key_factor(gates, e_k, i, j)
-      aqk_ref[cols] = masked(scale * mm_t(qh, kt, dtype), gates.pair_mask(i, j, False)).astype(aqk_ref.dtype)
-      B[i, j] = masked(mm_t(kh, kt, dtype), gates.pair_mask(i, j, True))
-    store(qs_ref, i, scale * q_i * gates.gamma(i, e_q))
-  for i in range(NT):
-    store(kd_ref, i, load(k_ref, i) * gates.to_end(i, e_k[i]))
+    q_i, k_i, beta_i = load(q_ref, i), load(k_ref, i), load(beta_ref, i)[:, None]
+    keys = kek * gates.anchor_scale(i)
+    store(aqk_ref, i, masked(scale * mm_t(q_i * e_q, keys, dtype), gates.row_mask(i, False)))
+    b_row = masked(mm_t(k_i * e_q, keys, dtype), gates.row_mask(i, True))
+    store(kk_ref, i, b_row)
+    b_diag = masked(mm_t(k_i * e_q, k_i / e_q, dtype), gates.diag_mask(i))    # e^{c - loc} = 1 / e_q
+    M_diag.append(unit_lower_inverse_16(beta_i * b_diag))
+    A_off.append(jnp.where(iota((SUB, CHUNK), 1) < i * SUB, beta_i * b_row, 0.0))
+  gamma = gates.gamma()
+  store(qs_ref, None, scale * load(q_ref) * gamma)
+  store(kd_ref, None, load(k_ref) * gates.to_end(gates.e_k()))
   decay_ref[...] = gates.decay().reshape(decay_ref.shape)
 
-  # U = M βV and W = M βΓK with M = (I + βB)⁻¹.
-  beta = [rows(load(beta_ref, i)) for i in range(NT)]
-  M = unit_lower_inverse({p: beta[p[0]] * B[p] for p in pairs()}, dtype)
-  bv = [(b * load(v_ref, j)).astype(dtype) for j, b in enumerate(beta)]
-  bgk = [(b * gates.gamma(j, gates.e_q(j)) * load(k_ref, j)).astype(dtype) for j, b in enumerate(beta)]
+  # 2. M = (I + βB)⁻¹ in memory: diagonal blocks (zeros above), then block rows by forward substitution,
+  #    M[I, :I] = −M_II Σ_{P<I} A_IP M[P, :], each row reading the rows finished before it.
   for i in range(NT):
-    store(u_ref, i, sum(mm(M[i, j], bv[j], dtype) for j in range(i + 1)))
-    store(w_ref, i, sum(mm(M[i, j], bgk[j], dtype) for j in range(i + 1)))
+    for j in range(NT):
+      block = M_diag[i] if i == j else jnp.zeros((SUB, SUB), F32)
+      minv_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block
+  barrier()
+  for i in range(1, NT):
+    row = -mm(M_diag[i], mm(A_off[i], load(minv_ref), F32, exact), F32, exact)
+    store(minv_ref, i, jnp.where(iota((SUB, CHUNK), 1) < i * SUB, row, load(minv_ref, i)))
+    barrier()
+
+  # 3. U = M βV and W = M βΓK, with M unrounded (tf32 on bf16 inputs): rows of M can nearly cancel (keys that
+  #    repeat), and bf16 operands then cost ~10x the error.
+  M = load(minv_ref)
+  beta = load(beta_ref)[:, None]
+  store(u_ref, None, mm(M, beta * load(v_ref), F32, exact))
+  store(w_ref, None, mm(M, beta * gamma * load(k_ref), F32, exact))
 
 
 def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
-  """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay.
+  """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
+  and B = A_kk/β and M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix), which the
+  backward reads.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
-  Returns w, qs, kd `[B,T,H,K]`, u `[B,T,H,V]`, aqk `[B,T,H,64]` (row i: A_qk[i, :] of its chunk), decay
-  `[B,N,H,K]` fp32.
+  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv.
   """
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -64,11 +75,11 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
   if reset is not None:
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
     args.append(reset)
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), dt), jax.ShapeDtypeStruct((B, T, H, V), dt),
-               jax.ShapeDtypeStruct((B, T, H, K), dt), jax.ShapeDtypeStruct((B, T, H, K), dt),
-               jax.ShapeDtypeStruct((B, T, H, CHUNK), dt), jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  out_shape = [shape(K), shape(V), shape(K), shape(K), shape(CHUNK), jax.ShapeDtypeStruct((B, N, H, K), F32),
+               shape(CHUNK, F32), shape(CHUNK, F32)]
   out_specs = [row(K), row(V), row(K), row(K), row(CHUNK),
-               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK)]
   kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
                              dtype=dt)
   return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

@@ -1,13 +1,15 @@
-"""Per-chunk KDA algebra on 16-token tiles, traced inside the intra-chunk kernels.
+"""Per-chunk KDA algebra, traced inside the intra-chunk kernels.
 
-A chunk of C = 64 tokens is 4 tiles of 16. Triton cannot slice values held in registers, so tiles are loaded from
-the kernel's refs where they are used (again if needed: reloads hit the cache, registers are the scarce resource)
-and every product is a 16-row GEMM.
+A chunk has C = 64 tokens, in 4 tiles of 16. Exponents are anchored at the start of each tile I (R_I, the
+cumulative log-decay before the tile), shifted by the constant c = 8·γ_min: causal (no later token moves an
+anchor), and with g >= γ_min >= -5.5 the query factor e^{G_i - R_I - c} and the key factor e^{R_I - G_j + c} of
+the diagonal tile both stay within e^{±8|γ_min|} (<= e^{44}), so the diagonal tile is a plain GEMM (SPEC.md §2)
+and neither factor underflows to a denormal (unshifted, the query side reaches e^{-80}). Off the diagonal the key
+factor is below e^{c}.
 
-Exponents are anchored at the start of each tile I, shifted by the constant c = 8·γ_min (causal: no later token
-moves an anchor). With g >= γ_min >= -5.5 the two full-tile factors e_q = e^{G_i - R_I - c} and
-e_k = e^{c - (G_i - R_I)} both lie in e^{±8|γ_min|} (<= e^{44}), so diagonal tiles are plain GEMMs (SPEC.md §2) and
-no factor underflows to a denormal. Every other exponential is a [1,K] vector times one of these two.
+Products are 16-row blocks of the chunk against all 64 keys: query tile I (16 x K) times the chunk's keys scaled
+for anchor R_I (64 x K). Triton cannot slice register values, so tiles are loaded from refs where needed, and the
+chunk's rows are assembled through memory where a kernel needs them (see `pallas_kernels.barrier`).
 """
 from __future__ import annotations
 
@@ -21,20 +23,21 @@ NT = CHUNK // SUB
 F32 = jnp.float32
 
 
-def load(ref, i, dtype=F32):
-  """Tile i (16 rows) of the chunk held by `ref`."""
+def load(ref, i=None, dtype=F32):
+  """Tile i (16 rows) of the chunk held by `ref`, or the whole chunk when i is None."""
+  if i is None:
+    return ref[...].astype(dtype)
   idx = (pl.ds(i * SUB, SUB),) if len(ref.shape) == 1 else (pl.ds(i * SUB, SUB), slice(None))
   return ref[idx].astype(dtype)
 
 
 def store(ref, i, x):
+  """Writes tile i of the chunk held by `ref`, or the whole chunk when i is None."""
+  if i is None:
+    ref[...] = x.astype(ref.dtype)
+    return
   idx = (pl.ds(i * SUB, SUB),) if len(ref.shape) == 1 else (pl.ds(i * SUB, SUB), slice(None))
   ref[idx] = x.astype(ref.dtype)
-
-
-def pairs():
-  """Tile pairs (I, J) with J <= I, row by row."""
-  return [(i, j) for i in range(NT) for j in range(i + 1)]
 
 
 def _dot(a, b, dims, dtype, exact=True):
@@ -44,9 +47,9 @@ def _dot(a, b, dims, dtype, exact=True):
                              preferred_element_type=F32)
 
 
-def mm(a, b, dtype):
+def mm(a, b, dtype, exact=True):
   """a @ b, operands in `dtype`, fp32 accumulation."""
-  return _dot(a, b, ((1,), (0,)), dtype)
+  return _dot(a, b, ((1,), (0,)), dtype, exact)
 
 
 def mm_t(a, b, dtype):
@@ -54,126 +57,121 @@ def mm_t(a, b, dtype):
   return _dot(a, b, ((1,), (1,)), dtype)
 
 
-def t_mm(a, b, dtype):
+def t_mm(a, b, dtype, exact=True):
   """aᵀ @ b."""
-  return _dot(a, b, ((0,), (0,)), dtype)
-
-
-def rows(x):
-  """[16] -> [16, 1]."""
-  return x[:, None]
-
-
-def _iota_pair():
-  return (jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0), jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1))
-
-
-def causal(strict):
-  i, j = _iota_pair()
-  return j < i if strict else j <= i
-
-
-def identity():
-  i, j = _iota_pair()
-  return jnp.where(i == j, 1.0, 0.0).astype(F32)
-
-
-def upper_ones():
-  """[m, i] = 1 for i >= m: `upper_ones() @ x` is the suffix sum of x's rows."""
-  i, j = _iota_pair()
-  return jnp.where(j >= i, 1.0, 0.0).astype(F32)
+  return _dot(a, b, ((0,), (0,)), dtype, exact)
 
 
 def masked(x, m):
   return x if m is None else jnp.where(m, x, 0.0)
 
 
+def iota(shape, dim):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def tile_of_row():
+  """[64, 1]: the tile each row of the chunk belongs to."""
+  return iota((CHUNK, 1), 0) // SUB
+
+
+def per_tile(vectors):
+  """[64, K] whose rows in tile J equal vectors[J] ([1, K] each, or None for zero)."""
+  t = tile_of_row()
+  out = jnp.zeros((CHUNK, vectors[0].shape[-1] if vectors[0] is not None else 1), F32)
+  for j, v in enumerate(vectors):
+    if v is not None:
+      out = jnp.where(t == j, v, out)
+  return out
+
+
 class Gates:
-  """Log-decay bookkeeping of one chunk: [1,K] sums per tile kept, full-tile factors recomputed on demand."""
+  """Log-decay bookkeeping of one chunk, every sum taken over same-sign terms (a difference of cumulative sums
+  would be off by ε·|G|, up to 2e-5 in an exponent)."""
 
   def __init__(self, g_ref, reset_ref, lower_bound):
     self.g_ref = g_ref
     self.c = SUB / 2 * lower_bound
     zero = jnp.zeros((1, g_ref.shape[-1]), F32)
-    self.tot = [jnp.sum(load(g_ref, i), axis=0, keepdims=True) for i in range(NT)]      # [1,K] per tile
-    self.prefix = [sum(self.tot[:i], zero) for i in range(NT)]                          # before tile i
-    self.later = [sum(self.tot[i + 1:], zero) for i in range(NT)]                       # after tile i
+    self.tot = [jnp.sum(load(g_ref, i), axis=0, keepdims=True) for i in range(NT)]
+    self.prefix = [sum(self.tot[:i], zero) for i in range(NT)]          # R_I: before tile I
+    self.later = [sum(self.tot[i + 1:], zero) for i in range(NT)]       # after tile I
     self.G_C = sum(self.tot, zero)
-    self.doc = None
+    g = load(g_ref)
+    self.G = jnp.cumsum(g, axis=0)                                      # [64,K], chunk start -> i
+    self.loc = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)   # tile start -> i
+    self.doc = self.doc_all = None
     if reset_ref is not None:
       resets = [load(reset_ref, i, jnp.int32) for i in range(NT)]
       before = [sum((jnp.sum(r) for r in resets[:i]), jnp.int32(0)) for i in range(NT)]
-      self.doc = [b + jnp.cumsum(r, axis=0) for b, r in zip(before, resets)]          # resets since chunk start
+      self.doc = [b + jnp.cumsum(r, axis=0) for b, r in zip(before, resets)]   # resets since chunk start
+      self.doc_all = jnp.cumsum(load(reset_ref, None, jnp.int32), axis=0)
       self.last_doc = sum((jnp.sum(r) for r in resets), jnp.int32(0))
 
-  def _loc(self, i):
-    return jnp.cumsum(load(self.g_ref, i), axis=0)                     # G_i - R_I: tile start -> i, inclusive
+  def e_q(self, i=None):
+    """Query factor e^{G - R - c} of tile i ([16,K], exact within the tile) or of the chunk ([64,K])."""
+    loc = self.loc if i is None else jnp.cumsum(load(self.g_ref, i), axis=0)
+    return jnp.exp(loc - self.c)
 
-  def e_q(self, i):
-    """Query-side factor of tile i, e^{G_i - R_I - c}."""
-    return jnp.exp(self._loc(i) - self.c)
+  def e_k(self, i=None):
+    """Key factor e^{c - (G - R)} of tile i ([16,K]) or of the chunk ([64,K]), each row against its tile's anchor."""
+    loc = self.loc if i is None else jnp.cumsum(load(self.g_ref, i), axis=0)
+    return jnp.exp(self.c - loc)
 
-  def e_k(self, i):
-    """Key-side factor of tile i, e^{c - (G_i - R_I)}."""
-    return jnp.exp(self.c - self._loc(i))
+  def anchor_scale(self, i):
+    """[64,K]: e^{R_I - R_J} on rows of tile J <= I, 0 on later tiles. Keys for anchor I: k ⊙ e_k ⊙ this."""
+    zero = jnp.zeros_like(self.tot[0])
+    return per_tile([jnp.exp(sum(self.tot[j:i], zero)) if j <= i else None for j in range(NT)])
 
-  def key_scale(self, i, j):
-    """[1,K] with e_k[j]·key_scale = e^{R_I - G_j + c}: the rest of tile J and whole tiles strictly between."""
-    if i == j:
-      return None
-    return jnp.exp(self.tot[j] + sum(self.tot[j + 1:i], jnp.zeros_like(self.tot[0])))
+  def anchor_scale_t(self, j):
+    """[64,K]: e^{R_I - R_J} on rows of tile I >= J, 0 on earlier tiles. Queries for anchor J: e_q ⊙ this."""
+    zero = jnp.zeros_like(self.tot[0])
+    return per_tile([jnp.exp(sum(self.tot[j:i], zero)) if i >= j else None for i in range(NT)])
 
-  def gamma(self, i, e_q):
-    """e^{G_i} (chunk start -> i), zero past a document start inside the chunk."""
-    return masked(jnp.exp(self.prefix[i] + self.c) * e_q, self.sees_state(i))
+  def gamma(self):
+    """e^{G} ([64,K]), zero past a document start inside the chunk."""
+    return masked(jnp.exp(self.G), None if self.doc_all is None else (self.doc_all == 0)[:, None])
 
-  def to_end(self, i, e_k):
-    """e^{G_C - G_i} (i -> chunk end, exclusive), zero unless i is in the chunk's last document."""
-    return masked(jnp.exp(self.tot[i] - self.c + self.later[i]) * e_k, self.in_last_doc(i))
+  def gamma_tile(self, i, e_q):
+    g = jnp.exp(self.prefix[i] + self.c) * e_q
+    return masked(g, None if self.doc is None else (self.doc[i] == 0)[:, None])
+
+  def to_end(self, e_k):
+    """e^{G_C - G} ([64,K], exclusive of the row), zero unless the row is in the chunk's last document."""
+    te = per_tile([jnp.exp(self.later[j] + self.tot[j] - self.c) for j in range(NT)]) * e_k
+    return masked(te, None if self.doc_all is None else (self.doc_all == self.last_doc)[:, None])
+
+  def to_end_tile(self, i, e_k):
+    te = jnp.exp(self.later[i] + self.tot[i] - self.c) * e_k
+    return masked(te, None if self.doc is None else (self.doc[i] == self.last_doc)[:, None])
 
   def decay(self):
     d = jnp.exp(self.G_C)
     return d if self.doc is None else jnp.where(self.last_doc == 0, d, 0.0)
 
-  def pair_mask(self, i, j, strict):
-    """Mask of tile pair (I, J): causal on the diagonal tile, within one document."""
-    m = causal(strict) if i == j else None
+  def row_mask(self, i, strict):
+    """[16,64] mask of query tile i against the chunk's keys: causal, within one document."""
+    r, j = iota((SUB, CHUNK), 0) + i * SUB, iota((SUB, CHUNK), 1)
+    m = j < r if strict else j <= r
     if self.doc is not None:
-      same = self.doc[i][:, None] == self.doc[j][None, :]
-      m = same if m is None else m & same
+      m = m & (self.doc[i][:, None] == self.doc_all[None, :])
     return m
 
-  def sees_state(self, i):
-    return None if self.doc is None else (self.doc[i] == 0)[:, None]
-
-  def in_last_doc(self, i):
-    return None if self.doc is None else (self.doc[i] == self.last_doc)[:, None]
-
-
-def key_factor(gates, e_k, i, j):
-  """e^{R_I - G_j + c} for the keys of tile J seen from tile I: k̃_IJ = k_j ⊙ key_factor."""
-  s = gates.key_scale(i, j)
-  return e_k[j] if s is None else e_k[j] * s
+  def diag_mask(self, i):
+    """[16,16] strictly causal mask of tile i with itself, within one document."""
+    m = iota((SUB, SUB), 1) < iota((SUB, SUB), 0)
+    if self.doc is not None:
+      m = m & (self.doc[i][:, None] == self.doc[i][None, :])
+    return m
 
 
-def unit_lower_inverse(A, dtype):
-  """Blocks of (I + A)⁻¹ for strictly lower A given as 16x16 blocks {(I, J): J <= I}.
-
-  Diagonal blocks: (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸), exact since N¹⁶ = 0; then block forward
-  substitution M_IJ = −M_II Σ_{J<=P<I} A_IP M_PJ. Products in fp32 for fp32 inputs, tf32 for bf16 inputs (the
-  result is rounded to bf16 for the next GEMM anyway).
-  """
-  dot = lambda a, b: _dot(a, b, ((1,), (0,)), F32, exact=dtype == F32)
-  eye = identity()
-  M = {}
-  for i in range(NT):
-    n = A[i, i]
-    inv, p = eye - n, n
-    for _ in range(3):
-      p = dot(p, p)
-      inv = dot(inv, eye + p)
-    M[i, i] = inv
-  for i in range(NT):
-    for j in range(i):
-      M[i, j] = -dot(M[i, i], sum(dot(A[i, p], M[p, j]) for p in range(j, i)))
-  return M
+def unit_lower_inverse_16(n):
+  """(I + n)⁻¹ for a strictly lower 16x16 n, by forward substitution in fp32 (stable: no large intermediates,
+  unlike a Neumann product when rows of n are near one)."""
+  r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
+  m = jnp.where(r == c, 1.0, 0.0).astype(F32)
+  n_t = n.T
+  for i in range(1, SUB):
+    n_i = jnp.sum(jnp.where(c == i, n_t, 0.0), axis=1, keepdims=True)     # [16,1]: n[i, j] at row j
+    m = jnp.where(r == i, m - jnp.sum(n_i * m, axis=0, keepdims=True), m)
+  return m
