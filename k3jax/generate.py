@@ -26,7 +26,8 @@ def decode_step(model, token_B, cache):
 def generate(model, prompt_BT, num_tokens: int, *, rng=None, temperature: float = 0.0):
   """`[B, num_tokens]` new tokens after the prompt: argmax when temperature == 0, else sampled from softmax(l/T)."""
   if prompt_BT.ndim != 2 or prompt_BT.shape[1] == 0 or not jnp.issubdtype(prompt_BT.dtype, jnp.integer):
-    raise ValueError(f"prompt_BT must be a non-empty integer array [B,T], got {prompt_BT.dtype}{tuple(prompt_BT.shape)}")
+    raise ValueError(f"prompt_BT must be a non-empty integer array [B,T], got "
+                     f"{prompt_BT.dtype}{tuple(prompt_BT.shape)}")
   if not isinstance(num_tokens, int) or num_tokens < 1:
     raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
   if temperature < 0:

@@ -26,6 +26,7 @@ class ModelCache:
   """Generation state: one `KDACache` or `MLACache` per layer, and the number of tokens seen so far."""
   layers: tuple
   pos: jax.Array          # int32 scalar: the position the next token takes
+  max_len: int = flax.struct.field(pytree_node=False)   # positions the MLA caches hold
 
 
 class DecoderLayer(nnx.Module):
@@ -102,23 +103,30 @@ class K3Model(nnx.Module):
   def prefill(self, tokens_BT, max_len: int):
     """Runs the prompt; returns (logits of its last position `[B,V]`, a cache with room for `max_len` tokens)."""
     _check_tokens(tokens_BT, None)
+    if max_len < tokens_BT.shape[1]:
+      raise ValueError(f"max_len={max_len} is shorter than the prompt (T={tokens_BT.shape[1]})")
     stream = attnres.start(self._embed(tokens_BT), self.mode)
     caches = []
     for layer in self.layers:
       stream, cache, _ = layer.prefill(stream, max_len)
       caches.append(cache)
-    return self._logits(stream)[:, -1], ModelCache(tuple(caches), jnp.asarray(tokens_BT.shape[1], jnp.int32))
+    last = jax.tree.map(lambda a: a[:, -1:], stream)
+    pos = jnp.asarray(tokens_BT.shape[1], jnp.int32)
+    return self._logits(last)[:, 0], ModelCache(tuple(caches), pos, max_len)
 
   def decode(self, token_B, cache: ModelCache):
-    """One token per row at position `cache.pos`; returns (logits `[B,V]`, the advanced cache)."""
+    """One token per row at position `cache.pos` (< cache.max_len: checked when pos is concrete; under jit the
+    caller sizes the cache, as `generate` does); returns (logits `[B,V]`, the advanced cache)."""
     if token_B.ndim != 1 or not jnp.issubdtype(token_B.dtype, jnp.integer):
       raise ValueError(f"token_B must be an integer array of shape [B], got {token_B.dtype}{tuple(token_B.shape)}")
+    if not isinstance(cache.pos, jax.core.Tracer) and int(cache.pos) >= cache.max_len:
+      raise ValueError(f"the cache is full: position {int(cache.pos)} >= max_len={cache.max_len}")
     stream = attnres.start(self._embed(token_B[:, None]), self.mode)
     caches = []
     for layer, layer_cache in zip(self.layers, cache.layers):
       stream, layer_cache, _ = layer.decode(stream, layer_cache, cache.pos)
       caches.append(layer_cache)
-    return self._logits(stream)[:, -1], ModelCache(tuple(caches), cache.pos + 1)
+    return self._logits(stream)[:, 0], ModelCache(tuple(caches), cache.pos + 1, cache.max_len)
 
   def moe_layers(self) -> list:
     """The LatentMoE modules, in the order of aux["moe"]."""
@@ -150,7 +158,8 @@ def z_loss(logits_BTV, coef: float, mask_BT=None):
 
 def _check_tokens(tokens_BT, segment_ids_BT):
   if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
-    raise ValueError(f"tokens_BT must be an integer array of shape [B,T], got {tokens_BT.dtype}{tuple(tokens_BT.shape)}")
+    raise ValueError(f"tokens_BT must be an integer array of shape [B,T], got "
+                     f"{tokens_BT.dtype}{tuple(tokens_BT.shape)}")
   if segment_ids_BT is not None and (segment_ids_BT.shape != tokens_BT.shape
                                      or not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer)):
     raise ValueError(f"segment_ids_BT must be an integer array shaped like tokens {tuple(tokens_BT.shape)}, got "

@@ -3,7 +3,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from k3jax.layers import attnres
 from model_testing import normal

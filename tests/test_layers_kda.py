@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from k3jax.layers.kda import KDALayer, short_conv
+from k3jax.ops.kda import kda_gate
 from kda_testing import rel_err
 from model_testing import T, T0, abstract, decode, forward, normal, prefill, random_module, segments, small_config
 
@@ -81,8 +82,15 @@ def test_packed_sequence_equals_documents_run_alone(layer):
 
 
 def test_init_follows_documented_ranges():
-  layer = KDALayer(small_config(), rngs=nnx.Rngs(0))
-  A = np.exp(np.asarray(layer.A_log[...]))
-  dt = np.log1p(np.exp(np.asarray(layer.dt_bias[...], np.float64)))
-  assert np.all((A >= 1.0) & (A <= 16.0))
-  assert np.all((dt >= 1e-3 * (1 - 1e-5)) & (dt <= 1e-1 * (1 + 1e-5)))
+  """Both gates start at decays −A·dt with A in [1, 16], dt in [1e-3, 1e-1] (the bounded one capped at γ_min/2)."""
+  for gate in ("bounded", "softplus"):
+    cfg = small_config()
+    cfg.kda.gate = gate
+    layer = KDALayer(cfg, rngs=nnx.Rngs(0))
+    A = np.exp(np.asarray(layer.A_log[...], np.float64))
+    assert np.all((A >= 1.0) & (A <= 16.0))
+    zero = jnp.zeros((1, 1, *layer.dt_bias[...].shape))
+    g0 = -np.asarray(kda_gate(zero, layer.A_log[...], layer.dt_bias[...], lower_bound=layer.lower_bound), np.float64)
+    dt = g0[0, 0] / A[:, None]
+    hi = 1e-1 if gate == "softplus" else np.minimum(1e-1, 2.5 / A[:, None])
+    assert np.all((dt >= 1e-3 * (1 - 1e-4)) & (dt <= hi * (1 + 1e-4))), gate

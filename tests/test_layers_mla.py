@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from k3jax.layers.mla import GatedMLA
 from kda_testing import rel_err

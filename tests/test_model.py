@@ -8,7 +8,7 @@ from flax import nnx
 
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats
-from k3jax.model import K3Model, z_loss
+from k3jax.model import K3Model, ModelCache, z_loss
 from kda_testing import rel_err
 from model_testing import MODEL, T, T0, abstract, random_module, segments, shared_model, small_config
 
@@ -121,3 +121,7 @@ def test_bad_inputs_raise_clear_errors():
     model(jnp.zeros((2, 3), jnp.int32), segment_ids_BT=jnp.zeros((2, 4), jnp.int32))
   with pytest.raises(ValueError, match="token_B must be an integer array of shape"):
     model.decode(jnp.zeros((2, 1), jnp.int32), None)
+  with pytest.raises(ValueError, match="max_len=2 is shorter than the prompt"):
+    model.prefill(jnp.zeros((2, 3), jnp.int32), 2)
+  with pytest.raises(ValueError, match="the cache is full: position 5 >= max_len=5"):
+    model.decode(jnp.zeros((2,), jnp.int32), ModelCache((), jnp.asarray(5, jnp.int32), 5))

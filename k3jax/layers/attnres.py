@@ -3,9 +3,9 @@
     h_l = Σ_i softmax_i( w_lᵀ RMSNorm_l(v_i) ) · v_i,     w_l ∈ R^d initialised to zero (uniform weights at start)
 
 The residual stream is a `Stream`: completed sources plus the partial sum of the current block.
-- "block": sources are v_0 (the embedding) and the completed block sums b_1 … b_{n−1}; the partial sum of the current
-  block is one more source. At the first sub-layer of a block the partial sum is empty and is *left out* of the
-  softmax (a zero vector would have key RMSNorm(0) = 0 and still take a share of the weight); this matches the
+- "block": sources are v_0 (the embedding) and the completed block sums b_1 … b_{n−1}; the partial sum of the
+  current block is one more source. At the first sub-layer of a block that sum is empty and is *left out* of the
+  softmax (a zero vector would get key RMSNorm(0) = 0 and still take a share of the weight); this matches the
   reference pseudocode, where the block that just closed is the last source instead.
 - "full": every sub-layer output is a source of its own (a block of one sub-layer).
 - "none": the standard pre-norm residual; the stream is the running sum x_0 + Σ f_l and is each sub-layer's input.

@@ -49,9 +49,3 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     return rms_norm(x, self.weight[...], self.eps)
-
-
-def l2_normalize(x, eps: float = 1e-6):
-  """`x / sqrt(Σx² + eps)` over the last axis in fp32 (KDA's q and k, SPEC.md §2)."""
-  x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)

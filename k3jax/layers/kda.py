@@ -4,9 +4,11 @@
     g = γ_min·σ(e^{A_log}(W_f x + dt_bias))   (or −e^{A_log}·softplus(W_f x + dt_bias)),   β = σ(W_β x)
     y = W_o( RMSNorm_head(KDA(q, k, v, g, β)) ⊙ σ(W_g x) )
 
-Initialisation: projections N(0, 1/fan_in); conv taps N(0, 1/conv_size); A_log = log U[1, 16];
-dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 1e-1] (the Mamba / Kimi Linear convention); norm weights 1.
-A_log and dt_bias should take no weight decay.
+Initialisation: projections N(0, 1/fan_in); conv taps N(0, 1/conv_size); A_log = log U[1, 16]; dt log-uniform in
+[1e-3, 1e-1] (the Mamba / Kimi Linear convention) and dt_bias chosen so that at z = 0 both gates start at the same
+decay g = −e^{A_log}·dt: softplus⁻¹(dt) for the softplus gate, logit(e^{A_log}·dt/|γ_min|)/e^{A_log} for the
+bounded one (its sigmoid then starts in its live range; softplus⁻¹(dt) there would put e^{A_log}(z+dt_bias) near
+−100 and the gate would start dead). Norm weights 1. A_log and dt_bias should take no weight decay.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import config as config_lib
-from k3jax.layers.common import Linear, RMSNorm, l2_normalize, normal_param
-from k3jax.ops.kda import chunk_kda, kda_decode_step, kda_gate
+from k3jax.layers.common import Linear, RMSNorm, normal_param
+from k3jax.ops.kda import fused_kda, kda_decode_step, kda_gate, l2_normalize
 
 
 @flax.struct.dataclass
@@ -69,16 +71,21 @@ class KDALayer(nnx.Module):
     self.w_f = lin(d, H * K, c.gate_rank)
     self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
     dt = jnp.exp(jax.random.uniform(rngs.params(), (H, K), jnp.float32, math.log(1e-3), math.log(1e-1)))
-    self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))                      # softplus⁻¹(dt)
+    if self.lower_bound is None:
+      dt_bias = dt + jnp.log(-jnp.expm1(-dt))                                     # softplus⁻¹(dt)
+    else:
+      a = jnp.exp(self.A_log[...])[:, None]
+      dt_bias = jax.scipy.special.logit(jnp.minimum(a * dt / -self.lower_bound, 0.5)) / a  # (capped at |γ_min|/2)
+    self.dt_bias = nnx.Param(dt_bias)
     self.w_beta = lin(d, H)
     self.w_g = lin(d, H * self.V, c.gate_rank)
     self.o_norm = RMSNorm(self.V, eps=model_cfg.norm_eps)
     self.w_o = lin(H * self.V, d)
 
   def __call__(self, x_BTD, *, segment_ids_BT=None):
-    q, k, v, g, beta, _ = self._inputs(x_BTD, None, segment_ids_BT)
-    o, _ = chunk_kda(q, k, v, g, beta, segment_ids=segment_ids_BT, lower_bound=self.lower_bound,
-                     backend=self.backend)
+    raw, _ = self._projections(x_BTD, None, segment_ids_BT)
+    o, _ = fused_kda(*raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound,
+                     segment_ids=segment_ids_BT, backend=self.backend)
     return self._output(o, x_BTD)
 
   def init_cache(self, batch: int, max_len: int | None = None) -> KDACache:
@@ -90,29 +97,29 @@ class KDALayer(nnx.Module):
   def prefill(self, x_BTD, max_len: int | None = None):
     """Full forward over a prompt from an empty state; returns (y, KDACache). `max_len` is unused (no growth)."""
     del max_len
-    q, k, v, g, beta, conv = self._inputs(x_BTD, None, None)
-    o, S = chunk_kda(q, k, v, g, beta, output_final_state=True, lower_bound=self.lower_bound, backend=self.backend)
+    raw, conv = self._projections(x_BTD, None, None)
+    o, S = fused_kda(*raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound,
+                     output_final_state=True, backend=self.backend)
     return self._output(o, x_BTD), KDACache(conv, S)
 
   def decode(self, x_B1D, cache: KDACache, pos=None):
     """One token through the recurrence; `pos` is unused (the state carries position)."""
     del pos
-    q, k, v, g, beta, conv = self._inputs(x_B1D, cache.conv_BWC, None)
-    o, S = kda_decode_step(q, k, v, g, beta, cache.state_BHKV)
+    (q, k, v, g_raw, beta_logits), conv = self._projections(x_B1D, cache.conv_BWC, None)
+    g = kda_gate(g_raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound)
+    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
+    o, S = kda_decode_step(l2_normalize(q), l2_normalize(k), v, g, beta, cache.state_BHKV)
     return self._output(o, x_B1D), KDACache(conv, S)
 
-  def _inputs(self, x_BTD, conv_state, segment_ids_BT):
+  def _projections(self, x_BTD, conv_state, segment_ids_BT):
+    """((q, k, v after the short conv, gate input z, β logits), the new conv state); q and k not yet normalised."""
     B, T, _ = x_BTD.shape
     H, K, V = self.H, self.K, self.V
     qkv, conv_state = short_conv(self.w_qkv(x_BTD), self.conv[...], conv_state, segment_ids_BT)
     q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
-    q = l2_normalize(q.reshape(B, T, H, K)).astype(self.dtype)
-    k = l2_normalize(k.reshape(B, T, H, K)).astype(self.dtype)
-    v = v.reshape(B, T, H, V)
-    g = kda_gate(self.w_f(x_BTD).reshape(B, T, H, K), self.A_log[...], self.dt_bias[...],
-                 lower_bound=self.lower_bound)
-    beta = jax.nn.sigmoid(self.w_beta(x_BTD).astype(jnp.float32))
-    return q, k, v, g, beta, conv_state
+    raw = (q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V),
+           self.w_f(x_BTD).reshape(B, T, H, K), self.w_beta(x_BTD))
+    return raw, conv_state
 
   def _output(self, o_BTHV, x_BTD):
     B, T, _ = x_BTD.shape

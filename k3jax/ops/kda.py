@@ -34,7 +34,8 @@ def kda_gate(g_raw: Array, A_log: Array, dt_bias: Array, *, lower_bound: float |
   a = jnp.exp(A_log.astype(jnp.float32))[:, None]
   if lower_bound is None:
     return -a * jax.nn.softplus(z)
-  return lower_bound * jax.nn.sigmoid(a * z)
+  # σ(u) below e^{-80} would leave g subnormal (slow on CPUs, flushed on GPUs); e^{g} is 1 either way.
+  return lower_bound * jax.nn.sigmoid(jnp.maximum(a * z, -80.0))
 
 
 def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

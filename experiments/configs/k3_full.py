@@ -1,0 +1,60 @@
+"""k3_full: the published Kimi K3 shape, for parameter counting and memory planning (experiments/plan.py).
+
+Published: 2.78T parameters, 104.2B activated per token; 93 layers (69 KDA, 24 gated MLA: KDA, KDA, KDA, MLA
+repeated, the last layer MLA), d = 7168, 896 routed experts top-16 plus 2 shared, latent ℓ = 3584, layer 0 dense.
+
+Unpublished sizes, chosen by convention (K2 / Kimi Linear / DeepSeek-V3), then the two FFN widths solved from the
+two published totals:
+- vocab 163,840 (the Kimi tokenizer of K2); untied LM head (as K2).
+- KDA: 64 heads of K = V = 128 (Kimi Linear's head size; H·K = 8192 ≈ 1.14 d), full-rank decay and output gates
+  (K3's "full rank" gate).
+- MLA: 64 heads (K2), q-LoRA rank 1536 and r_kv = 512 (K2 / DeepSeek-V3); NoPE, so q·k uses 128 dims per head
+  (K2's 128 non-positional dims; its 64 RoPE dims are dropped) and v 128.
+- layer 0 dense SiTU-GLU of width 18,432 (K2's dense layer).
+- the two unknown widths then follow from
+      total  = rest + 92·E·3·ℓ·h_e + 92·2·3·d·h_s = 2.78T
+      active = rest + 92·k·3·ℓ·h_e + 92·2·3·d·h_s = 104.2B
+  with rest ≈ 36.1B (attention 28.0B, embeddings 2.3B, latent projections and routers 5.3B, layer 0 0.4B):
+  h_e = 3074 -> 3072 (routed expert width, in ℓ-space) and h_s = 4931 -> 4864 (each shared expert, at full d),
+  rounded to the nearest multiples of 256. Result (plan.py): 2.778T total (-0.1%), 103.96B activated (-0.2%).
+"""
+from experiments.configs.common import base_config
+from k3jax.config import model_config
+
+
+def get_config():
+  c = base_config()
+  m = model_config()
+  m.vocab_size = 163840
+  m.d_model = 7168
+  m.num_layers = 93
+  m.layer_pattern = ("kda", "kda", "kda", "mla")
+  m.last_layer = "mla"
+  m.dtype = "bfloat16"
+  m.remat = True
+  m.tie_embeddings = False
+  m.ffn_hidden = 18432
+  m.kda.num_heads = 64
+  m.kda.head_dim = 128
+  m.kda.gate = "bounded"
+  m.kda.lower_bound = -5.0
+  m.mla.num_heads = 64
+  m.mla.qk_head_dim = 128
+  m.mla.v_head_dim = 128
+  m.mla.kv_lora_rank = 512
+  m.mla.q_lora_rank = 1536
+  m.moe.enabled = True
+  m.moe.num_experts = 896
+  m.moe.top_k = 16
+  m.moe.num_shared_experts = 2
+  m.moe.latent_dim = 3584
+  m.moe.expert_hidden = 3072
+  m.moe.shared_hidden = 4864
+  m.moe.routed_scaling = 2.827          # K2's
+  m.moe.first_dense_layers = 1
+  m.residual.mode = "block"
+  m.residual.block_size = 12            # 8 blocks (the last one of 9 layers)
+  c.model = m
+  c.mesh = "data:64,expert:16"
+  c.seq_len = 8192
+  return c

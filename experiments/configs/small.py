@@ -1,0 +1,35 @@
+"""small: about 100M activated parameters (of ~0.5B) for one H200 at 4K tokens per sequence.
+
+12 layers (9 KDA, 3 MLA; 3:1 with the last layer MLA), d = 768, 64 routed experts top-4 in a latent space of
+ℓ = d/2, one shared expert, Block AttnRes with 4 blocks of 3 layers. `python -m experiments.plan --config=small`
+prints the exact counts.
+"""
+from experiments.configs.common import base_config
+from k3jax.config import model_config
+from k3jax.data.tokenizer import VOCAB_SIZE
+
+
+def get_config():
+  c = base_config()
+  m = model_config()
+  m.vocab_size = VOCAB_SIZE
+  m.d_model = 768
+  m.num_layers = 12
+  m.dtype = "bfloat16"
+  m.remat = True
+  m.ffn_hidden = 2048                   # layer 0's dense FFN
+  m.kda.num_heads = 6                   # head dim 128, as in K3
+  m.mla.num_heads = 6                   # head dims 128
+  m.mla.kv_lora_rank = 256
+  m.moe.enabled = True
+  m.moe.num_experts = 64
+  m.moe.top_k = 4
+  m.moe.num_shared_experts = 1
+  m.moe.latent_dim = 384
+  m.moe.expert_hidden = 512
+  m.moe.shared_hidden = 1024
+  m.moe.routed_scaling = 2.5
+  m.residual.block_size = 3
+  c.model = m
+  c.seq_len = 4096
+  return c

@@ -1,0 +1,55 @@
+"""Config validation (clear errors naming the field) and the layer layout of the experiment configs."""
+import pytest
+
+from experiments import plan
+from k3jax import config as config_lib
+from model_testing import small_config
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"kda.num_heads": 5}, r"model.kda.num_heads=5 does not divide model.d_model=32"),
+    ({"mla.num_heads": 3}, r"model.mla.num_heads=3 does not divide model.d_model=32"),
+    ({"layer_pattern": ("kda", "gla")}, r"unknown layer type 'gla'"),
+    ({"layer_pattern": ()}, r"model.layer_pattern must be a non-empty tuple"),
+    ({"last_layer": "attention"}, r"model.last_layer must be one of"),
+    ({"moe.enabled": True, "moe.latent_dim": None}, r"model.moe.latent_dim .* must be set"),
+    ({"moe.enabled": True, "moe.latent_dim": 8, "moe.top_k": 9}, r"model.moe.top_k=9 exceeds"),
+    ({"residual.mode": "hyper"}, r"model.residual.mode must be one of"),
+    ({"residual.block_size": 0}, r"model.residual.block_size must be a positive int"),
+    ({"kda.gate": "relu"}, r"model.kda.gate must be one of"),
+    ({"kda.lower_bound": 1.0}, r"model.kda.lower_bound must be negative"),
+    ({"mla.kv_lora_rank": None}, r"model.mla.kv_lora_rank must be a positive int"),
+    ({"dtype": "float8"}, r"model.dtype must be one of"),
+])
+def test_bad_config_raises_a_clear_value_error(changes, match):
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(small_config(**changes))
+
+
+def test_explicit_head_dim_allows_heads_that_do_not_divide_the_width():
+  cfg = small_config(**{"kda.num_heads": 5, "kda.head_dim": 16, "mla.num_heads": 3, "mla.qk_head_dim": 8})
+  config_lib.validate(cfg)
+  assert config_lib.kda_head_dim(cfg) == 16 and config_lib.mla_head_dims(cfg) == (8, 8)
+
+
+def test_missing_field_is_named():
+  cfg = small_config()
+  del cfg.mla["q_lora_rank"]
+  with pytest.raises(ValueError, match=r"model.mla.q_lora_rank is missing"):
+    config_lib.validate(cfg)
+
+
+def test_k3_layer_layout_is_69_kda_and_24_mla_ending_in_mla():
+  m = plan.load_config("k3_full").model
+  config_lib.validate(m)
+  types = config_lib.layer_types(m)
+  assert (len(types), types.count("kda"), types.count("mla"), types[-1]) == (93, 69, 24, "mla")
+  assert types[:4] == ("kda", "kda", "kda", "mla")
+  assert [config_lib.uses_moe(m, i) for i in (0, 1, 92)] == [False, True, True]
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "k3_full"])
+def test_experiment_configs_validate(name):
+  cfg = plan.load_config(name)
+  config_lib.validate(cfg.model)
+  assert cfg.model.moe.enabled
