@@ -15,6 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DATA, EXPERT = "data", "expert"
 TOKENS = (DATA, EXPERT)  # token rows are sharded over both axes
+A2A_IMPLS = ("auto", "ragged", "dense")
 
 
 def mesh_from_string(spec: str, devices=None) -> Mesh:
@@ -48,13 +49,17 @@ def check_mesh(mesh: Mesh, num_experts: int, num_tokens: int) -> None:
     raise ValueError(f"the {num_tokens} tokens (batch × length) are not divisible by the {mesh.size} devices")
 
 
-def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-  """`jax.lax.ragged_all_to_all`, or on the CPU (which has no such op) the same exchange over a dense all-to-all.
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+                      impl: str = "auto"):
+  """`jax.lax.ragged_all_to_all` ("ragged"), or the same exchange over a dense all-to-all ("dense"); "auto" is
+  "dense" on the CPU, which has no ragged all-to-all, else "ragged".
 
-  The CPU form pads each device's slices to `operand.shape[0]` rows per destination: for tests, not speed.
+  The dense form pads each device's slices to `operand.shape[0]` rows per destination: for tests, not speed.
   It needs the slices sent to one destination to fit in `operand.shape[0]` rows together (true for disjoint slices).
   """
-  if jax.default_backend() != "cpu":
+  if impl not in A2A_IMPLS:
+    raise ValueError(f"impl must be one of {A2A_IMPLS}, got {impl!r}")
+  if impl == "ragged" or (impl == "auto" and jax.default_backend() != "cpu"):
     return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                      axis_name=axis_name)
   n = jax.lax.axis_size(axis_name)
@@ -96,7 +101,7 @@ def sort_by_expert(expert_ids_TK, num_experts: int):
   return order, jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
 
 
-def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, expert_fn: Callable):
+def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, expert_fn: Callable, a2a_impl: str):
   """Per device (inside shard_map): every local slot's expert output, `[T, k, L]`."""
   t, k = expert_ids_TK.shape
   ep = jax.lax.axis_size(EXPERT)
@@ -118,7 +123,8 @@ def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, e
   capacity = ep * t * k  # dropless: every slot of every peer may come here
   x_recv = ragged_all_to_all(
       x_sorted, jnp.zeros((capacity, z_TL.shape[1]), z_TL.dtype),
-      _exclusive_cumsum(counts_E), counts_E, start_E + before_SE[me], mine_SJ.reshape(-1), axis_name=EXPERT)
+      _exclusive_cumsum(counts_E), counts_E, start_E + before_SE[me], mine_SJ.reshape(-1), axis_name=EXPERT,
+      impl=a2a_impl)
   y_recv = expert_fn(x_recv, mine_SJ.sum(0), *expert_weights)
   # Back: slice (s, j) goes to source s, to where its slots of my expert j sat in its sorted order.
   src_offsets_SE = _exclusive_cumsum(counts_SE, axis=1)
@@ -126,12 +132,12 @@ def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, e
       y_recv, jnp.zeros((t * k, y_recv.shape[1]), y_recv.dtype),
       (my_start_J[None, :] + my_before_SJ).reshape(-1), mine_SJ.reshape(-1),
       jax.lax.dynamic_slice_in_dim(src_offsets_SE, me * e_loc, e_loc, axis=1).reshape(-1), counts_E,
-      axis_name=EXPERT)
+      axis_name=EXPERT, impl=a2a_impl)
   return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
 
 
 def expert_parallel_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, mesh: Mesh, num_experts: int,
-                                 expert_fn: Callable):
+                                 expert_fn: Callable, a2a_impl: str = "auto"):
   """Every token-slot's expert output `[T, k, L]`, experts sharded over `expert`, tokens over all devices.
 
   `expert_weights`: arrays with the expert axis first (sharded over `expert`); `expert_fn(x_ML, group_sizes_G,
@@ -140,8 +146,12 @@ def expert_parallel_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, mesh: M
   check_mesh(mesh, num_experts, z_TL.shape[0])
   tok, exp = P(TOKENS), P(EXPERT)
   fn = jax.shard_map(
-      lambda z, ids, ws: _ep_slot_outputs(z, ids, ws, num_experts=num_experts, expert_fn=expert_fn),
-      mesh=mesh, in_specs=(tok, tok, exp), out_specs=tok)
+      lambda z, ids, ws: _ep_slot_outputs(z, ids, ws, num_experts=num_experts, expert_fn=expert_fn,
+                                          a2a_impl=a2a_impl),
+      mesh=mesh, in_specs=(tok, tok, exp), out_specs=tok,
+      # Mosaic-GPU kernels type their outputs as replicated, which check_vma would reject in the custom VJP;
+      # unchecked, shard_map still sums the experts' gradients over `data` (their in_spec does not name it).
+      check_vma=False)
   if not all(t == AxisType.Explicit for t in mesh.axis_types):
     return fn(z_TL, expert_ids_TK, expert_weights)
   # Explicit axes: shard_map takes its inputs as in_specs says, and the result goes back to the tokens' sharding.

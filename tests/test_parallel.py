@@ -1,4 +1,6 @@
 """Expert parallelism on 8 simulated devices: the sharded layer equals the single-device one (fp32, ≤ 1e-5)."""
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from k3jax import parallel
+from k3jax.layers.moe import expert_ffn
+from pallas_kernels.grouped_gemm import Configs, ops
 from test_moe import base, base_output_and_grads, forward, output_and_grads, rel, tokens, variant  # noqa: F401
 
 
@@ -76,3 +80,26 @@ def test_mesh_and_divisibility_errors(base):
     parallel.mesh_from_string("data:2,model:4")
   with pytest.raises(ValueError, match="must look like"):
     parallel.mesh_from_string("data=2")
+
+
+def test_gpu_path_lowers_for_cuda_with_its_gradient(monkeypatch):
+  """The GPU path (jax.lax.ragged_all_to_all, which XLA:CPU cannot run, and the Mosaic grouped GEMMs) traces,
+  differentiates and lowers to CUDA inside the expert-parallel shard_map."""
+  monkeypatch.setattr(ops, "products", lambda backend, k, n, dtype, configs=None: ops.MosaicProducts(Configs()))
+  mesh = parallel.mesh_from_string("data:2,expert:4")
+  monkeypatch.setattr(jax, "devices", lambda *a, **kw: [types.SimpleNamespace(core_count=132)])  # SM count
+  t, k, l, e, h = 64, 2, 128, 8, 128
+  keys = jax.random.split(jax.random.key(5), 4)
+  ids = jax.random.randint(keys[0], (t, k), 0, e)
+
+  def loss(z, w_gate_up, w_down):
+    y = parallel.expert_parallel_slot_outputs(z, ids, (w_gate_up, w_down), mesh=mesh, num_experts=e,
+                                              expert_fn=expert_ffn, a2a_impl="ragged")
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+  args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((t, l), (e, l, 2 * h), (e, h, l))]
+  exported = jax.export.export(
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*args)
+  module = exported.mlir_module()
+  assert module.count("custom_call @ragged_all_to_all") == 4  # there and back, and both transposed
+  assert module.count("mosaic_gpu") >= 6  # two expert GEMMs, each forward, dX and dW
