@@ -26,6 +26,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["1x512x4x64"], "BxTxHxD shapes (K = V = D).")
 flags.DEFINE_list("impls", ["recurrent", "xla"], "Any of: recurrent, xla, pallas, fla.")
 flags.DEFINE_list("modes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd.")
+flags.DEFINE_list("fla_modes", None, "Modes for the FLA anchor if not --modes (its first backward compile takes minutes).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Input dtype.")
 flags.DEFINE_integer("repeats", 20, "Timed repetitions (median reported).")
 flags.DEFINE_integer("warmup", 3, "Untimed runs first.")
@@ -182,7 +183,7 @@ def main(argv):
       if impl == "fla" and fla is None:
         continue
       fns = None if impl == "fla" else jax_fns(impl)
-      for mode in FLAGS.modes:
+      for mode in (FLAGS.fla_modes or FLAGS.modes) if impl == "fla" else FLAGS.modes:
         row = dict(kind="time", shape=shape, impl=impl, mode=mode)
         try:
           if impl == "fla":
