@@ -7,7 +7,7 @@ setup:
 	@scripts/setup.sh
 
 run: setup
-	$(PY) -m experiments.bench_kda --shapes=1x512x4x64 --repeats=3
+	$(PY) -m experiments.train --config=experiments/configs/tiny.py --workdir=runs/tiny
 
 test: setup
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 -q tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q tests

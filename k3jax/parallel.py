@@ -19,14 +19,23 @@ A2A_IMPLS = ("auto", "ragged", "dense")
 
 
 def mesh_from_string(spec: str, devices=None) -> Mesh:
-  """`"data:4,expert:2"` -> a Mesh with those axes (Auto axis types) over the first data·expert devices."""
+  """`"data:4,expert:2"` -> a Mesh with those axes (Auto axis types) over the first data·expert devices. One size
+  may be -1: all the devices the other leaves (`"data:-1,expert:1"` puts every device on `data`)."""
+  devices = jax.devices() if devices is None else devices
   try:
     sizes = {name.strip(): int(size) for name, size in (part.split(":") for part in spec.split(","))}
   except ValueError:
     raise ValueError(f"mesh must look like 'data:4,expert:2', got {spec!r}") from None
-  if set(sizes) != {DATA, EXPERT} or min(sizes.values()) < 1:
-    raise ValueError(f"mesh must give positive sizes for exactly the axes {DATA!r} and {EXPERT!r}, got {spec!r}")
-  devices = jax.devices() if devices is None else devices
+  if set(sizes) != {DATA, EXPERT} or len(spec.split(",")) != 2:
+    raise ValueError(f"mesh must give sizes for exactly the axes {DATA!r} and {EXPERT!r}, got {spec!r}")
+  free = [a for a, n in sizes.items() if n == -1]
+  if len(free) > 1 or any(n < 1 for a, n in sizes.items() if a not in free):
+    raise ValueError(f"mesh sizes must be positive, at most one of them -1, got {spec!r}")
+  if free:
+    other = sizes[EXPERT if free[0] == DATA else DATA]
+    if len(devices) % other:
+      raise ValueError(f"mesh {spec!r}: {len(devices)} devices are not divisible by {other}")
+    sizes[free[0]] = len(devices) // other
   count = sizes[DATA] * sizes[EXPERT]
   if count > len(devices):
     raise ValueError(f"mesh {spec!r} needs {count} devices, {len(devices)} available")

@@ -103,3 +103,16 @@ def test_gpu_path_lowers_for_cuda_with_its_gradient(monkeypatch):
   module = exported.mlir_module()
   assert module.count("custom_call @ragged_all_to_all") == 4  # there and back, and both transposed
   assert module.count("mosaic_gpu") >= 6  # two expert GEMMs, each forward, dX and dW
+
+
+def test_mesh_spec_fills_the_free_axis_and_rejects_bad_specs():
+  devices = jax.devices()[:8]
+  shape = lambda spec: dict(parallel.mesh_from_string(spec, devices).shape)
+  assert shape("data:-1,expert:1") == {"data": 8, "expert": 1}
+  assert shape("expert:2, data:-1") == {"data": 4, "expert": 2}
+  assert shape("data:2,expert:2") == {"data": 2, "expert": 2}
+  for bad in ("data:-1,expert:-1", "data:3", "data:2,model:2", "data:0,expert:1", "data:x,expert:1"):
+    with pytest.raises(ValueError, match="mesh"):
+      parallel.mesh_from_string(bad, devices)
+  with pytest.raises(ValueError, match="not divisible"):
+    parallel.mesh_from_string("data:-1,expert:3", devices)

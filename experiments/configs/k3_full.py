@@ -18,7 +18,7 @@ two published totals:
   h_e = 3074 -> 3072 (routed expert width, in ℓ-space) and h_s = 4931 -> 4864 (each shared expert, at full d),
   rounded to the nearest multiples of 256. Result (plan.py): 2.778T total (-0.1%), 103.96B activated (-0.2%).
 """
-from experiments.configs.common import base_config
+from experiments.configs.common import base_config, set_stages
 from k3jax.config import model_config
 
 
@@ -57,4 +57,7 @@ def get_config():
   c.model = m
   c.mesh = "data:64,expert:16"
   c.seq_len = 8192
+  # K3's context stages 8K -> 64K -> 256K -> 1M at 16.8M tokens per step. Step counts are not published: ours put
+  # ~14T tokens in the first stage (K2 trained on 15.5T) and shrink 4x per stage after the next.
+  set_stages(c, [(8192, 830_000, 2048), (65536, 40_000, 256), (262144, 10_000, 64), (1048576, 2_500, 16)])
   return c

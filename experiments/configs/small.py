@@ -4,7 +4,7 @@
 ℓ = d/2, one shared expert, Block AttnRes with 4 blocks of 3 layers. `python -m experiments.plan --config=small`
 prints the exact counts.
 """
-from experiments.configs.common import base_config
+from experiments.configs.common import base_config, set_stages
 from k3jax.config import model_config
 from k3jax.data.tokenizer import VOCAB_SIZE
 
@@ -32,4 +32,7 @@ def get_config():
   m.residual.block_size = 3
   c.model = m
   c.seq_len = 4096
+  c.batch_size = 16
+  # Staged context extension, research scale (SPEC.md §7): 1K -> 4K -> 16K -> 64K at 65,536 tokens per step.
+  set_stages(c, [(1024, 4000, 64), (4096, 1000, 16), (16384, 500, 4), (65536, 250, 1)])
   return c

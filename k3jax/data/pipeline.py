@@ -94,7 +94,8 @@ class Mixture:
       elif name == "shards":
         pattern = data_cfg.shards if split == "train" else data_cfg.heldout_shards
         if not pattern:
-          raise ValueError(f"config.data.mix uses 'shards': set config.data.{'shards' if split == 'train' else 'heldout_shards'}")
+          field = "shards" if split == "train" else "heldout_shards"
+          raise ValueError(f"config.data.mix uses 'shards': set config.data.{field}")
         self.streams[name] = shards.TokenStream(shards.expand(pattern), vocab_size)
       elif tasks.TASKS[name].min_length > self.task_length:
         raise ValueError(f"task {name!r} needs task_length >= {tasks.TASKS[name].min_length}, got {self.task_length}")

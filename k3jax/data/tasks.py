@@ -56,7 +56,8 @@ class MQAR:
     return _doc(parts, [False, False, False] + [False, True] * self.num_pairs)
 
 
-PASSKEY_FILLER = tok.encode("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+PASSKEY_FILLER = tok.encode("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+                            "There and back again. ")
 PASSKEY_PREFIX = tok.encode("The pass key is ")
 
 

@@ -79,6 +79,12 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.close()
 
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
   def read_meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 

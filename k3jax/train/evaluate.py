@@ -22,33 +22,50 @@ def task_rows(name: str, seed: int, start: int, stop: int, length: int) -> dict[
 
 
 def eval_lengths(config, seq_len: int) -> tuple[int, ...]:
+  """`config.eval.lengths`, or by default the stage's length and 2 and 4 times it."""
   return tuple(config.eval.lengths) or (seq_len, 2 * seq_len, 4 * seq_len)
+
+
+def eval_tasks(config) -> tuple[str, ...]:
+  """`config.eval.tasks`, or by default the synthetic tasks the data mix trains on."""
+  return tuple(config.eval.tasks) or tuple(n for n, _ in pipeline.parse_mix(config.data.mix) if n in tasks.TASKS)
+
+
+def check(config, seq_lens, mesh) -> None:
+  """ValueErrors for an evaluation config that cannot run (before any training)."""
+  e = config.eval
+  if e.batches < 0 or e.examples < 0 or e.batch_size < 1 or e.batch_size % mesh.size or e.examples % e.batch_size:
+    raise ValueError(f"config.eval: batch_size={e.batch_size} must divide examples={e.examples} and be divisible by "
+                     f"the {mesh.size} mesh devices; batches={e.batches} must be >= 0")
+  for name in eval_tasks(config) if e.examples else ():
+    if name not in tasks.TASKS:
+      raise ValueError(f"config.eval.tasks: unknown task {name!r}; expected some of {sorted(tasks.TASKS)}")
+    short = [n for t in seq_lens for n in eval_lengths(config, t) if n < tasks.TASKS[name].min_length]
+    if short:
+      raise ValueError(f"config.eval: task {name!r} needs lengths >= {tasks.TASKS[name].min_length}, got {short}")
 
 
 def evaluate(eval_step, state, config, seq_len: int, mesh) -> dict:
   """{"heldout_loss", "heldout_tokens", "accuracy": {"task@L": acc}, "chance": {task: p}} for a stage of
   length `seq_len`; `eval_step` is the jitted `step.make_eval_step` function."""
+  check(config, [seq_len], mesh)
   e = config.eval
-  if e.batch_size % mesh.size or e.examples % e.batch_size:
-    raise ValueError(f"config.eval.batch_size={e.batch_size} must divide config.eval.examples={e.examples} and be "
-                     f"divisible by the {mesh.size} mesh devices")
 
   def run(rows):
     out = eval_step(state, batches.to_device(rows, batches.rows_sharding(mesh)))
     return {k: float(v) for k, v in out.items()}
 
-  heldout = pipeline.Mixture(config.data, seq_len, pipeline.derive_seed(config.seed, 0, "heldout"),
-                             vocab_size=config.model.vocab_size, split="heldout")
   ce = weight = 0.0
-  for b in range(e.batches):
-    out = run(heldout.rows(b * e.batch_size, (b + 1) * e.batch_size))
-    ce, weight = ce + out["ce_sum"], weight + out["weight"]
-  result = {"heldout_loss": ce / max(weight, 1.0), "heldout_tokens": weight, "accuracy": {}, "chance": {}}
+  if e.batches:
+    heldout = pipeline.Mixture(config.data, seq_len, pipeline.derive_seed(config.seed, 0, "heldout"),
+                               vocab_size=config.model.vocab_size, split="heldout")
+    for b in range(e.batches):
+      out = run(heldout.rows(b * e.batch_size, (b + 1) * e.batch_size))
+      ce, weight = ce + out["ce_sum"], weight + out["weight"]
+  result = {"heldout_loss": ce / weight if weight else None, "heldout_tokens": weight, "accuracy": {}, "chance": {}}
 
   seed = pipeline.derive_seed(config.seed, 0, "tasks")
-  for name in e.tasks:
-    if name not in tasks.TASKS:
-      raise ValueError(f"config.eval.tasks: unknown task {name!r}; expected some of {sorted(tasks.TASKS)}")
+  for name in eval_tasks(config) if e.examples else ():
     result["chance"][name] = tasks.TASKS[name].chance
     for length in eval_lengths(config, seq_len):
       correct = weight = 0.0
@@ -59,12 +76,13 @@ def evaluate(eval_step, state, config, seq_len: int, mesh) -> dict:
   return result
 
 
-def format_table(result: dict, train_lengths: dict[str, int]) -> str:
+def format_table(result: dict, train_length: int) -> str:
   """The result as text: held-out loss, then accuracy per task and length against chance."""
-  lines = [f"held-out loss {result['heldout_loss']:.4f} ({result['heldout_tokens']:.0f} tokens)",
+  lines = [f"held-out loss {result['heldout_loss']:.4f} ({result['heldout_tokens']:.0f} tokens)"
+           if result["heldout_loss"] is not None else "held-out loss: not measured (config.eval.batches = 0)",
            "task          length  accuracy  chance"]
   for key, acc in result["accuracy"].items():
     name, length = key.split("@")
-    beyond = " (beyond training length)" if int(length) > train_lengths.get(name, 0) else ""
+    beyond = f"  (trained at {train_length})" if int(length) > train_length else ""
     lines.append(f"{name:<12} {length:>7}  {acc:8.3f}  {result['chance'][name]:6.3f}{beyond}")
   return "\n".join(lines)

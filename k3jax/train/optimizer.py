@@ -8,8 +8,9 @@ from optax import contrib
 
 # SPEC.md §2: the KDA decay parameters take no weight decay; nor do vectors (norm weights, biases, AttnRes queries).
 NO_DECAY_NAMES = ("A_log", "dt_bias")
-# Muon orthogonalises hidden matrices; embeddings and the output head stay with AdamW.
-ADAM_ONLY_NAMES = ("embed", "lm_head")
+# Muon orthogonalises the 2-D hidden matrices; embeddings, the output head and the depthwise short-conv kernels
+# stay with AdamW (as do vectors and the stacked 3-D / 4-D weights: per-head and per-expert tensors).
+ADAM_ONLY_NAMES = ("embed", "lm_head", "conv")
 
 
 def wsd_schedule(peak: float, steps: int, warmup_fraction: float, decay_fraction: float, final_fraction: float):
@@ -44,7 +45,7 @@ def decay_mask(params):
 
 
 def muon_dims(params):
-  """Muon on the 2-D hidden matrices; everything else (vectors, embeddings, stacked experts) goes to AdamW."""
+  """Muon's dimension numbers for the 2-D hidden matrices, None (AdamW) for the rest."""
   def dims(path, x):
     names = set(_names(path))
     use = x.ndim == 2 and not names & set(NO_DECAY_NAMES) and not names & set(ADAM_ONLY_NAMES)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.balancer import BalancerState
 from k3jax.model import K3Model
@@ -43,15 +44,23 @@ def abstract_state(config, tx: optax.GradientTransformation, mesh):
 
   graphdef = split(nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(config.seed), mesh=mesh)))[0]
   shapes = jax.eval_shape(init)
-  shardings = nnx.get_named_sharding(shapes, mesh)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                          _shardings(shapes, mesh))
   return graphdef, abstract, init
 
 
-def init_state(config, tx: optax.GradientTransformation, mesh):
-  """(graphdef, freshly initialised TrainState placed on the mesh)."""
-  graphdef, abstract, init = abstract_state(config, tx, mesh)
-  return graphdef, jax.jit(init, out_shardings=shardings_of(abstract))()
+def _shardings(shapes, mesh):
+  """NamedShardings from the variables' `out_sharding` metadata (e.g. experts over `expert`); the rest, such as
+  the balancer's state or the step, replicated."""
+  replicated = NamedSharding(mesh, P())
+
+  def of(x):
+    if isinstance(x, nnx.Variable) and hasattr(x.get_value(), "shape"):
+      return x.replace(NamedSharding(mesh, nnx.spmd.get_var_pspec(x)))
+    if isinstance(x, nnx.Variable):
+      return x.replace(jax.tree.map(lambda _: replicated, x.get_value()))
+    return replicated
+  return jax.tree.map(of, shapes, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shardings_of(abstract):

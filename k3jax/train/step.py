@@ -57,7 +57,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mod
     _, params, balancer, other = state_lib.split(model)
 
     metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
-               "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.global_norm(grads),
+               "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.tree.norm(grads),
                "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"])}
     if stats:
       num_tokens = batch["tokens"].size

@@ -1,0 +1,115 @@
+"""Training pieces: schedules, weight-decay and Muon masks, mesh specs, stage validation, command-line config
+overrides, the loss. (The compiled train step is tested in test_train_loop.py.)"""
+import pathlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+from flax import nnx
+from ml_collections import config_flags
+
+from experiments.configs import common, tiny
+from k3jax.train import optimizer, stages as stages_lib, state as state_lib, step as step_lib
+from k3jax.model import K3Model
+
+TINY = str(pathlib.Path(tiny.__file__))
+
+
+def test_wsd_schedule_rises_holds_then_decays():
+  lr = optimizer.wsd_schedule(1.0, 100, warmup_fraction=0.1, decay_fraction=0.2, final_fraction=0.1)
+  values = np.array([float(lr(s)) for s in range(100)])
+  np.testing.assert_allclose(values[:10], np.arange(1, 11) / 10, rtol=1e-6)
+  np.testing.assert_allclose(values[10:80], 1.0)
+  assert np.all(np.diff(values[80:]) < 0) and values[-1] == pytest.approx(1.0 - 0.9 * 19 / 20)
+
+
+def test_stage_schedules_join_at_stage_starts():
+  c = common.set_stages(common.base_config(), [dict(seq_len=64, steps=10, batch_size=8, lr=1.0),
+                                               dict(seq_len=128, steps=10, batch_size=4, lr=0.5)])
+  lr = optimizer.learning_rate(c, stages_lib.stages_of(c))
+  first = optimizer.wsd_schedule(1.0, 10, c.optimizer.warmup_fraction, c.optimizer.decay_fraction,
+                                 c.optimizer.final_lr_fraction)
+  second = optimizer.wsd_schedule(0.5, 10, c.optimizer.warmup_fraction, c.optimizer.decay_fraction,
+                                  c.optimizer.final_lr_fraction)
+  np.testing.assert_allclose([float(lr(s)) for s in range(20)],
+                             [float(first(s)) for s in range(10)] + [float(second(s)) for s in range(10)])
+
+
+def _abstract_params():
+  model = nnx.eval_shape(lambda: K3Model(tiny.get_config().model, rngs=nnx.Rngs(0)))
+  return state_lib.split(model)[1]
+
+
+def test_weight_decay_skips_vectors_and_the_kda_decay_parameters():
+  params = _abstract_params()
+  mask = {jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_flatten_with_path(optimizer.decay_mask(params))[0]}
+  shapes = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  for path, decays in mask.items():
+    kda_decay = "A_log" in path or "dt_bias" in path
+    assert decays == (len(shapes[path]) >= 2 and not kda_decay), path
+  assert any(mask.values()) and any("dt_bias" in p for p in mask)
+
+
+def test_muon_option_updates_every_parameter():
+  c = tiny.get_config()
+  c.optimizer.name = "muon"
+  tx, _ = optimizer.make_optimizer(c, stages_lib.stages_of(c))
+  params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), _abstract_params())
+  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
+  updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
+  for u in jax.tree.leaves(updates):
+    chex.assert_tree_all_finite(u)
+    assert float(jnp.abs(u).max()) > 0
+  dims = jax.tree.leaves(optimizer.muon_dims(params), is_leaf=lambda x: x is None or hasattr(x, "reduction_axis"))
+  assert any(d is not None for d in dims) and any(d is None for d in dims)
+
+
+def test_stages_keep_tokens_per_step_and_must_sum_to_steps():
+  c = common.set_stages(common.base_config(), [(64, 5, 8), (128, 3, 4)])
+  got = stages_lib.stages_of(c)
+  assert [(s.start, s.end, s.seq_len, s.batch_size) for s in got] == [(0, 5, 64, 8), (5, 8, 128, 4)]
+  single = stages_lib.stages_of(common.base_config())
+  assert len(single) == 1 and single[0].steps == common.base_config().steps
+  bad = [((64, 5, 8), (128, 3, 8)), ((64, 5, 8), dict(seq_len=128, steps=3)), ((64, 0, 8),)]
+  for stages, match in zip(bad, ("tokens per step", "missing", "positive")):
+    with pytest.raises(ValueError, match=match):
+      stages_lib.stages_of(common.set_stages(common.base_config(), stages))
+  c.steps = 9
+  with pytest.raises(ValueError, match="sum of the stages"):
+    stages_lib.stages_of(c)
+  c = common.base_config()
+  c.micro_batches = 3
+  with pytest.raises(ValueError, match="micro_batches"):
+    stages_lib.stages_of(c)
+
+
+def _parse(argv):
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "config", flag_values=fv, lock_config=True, sys_argv=argv)
+  fv(argv)
+  return fv.config
+
+
+def test_command_line_overrides_reach_the_config():
+  c = _parse(["train", f"--config={TINY}", "--config.steps=7", "--config.optimizer.lr=0.25",
+              "--config.mesh=data:1,expert:1", "--config.data.mix.mqar=0.5", "--config.eval.lengths=(64,128)",
+              "--config.model.moe.top_k=3"])
+  assert (c.steps, c.optimizer.lr, c.mesh, c.data.mix.mqar, c.eval.lengths, c.model.moe.top_k) == (
+      7, 0.25, "data:1,expert:1", 0.5, (64, 128), 3)
+  with pytest.raises(Exception, match="no_such_field"):
+    _parse(["train", f"--config={TINY}", "--config.no_such_field=1"])
+
+
+def test_token_losses_match_a_numpy_cross_entropy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+  targets = rng.integers(0, 7, (2, 5)).astype(np.int32)
+  weights = (rng.random((2, 5)) < 0.6).astype(np.float32)
+  ce, correct = step_lib.token_losses(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  want = -(np.take_along_axis(logp, targets[..., None], -1)[..., 0] * weights).sum()
+  assert float(ce) == pytest.approx(want, rel=1e-5)
+  assert float(correct) == ((logits.argmax(-1) == targets) * weights).sum()
