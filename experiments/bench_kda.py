@@ -32,6 +32,7 @@ flags.DEFINE_integer("repeats", 20, "Timed repetitions (median reported).")
 flags.DEFINE_integer("warmup", 3, "Untimed runs first.")
 flags.DEFINE_bool("check", False, "After timing, check Pallas against the XLA path in fp32 (see check_pallas).")
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
+flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -239,12 +240,13 @@ def per_kernel_times(x, do, shape):
   prep = lambda x: (kda.l2_normalize(x["q"]), kda.l2_normalize(x["k"]),
                     kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=lb))
   cases = [("prepass", {}, prep, (x,))]
-  for nw in (4, 8):
+  warps = (4, 8) if FLAGS.sweep else (8,)
+  for nw in warps:
     cases.append(("intra_fwd", dict(num_warps=nw),
                   lambda *a, nw=nw: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb, num_warps=nw),
                   (q, k, v, g, beta)))
-  for b in sorted({16, 32, 64, 128, bv}):
-    for nw in ((4, 8) if b >= 64 else (4,)):
+  for b in sorted({16, 32, 64, 128, bv}) if FLAGS.sweep else (bv,):
+    for nw in ((4, 8) if b >= 64 else (4,)) if FLAGS.sweep else (None,):
       if b <= D:
         cases.append(("state_fwd", dict(block_v=b, num_warps=nw),
                       lambda *a, b=b, nw=nw: fwd.state_forward(*a, block_v=b, num_warps=nw),
@@ -255,7 +257,7 @@ def per_kernel_times(x, do, shape):
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
-  for nw in (4, 8):
+  for nw in warps:
     cases.append(("intra_bwd", dict(num_warps=nw),
                   lambda *a, nw=nw: bwd.intra_backward(*a, scale=scale, lower_bound=lb, num_warps=nw),
                   (q, k, v, g, beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
