@@ -68,6 +68,15 @@ class DecoderLayer(nnx.Module):
     return stream, cache, stats
 
 
+def _remat_layer(layer, stream, segment_ids_BT):
+  """A decoder layer rematerialised in the backward pass. The layer's forward mutates nothing, so it runs as a pure
+  function of its state under `jax.checkpoint` (`nnx.remat` would write every variable back, the balancer state
+  too, which lives outside the gradient's trace and may not be written from inside it)."""
+  graphdef, state = nnx.split(layer)
+  return jax.checkpoint(lambda st, s, seg: nnx.merge(graphdef, st)(s, segment_ids_BT=seg))(
+      state, stream, segment_ids_BT)
+
+
 class K3Model(nnx.Module):
   """`model(tokens_BT, segment_ids_BT=None) -> (logits_BTV fp32, aux)`; `prefill` / `decode` for generation."""
 
@@ -89,9 +98,7 @@ class K3Model(nnx.Module):
     """aux: {"moe": [MoEStats per MoE layer, in layer order], "z_loss": z_loss_coef · mean(logsumexp(logits)²)}."""
     _check_tokens(tokens_BT, segment_ids_BT)
     stream = attnres.start(self._embed(tokens_BT), self.mode)
-    apply = (lambda layer, s, seg: layer(s, segment_ids_BT=seg))
-    if self.remat:
-      apply = nnx.remat(apply)
+    apply = _remat_layer if self.remat else (lambda layer, s, seg: layer(s, segment_ids_BT=seg))
     moe_stats = []
     for layer in self.layers:
       stream, _, stats = apply(layer, stream, segment_ids_BT)
