@@ -24,9 +24,10 @@ import pathlib
 import time
 
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import harness
 from experiments.configs import tiny
 from k3jax import config as config_lib
 from k3jax.train import trainer
@@ -179,10 +180,7 @@ flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  harness.check_argv(argv)
   table = run_ablation(_CONFIG.value, _WORKDIR.value, _METHODS.value, steps=_STEPS.value, seed=_SEED.value)
   print(format_table(table), flush=True)
 

@@ -11,14 +11,13 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and PyTorch share the GPU here
 
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import harness
 from k3jax.numerics import kda_outputs_and_grads, rel_err
 from k3jax.ops import kda
 
@@ -26,7 +25,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["1x512x4x64"], "BxTxHxD shapes (K = V = D).")
 flags.DEFINE_list("impls", ["recurrent", "xla"], "Any of: recurrent, xla, pallas, fla.")
 flags.DEFINE_list("modes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd.")
-flags.DEFINE_list("fla_modes", None, "Modes for the FLA anchor if not --modes (its first backward compile takes minutes).")
+flags.DEFINE_list("fla_modes", None, "Modes for FLA if not --modes (its first backward compile takes minutes).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Input dtype.")
 flags.DEFINE_integer("repeats", 20, "Timed repetitions (median reported).")
 flags.DEFINE_integer("warmup", 3, "Untimed runs first.")
@@ -65,17 +64,6 @@ def jax_fns(impl):
   fwd = jax.jit(run)
   fwdbwd = jax.jit(jax.grad(lambda x, do: jnp.sum(run(x).astype(jnp.float32) * do.astype(jnp.float32))))
   return (lambda x, do: fwd(x)), fwdbwd
-
-
-def time_jax(fn, args, repeats, warmup):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
 
 
 def jax_temp_bytes(fn, args):
@@ -166,7 +154,7 @@ def model_counts(B, T, H, D, mode):
 
 
 def main(argv):
-  del argv
+  harness.check_argv(argv)
   dtype = jnp.dtype(FLAGS.dtype)
   rows = []
   out_path = FLAGS.out or None
@@ -193,7 +181,7 @@ def main(argv):
               row["mem_bytes"] = fla["fwdbwd_mem"]()
           else:
             fn = fns[0] if mode == "fwd" else fns[1]
-            row["ms"] = time_jax(fn, (x, do), FLAGS.repeats, FLAGS.warmup)
+            row["ms"] = 1e3 * harness.median_seconds(fn, x, do, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
             if mode == "fwdbwd":
               row["mem_bytes"] = jax_temp_bytes(fn, (x, do))
           flops, nbytes = model_counts(B, T, H, D, mode)
@@ -264,7 +252,7 @@ def per_kernel_times(x, do, shape):
   rows = []
   for name, params, fn, args in cases:
     try:
-      ms = time_jax(jax.jit(fn), args, FLAGS.repeats, FLAGS.warmup)
+      ms = 1e3 * harness.median_seconds(jax.jit(fn), *args, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
       rows.append(dict(kind="kernel", shape=shape, kernel=name, ms=ms, **params))
     except Exception as e:
       rows.append(dict(kind="kernel", shape=shape, kernel=name, error=repr(e)[:300], **params))

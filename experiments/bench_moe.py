@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -29,8 +28,10 @@ import ml_collections
 from absl import app, flags
 from flax import nnx
 
+from experiments import harness
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE
+from k3jax.numerics import rel_err
 from pallas_kernels.grouped_gemm import Configs, TileConfig, mosaic, ops
 
 flags.DEFINE_list("experts", ["64", "256"], "numbers of routed experts E")
@@ -72,23 +73,6 @@ class Shapes:
   sweep: bool
 
 
-def median_seconds(fn, *args, repeats: int) -> float:
-  """Median wall time of `fn(*args)` after two warm-up calls (the first compiles)."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def rel_err(a, ref) -> float:
-  a, ref = a.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.sqrt(jnp.mean((a - ref) ** 2)) / jnp.sqrt(jnp.mean(ref ** 2)))
-
-
 def routed_group_sizes(key, tokens: int, experts: int, top_k: int):
   """Group sizes of a random sigmoid router's top-k (what an untrained layer sends to each expert)."""
   scores = jax.random.normal(key, (tokens, experts))
@@ -127,12 +111,12 @@ def gemm_times(products, m: int, k: int, n: int, sizes, key, repeats: int) -> di
   dy = jax.random.normal(kd, (m, n), jnp.bfloat16)
   w0 = w[0]
   return {
-      "fwd": median_seconds(jax.jit(products.fwd), x, w, sizes, repeats=repeats),
-      "dx": median_seconds(jax.jit(products.dx), dy, w, sizes, repeats=repeats),
-      "dw": median_seconds(jax.jit(products.dw), x, dy, sizes, repeats=repeats),
-      "dense_fwd": median_seconds(jax.jit(lambda a, b: a @ b), x, w0, repeats=repeats),
-      "dense_dx": median_seconds(jax.jit(lambda a, b: a @ b.T), dy, w0, repeats=repeats),
-      "dense_dw": median_seconds(jax.jit(lambda a, b: a.T @ b), x, dy, repeats=repeats),
+      "fwd": harness.median_seconds(jax.jit(products.fwd), x, w, sizes, repeats=repeats),
+      "dx": harness.median_seconds(jax.jit(products.dx), dy, w, sizes, repeats=repeats),
+      "dw": harness.median_seconds(jax.jit(products.dw), x, dy, sizes, repeats=repeats),
+      "dense_fwd": harness.median_seconds(jax.jit(lambda a, b: a @ b), x, w0, repeats=repeats),
+      "dense_dx": harness.median_seconds(jax.jit(lambda a, b: a @ b.T), dy, w0, repeats=repeats),
+      "dense_dw": harness.median_seconds(jax.jit(lambda a, b: a.T @ b), x, dy, repeats=repeats),
   }
 
 
@@ -144,7 +128,7 @@ def ragged_dot_comparison(products, m: int, k: int, n: int, experts: int, top_k:
     x = jax.random.normal(key, (rows, k), jnp.bfloat16)
     w = jax.random.normal(key, (experts, k, n), jnp.bfloat16)
     try:
-      ragged = median_seconds(jax.jit(ops.XlaProducts().fwd), x, w, sizes, repeats=max(2, repeats // 3))
+      ragged = harness.median_seconds(jax.jit(ops.XlaProducts().fwd), x, w, sizes, repeats=max(2, repeats // 3))
       break
     except Exception as e:  # out of memory: XLA expands ragged_dot densely over the groups on GPU
       del x, w
@@ -153,7 +137,7 @@ def ragged_dot_comparison(products, m: int, k: int, n: int, experts: int, top_k:
         raise
       rows //= 2
   return {"rows": rows, "ragged_dot_fwd": ragged,
-          "grouped_fwd": median_seconds(jax.jit(products.fwd), x, w, sizes, repeats=repeats)}
+          "grouped_fwd": harness.median_seconds(jax.jit(products.fwd), x, w, sizes, repeats=repeats)}
 
 
 def moe_config(shapes: Shapes, experts: int) -> ml_collections.ConfigDict:
@@ -185,7 +169,7 @@ def layer_times(shapes: Shapes, experts: int, key) -> dict:
       y = nnx.merge(graph, params, rest)(x)
       y = y[0] if isinstance(y, tuple) else y
       return jnp.sum(y.astype(jnp.float32) * cot)
-    out[name] = median_seconds(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x, repeats=shapes.repeats)
+    out[name] = harness.median_seconds(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x, repeats=shapes.repeats)
   return out
 
 
@@ -227,7 +211,7 @@ def sweep(shapes: Shapes, experts: int, key) -> dict:
     rows = []
     for config in candidates:
       try:
-        seconds = median_seconds(runs[product](config), *args[product], repeats=shapes.repeats)
+        seconds = harness.median_seconds(runs[product](config), *args[product], repeats=shapes.repeats)
         rows.append({"config": dataclasses.asdict(config), "tflops": flop / seconds / 1e12})
       except Exception as e:
         rows.append({"config": dataclasses.asdict(config), "error": str(e).splitlines()[0][:200]})
@@ -345,7 +329,7 @@ def gemm_shapes(shapes: Shapes) -> dict:
 
 
 def main(argv):
-  del argv
+  harness.check_argv(argv)
   if FLAGS.small:
     shapes = Shapes(experts=(8, 16), tokens=256, top_k=2, d_model=64, latent_dim=32, expert_hidden=32,
                     num_shared=1, shared_hidden=32, repeats=2, ragged_rows=512, check_rows=500, sweep=False)

@@ -10,9 +10,10 @@ On a CPU use the tiny config and small sizes (MFU is then not reported).
 import json
 import pathlib
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import harness
 from k3jax.train import benchmark
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -26,10 +27,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  harness.check_argv(argv)
   rows = []
   for pattern in _PATTERNS.value:
     for seq_len in map(int, _SEQ_LENS.value):

@@ -14,8 +14,6 @@ Writes $OUT/check_model.json when $OUT is set.
 """
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ from absl import app, flags
 from flax import nnx
 
 from experiments import plan
+from experiments import harness
 from k3jax import generate as gen
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import GatedMLA
@@ -62,13 +61,7 @@ def with_params(abstract, params):
 
 
 def timed(fn, *args):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(_REPEATS.value):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return harness.median_seconds(fn, *args, repeats=_REPEATS.value, warmup=1)
 
 
 def layer_checks(m, key):
@@ -138,8 +131,7 @@ def timings(m, params, key):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  harness.check_argv(argv)
   m = plan.load_config(_CONFIG.value).model
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
   params = nnx.split(nnx.jit(lambda: K3Model(m, rngs=nnx.Rngs(0)))())[1]

@@ -7,8 +7,9 @@ uses the config saved in the checkpoint; the result is printed and written as JS
 import json
 import pathlib
 
-from absl import app, flags, logging
+from absl import app, flags
 
+from experiments import harness
 from k3jax.train import trainer
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (as given to experiments.train)")
@@ -23,10 +24,7 @@ flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  harness.check_argv(argv)
   overrides = {"eval.lengths": _LENGTHS.value and tuple(int(x) for x in _LENGTHS.value),
                "eval.tasks": _TASKS.value and tuple(_TASKS.value), "eval.examples": _EXAMPLES.value,
                "mesh": _MESH.value}

@@ -17,6 +17,7 @@ import jax
 from absl import app, flags
 from flax import nnx
 
+from experiments import harness
 from k3jax import config as config_lib
 from k3jax.model import K3Model
 
@@ -204,8 +205,7 @@ def define_flags():
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  harness.check_argv(argv)
   f = flags.FLAGS
   print(report(f.config, load_config(f.config).model, f.mesh, f.seq_len, f.micro_batch, f.device_memory_gib))
 

@@ -5,9 +5,10 @@ Config overrides: `--config.steps=200 --config.optimizer.lr=1e-3`. `--stage=N` r
 Multi-process (one process per host or per GPU): add `--distributed`, with the coordinator given by flags or
 found by `jax.distributed.initialize()` (SLURM, Open MPI, or JAX_COORDINATOR_ADDRESS).
 """
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import harness
 from k3jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -21,10 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  harness.check_argv(argv)
   if _DISTRIBUTED.value:
     trainer.init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   trainer.train(_CONFIG.value, _WORKDIR.value, stage=_STAGE.value)

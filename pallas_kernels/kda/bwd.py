@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
+from pallas_kernels.kda.fwd import StateSpecs
 from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB, Gates, load, masked, mm, mm_t, store, t_mm
 
 
@@ -33,14 +34,11 @@ def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None):
   V = do.shape[-1]
   N = T // CHUNK
   dt = w.dtype
-  whole = lambda d: pl.BlockSpec((None, T, None, d), lambda vb, bh: (bh // H, 0, bh % H, 0))
-  vcols = pl.BlockSpec((None, T, None, block_v), lambda vb, bh: (bh // H, 0, bh % H, vb))
-  state = pl.BlockSpec((None, None, K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb))
-  in_specs = [vcols, whole(CHUNK), whole(K), whole(K), whole(K),
-              pl.BlockSpec((None, N, None, K), lambda vb, bh: (bh // H, 0, bh % H, 0)), state]
+  sp = StateSpecs(H, T, K, block_v)
+  in_specs = [sp.vcols, sp.whole(CHUNK), sp.whole(K), sp.whole(K), sp.whole(K), sp.decay, sp.state]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), F32), jax.ShapeDtypeStruct((B, H, N * K, V), dt),
                jax.ShapeDtypeStruct((B, H, K, V), F32)]
-  out_specs = [vcols, pl.BlockSpec((None, None, N * K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb)), state]
+  out_specs = [sp.vcols, sp.per_chunk_state, sp.state]
   kernel = functools.partial(_state_bwd_kernel, num_chunks=N, dtype=dt)
   num_warps = num_warps or (8 if block_v > 64 else 4)
   return triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
@@ -71,7 +69,8 @@ def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
   return triton_call(
       functools.partial(_state_grad_kernel, dtype=h.dtype), grid=(N, B * H, nk),
       in_specs=[state, state, row_v, row_v, row_v],
-      out_specs=[row_k, row_k, row_k, pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))],
+      out_specs=[row_k, row_k, row_k,
+                 pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))],
       out_shape=[kdim, kdim, kdim, jax.ShapeDtypeStruct((B, N, H, K), F32)], name="kda_state_grads",
       num_warps=4, num_stages=1)(h, dh, v_new, dv_new, do)
 

@@ -108,6 +108,18 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
 
 
+class StateSpecs:
+  """Blocks of the sequential passes, grid (V/block_v, B·H): one program per (column block, batch·head) walks every
+  chunk, so it sees the whole sequence of its head."""
+
+  def __init__(self, H, T, K, block_v):
+    self.whole = lambda d: pl.BlockSpec((None, T, None, d), lambda vb, bh: (bh // H, 0, bh % H, 0))
+    self.vcols = pl.BlockSpec((None, T, None, block_v), lambda vb, bh: (bh // H, 0, bh % H, vb))
+    self.state = pl.BlockSpec((None, None, K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb))
+    self.per_chunk_state = pl.BlockSpec((None, None, T // CHUNK * K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb))
+    self.decay = pl.BlockSpec((None, T // CHUNK, None, K), lambda vb, bh: (bh // H, 0, bh % H, 0))
+
+
 def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
@@ -119,17 +131,14 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   V = u.shape[-1]
   N = T // CHUNK
   dt = w.dtype
-  whole = lambda d: pl.BlockSpec((None, T, None, d), lambda vb, bh: (bh // H, 0, bh % H, 0))
-  vcols = pl.BlockSpec((None, T, None, block_v), lambda vb, bh: (bh // H, 0, bh % H, vb))
-  state = pl.BlockSpec((None, None, K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb))
-  in_specs = [whole(K), vcols, whole(K), whole(K), whole(CHUNK),
-              pl.BlockSpec((None, N, None, K), lambda vb, bh: (bh // H, 0, bh % H, 0)), state]
+  sp = StateSpecs(H, T, K, block_v)
+  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.state]
   final = jax.ShapeDtypeStruct((B, H, K, V), F32)
   if save:
     out_shape = [final, jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
-    out_specs = [state, pl.BlockSpec((None, None, N * K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb)), vcols]
+    out_specs = [sp.state, sp.per_chunk_state, sp.vcols]
   else:
-    out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [vcols, state]
+    out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [sp.vcols, sp.state]
   kernel = functools.partial(_state_kernel, num_chunks=N, save=save, dtype=dt)
   num_warps = num_warps or (8 if block_v > 64 else 4)
   outs = triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,

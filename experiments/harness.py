@@ -1,0 +1,27 @@
+"""What the experiment scripts share: their argv check and the benchmarks' host timer."""
+import statistics
+import time
+
+import jax
+from absl import app, flags, logging
+
+
+def check_argv(argv):
+  """Rejects stray positional arguments; keeps absl's logging at WARNING unless --verbosity was given."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+
+
+def median_seconds(fn, *args, repeats: int, warmup: int = 2) -> float:
+  """Median wall time of `fn(*args)` by a host timer around `block_until_ready`, after `warmup` calls (the first
+  compiles)."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
