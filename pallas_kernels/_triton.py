@@ -9,8 +9,10 @@ from jax.experimental.pallas import triton as pltriton
 
 
 def interpret_mode() -> bool:
-  """Kernels run in interpret mode off the GPU (CI), or anywhere with K3JAX_PALLAS_INTERPRET=1."""
-  return os.environ.get("K3JAX_PALLAS_INTERPRET") == "1" or jax.default_backend() != "gpu"
+  """Kernels run in interpret mode off the GPU (CI). K3JAX_PALLAS_INTERPRET=1 forces it anywhere; =0 lowers for
+  the GPU anywhere (to export a GPU program from a CPU machine)."""
+  forced = os.environ.get("K3JAX_PALLAS_INTERPRET")
+  return forced == "1" if forced in ("0", "1") else jax.default_backend() != "gpu"
 
 
 def triton_call(kernel, *, grid, in_specs, out_specs, out_shape, name, num_warps=4, num_stages=2):

@@ -70,3 +70,25 @@ def test_repeated_keys_with_no_decay_are_exact():
   x["k"] = jnp.broadcast_to(x["k"][:, :1], x["k"].shape)
   x["g"], x["beta"] = jnp.full_like(x["g"], -1e-3), jnp.full_like(x["beta"], 0.99)
   _compare(x, S0, None, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
+
+
+def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
+  """Forward and backward lower through Pallas's Triton lowering here (interpret mode would not catch an op the
+  lowering lacks); the GPU is described as an H200."""
+  from jax._src.pallas.triton import pallas_call_registration
+  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                      lambda: pallas_call_registration.gpu_info_lib.GpuInfo(
+                          gpu_version=None, arch_name="9.0", compute_capability=90))
+  B, T, H, K, V = 1, 128, 2, 64, 64
+  shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H)]
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
+
+  def loss(q, k, v, g, beta, seg):
+    return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
+  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"],
+                               disabled_checks=[triton])(*args)
+  text = exported.mlir_module()
+  for name in ("kda_intra_fwd", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd"):
+    assert f'name = "{name}"' in text, name
