@@ -58,6 +58,48 @@ def time_train_step(config, *, steps: int, warmup: int) -> dict:
           "finite": bool(np.isfinite(loss)), "peak_gib": peak and max(peak) / 2 ** 30}
 
 
+def loss_curve(config, *, mesh: str, steps: int, warmup: int = 5) -> dict:
+  """The first `steps` losses of `config`'s first stage on the mesh `mesh` (same seed, data and global batch
+  whatever the mesh), and tokens/s over the steps after `warmup` (the first compiles)."""
+  if not 0 < warmup < steps:
+    raise ValueError(f"need 0 < warmup < steps, got warmup={warmup}, steps={steps}")
+  c = copy.deepcopy(config)
+  c.unlock()
+  c.mesh = mesh
+  run = trainer.Run(c)
+  stage = run.stages[0]
+  if steps > stage.steps:
+    raise ValueError(f"steps={steps} exceeds the first stage's {stage.steps} steps")
+  data = run.data[0]
+  state = run.init()
+  metrics, start = [], None
+  for i in range(steps):
+    if i == warmup:
+      jax.block_until_ready(metrics[-1])
+      start = time.perf_counter()
+    state, m = run.train_step(state, batches.train_batch(data, i, stage.batch_size, c.micro_batches, run.mesh))
+    metrics.append({"loss": m["loss"], "grad_norm": m["grad_norm"]})
+  jax.block_until_ready(metrics[-1])
+  elapsed = time.perf_counter() - start
+  metrics = jax.device_get(metrics)
+  del state
+  return {"mesh": mesh, "devices": run.mesh.size, "seq_len": stage.seq_len, "batch_size": stage.batch_size,
+          "losses": [float(m["loss"]) for m in metrics], "grad_norms": [float(m["grad_norm"]) for m in metrics],
+          "tokens_per_s": (steps - warmup) * stage.batch_size * stage.seq_len / elapsed,
+          "step_ms": 1e3 * elapsed / (steps - warmup)}
+
+
+def compare_curves(reference: dict, other: dict, *, tail: int = 50) -> dict:
+  """How far `other`'s losses are from `reference`'s (same steps): max relative gap over all steps, mean relative
+  gap and mean signed gap over the last `tail` steps, and the throughput scaling (1.0 = linear)."""
+  a, b = np.asarray(reference["losses"]), np.asarray(other["losses"])
+  rel = np.abs(b - a) / np.abs(a)
+  return {"mesh": other["mesh"], "devices": other["devices"], "max_rel_gap": float(rel.max()),
+          "tail_mean_rel_gap": float(rel[-tail:].mean()),
+          "tail_mean_gap": float((b - a)[-tail:].mean()),
+          "scaling": other["tokens_per_s"] / (reference["tokens_per_s"] * other["devices"] / reference["devices"])}
+
+
 def format_table(rows: list[dict]) -> str:
   head = f"{'variant':<10} {'T':>6} {'B':>4} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}"
   lines = [head]
