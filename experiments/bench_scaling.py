@@ -8,9 +8,6 @@ The first mesh is the reference. `scaling` = tokens/s ÷ (reference tokens/s × 
 Losses of bf16 training on different meshes differ by reduction order alone, so their gap should stay at bf16
 noise (a fraction of a percent) and show no drift over the steps.
 """
-import json
-import pathlib
-
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -23,7 +20,8 @@ _MESHES = flags.DEFINE_multi_string("mesh", ["data:1,expert:1", "data:1,expert:-
 _STEPS = flags.DEFINE_integer("steps", 200, "steps of the config's first stage")
 _WARMUP = flags.DEFINE_integer("warmup", 5, "steps before timing starts (the first compiles)")
 _TAIL = flags.DEFINE_integer("tail", 50, "last steps over which the mean loss gap is taken")
-_OUT = flags.DEFINE_string("out", None, "JSON file for the curves and the comparison")
+_THREADS = flags.DEFINE_integer("compile_threads", 0, "meshes compiled at once (0: all)")
+_OUT = flags.DEFINE_string("out", None, "JSON file for the curves and the comparison (rewritten after each curve)")
 flags.mark_flags_as_required(["config"])
 
 
@@ -33,20 +31,22 @@ def main(argv):
     raise app.UsageError("give at least two --mesh values: the reference and one to compare")
   if not 0 < _TAIL.value <= _STEPS.value:
     raise app.UsageError(f"--tail must be in [1, --steps], got {_TAIL.value}")
+  configs = [benchmark.variant(_CONFIG.value, mesh=mesh) for mesh in _MESHES.value]
+  print(f"compiling {len(configs)} meshes", flush=True)
+  compiled = benchmark.compile_runs(configs, threads=_THREADS.value or None)
   curves = []
-  for mesh in _MESHES.value:
-    curves.append(benchmark.loss_curve(_CONFIG.value, mesh=mesh, steps=_STEPS.value, warmup=_WARMUP.value))
+  for mesh, run in zip(_MESHES.value, compiled):
+    curves.append(benchmark.loss_curve(run, steps=_STEPS.value, warmup=_WARMUP.value))
     c = curves[-1]
-    print(f"mesh {mesh} ({c['devices']} devices): {c['tokens_per_s']:,.0f} tokens/s, {c['step_ms']:.1f} ms/step, "
-          f"loss {c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}", flush=True)
+    print(f"mesh {mesh} ({c['devices']} devices): compiled in {c['compile_s']:.0f} s, {c['tokens_per_s']:,.0f} "
+          f"tokens/s, {c['step_ms']:.1f} ms/step, loss {c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}", flush=True)
+    harness.write_json(_OUT.value, {"curves": curves})
   rows = [benchmark.compare_curves(curves[0], c, tail=_TAIL.value) for c in curves[1:]]
   print(f"{'mesh':<22} {'devices':>7} {'max rel gap':>11} {'tail rel gap':>12} {'tail gap':>9} {'scaling':>8}")
   for r in rows:
     print(f"{r['mesh']:<22} {r['devices']:>7} {r['max_rel_gap']:>11.4f} {r['tail_mean_rel_gap']:>12.4f} "
           f"{r['tail_mean_gap']:>+9.4f} {r['scaling']:>8.3f}", flush=True)
-  if _OUT.value:
-    pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(_OUT.value).write_text(json.dumps({"curves": curves, "comparison": rows}, indent=2) + "\n")
+  harness.write_json(_OUT.value, {"curves": curves, "comparison": rows})
 
 
 if __name__ == "__main__":

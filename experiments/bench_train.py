@@ -1,5 +1,5 @@
 """Training throughput (tokens/s, MFU) of a config at several sequence lengths, with its own layer pattern and
-with every layer MLA (or KDA), all in one process:
+with every layer MLA (or KDA), all in one process; the variants compile concurrently first:
 
   python -m experiments.bench_train --config=experiments/configs/small.py --seq_lens=4096,16384 \
       --tokens_per_step=65536 --patterns=config,mla --out=$OUT/bench_train.json
@@ -21,23 +21,24 @@ _SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "16384"], "sequence lengths")
 _TOKENS = flags.DEFINE_integer("tokens_per_step", 65536, "tokens per step (batch = tokens / seq_len)")
 _PATTERNS = flags.DEFINE_list("patterns", ["config", "mla"], f"layer patterns: {sorted(benchmark.PATTERNS)}")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "steps before timing (the first compiles)")
-_OUT = flags.DEFINE_string("out", None, "JSON file for the results")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps first")
+_THREADS = flags.DEFINE_integer("compile_threads", 0, "variants compiled at once (0: all)")
+_OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   harness.check_argv(argv)
+  names = [(p, int(t)) for p in _PATTERNS.value for t in _SEQ_LENS.value]
+  configs = [benchmark.variant(_CONFIG.value, pattern=p, seq_len=t, tokens_per_step=_TOKENS.value) for p, t in names]
+  print(f"compiling {len(configs)} variants", flush=True)
+  compiled = benchmark.compile_runs(configs, threads=_THREADS.value or None)
   rows = []
-  for pattern in _PATTERNS.value:
-    for seq_len in map(int, _SEQ_LENS.value):
-      config = benchmark.variant(_CONFIG.value, pattern=pattern, seq_len=seq_len, tokens_per_step=_TOKENS.value)
-      rows.append({"variant": pattern, **benchmark.time_train_step(config, steps=_STEPS.value, warmup=_WARMUP.value)})
-      print(benchmark.format_table(rows[-1:]).splitlines()[-1], flush=True)
+  for (pattern, _), c in zip(names, compiled):
+    rows.append({"variant": pattern, **benchmark.time_train_step(c, steps=_STEPS.value, warmup=_WARMUP.value)})
+    print(benchmark.format_table(rows[-1:]).splitlines()[-1], flush=True)
+    harness.write_json(_OUT.value, rows)
   print(benchmark.format_table(rows), flush=True)
-  if _OUT.value:
-    pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(_OUT.value).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """What the experiment scripts share: their argv check and the benchmarks' host timer."""
+import json
+import pathlib
 import statistics
 import time
 
@@ -25,3 +27,10 @@ def median_seconds(fn, *args, repeats: int, warmup: int = 2) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def write_json(path: str | None, obj) -> None:
+  """Writes `obj` as JSON to `path` (creating its folder); nothing when `path` is empty."""
+  if path:
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(obj, indent=2) + "\n")
