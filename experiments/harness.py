@@ -1,5 +1,6 @@
 """What the experiment scripts share: their argv check and the benchmarks' host timer."""
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -34,3 +35,10 @@ def write_json(path: str | None, obj) -> None:
   if path:
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def enable_compilation_cache(directory: str) -> None:
+  """Keeps compiled programs under `directory` (a GPU train step takes minutes to compile), so a restarted run
+  starts at once; `JAX_COMPILATION_CACHE_DIR`, when set, wins; an empty `directory` leaves the cache off."""
+  if directory and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir", directory)

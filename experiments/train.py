@@ -9,6 +9,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import harness
+from k3jax.data import corpus
 from k3jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -18,11 +19,14 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "call jax.distributed.ini
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (with --distributed)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "number of processes (with --distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index (with --distributed)")
+_CACHE = flags.DEFINE_string("compilation_cache", str(corpus.default_cache_dir() / "xla"),
+                             "directory of JAX's persistent compilation cache ('': none)")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   harness.check_argv(argv)
+  harness.enable_compilation_cache(_CACHE.value)
   if _DISTRIBUTED.value:
     trainer.init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   trainer.train(_CONFIG.value, _WORKDIR.value, stage=_STAGE.value)
