@@ -118,6 +118,9 @@ def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, e
   e_loc = num_experts // ep
   order, counts_E = sort_by_expert(expert_ids_TK, num_experts)
   x_sorted = z_TL[order // k]
+  if ep == 1:  # every expert is local: no exchange (a one-device all-to-all would still copy every row twice)
+    y_sorted = expert_fn(x_sorted, counts_E, *expert_weights)
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
 
   # counts_SE[s, e]: slots device s (along `expert`) routes to expert e. Receivers lay rows out by local expert,
   # then by source device: expert e's rows from source s start at start_E[e] + before_SE[s, e].
