@@ -229,10 +229,12 @@ def per_kernel_times(x, do, shape):
                     kda.kda_gate(x["g_raw"], x["A_log"], x["dt_bias"], lower_bound=lb))
   cases = [("prepass", {}, prep, (x,))]
   warps = (4, 8) if FLAGS.sweep else (8,)
-  for nw in warps:
-    cases.append(("intra_fwd", dict(num_warps=nw),
-                  lambda *a, nw=nw: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb, num_warps=nw),
-                  (q, k, v, g, beta)))
+  for variant in ("v3", "v4"):
+    for nw in warps + ((16,) if FLAGS.sweep else ()):
+      cases.append(("intra_fwd", dict(variant=variant, num_warps=nw),
+                    lambda *a, nw=nw, variant=variant: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb,
+                                                                         num_warps=nw, variant=variant),
+                    (q, k, v, g, beta)))
   for b in sorted({16, 32, 64, 128, bv}) if FLAGS.sweep else (bv,):
     for nw in ((4, 8) if b >= 64 else (4,)) if FLAGS.sweep else (None,):
       if b <= D:

@@ -1,4 +1,6 @@
 """Pallas KDA kernels (interpret mode on CPU) against the recurrence: outputs and every gradient (SPEC.md §8)."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import pytest
 from k3jax.ops import kda
 from kda_testing import random_inputs, rel_err
 from k3jax.numerics import kda_outputs_and_grads
+from pallas_kernels.kda import fwd
 
 # (B, T, H, K, V): T not a multiple of the 64-token chunk; K = V = 32 keeps interpret mode fast.
 SHAPE = (1, 100, 2, 32, 32)
@@ -32,8 +35,10 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
+@pytest.mark.parametrize("variant", ["v3", "v4"])
 @pytest.mark.parametrize("saturate", [None, -5.0])
-def test_bf16_outputs_and_grads_within_spec_tolerances(saturate):
+def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
+  monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant))
   x, S0, _ = random_inputs(22, *SHAPE, dtype=jnp.bfloat16, saturate=saturate)
   _compare(x, S0, None, BF16_TOL.get)
 
@@ -72,6 +77,24 @@ def test_repeated_keys_with_no_decay_are_exact():
   _compare(x, S0, None, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
+@pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
+def test_intra_forward_variants_agree(case):
+  """v4 (M in registers) gives v3's eight outputs to fp32 rounding."""
+  B, T, H, K, V = 1, 128, 2, 32, 32
+  x, _, _ = random_inputs(26, B, T, H, K, V, saturate=-5.0 if case == "gates_at_bound" else None)
+  reset = None
+  if case == "random_with_resets":   # mid-tile, at a tile start, at a chunk start, two in one tile
+    reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 16, 37, 41, 64, 100])].set(1)
+  if case == "repeated_keys":
+    x["k"] = jnp.broadcast_to(x["k"][:, :1], x["k"].shape)
+    x["g"], x["beta"] = jnp.full_like(x["g"], -1e-3), jnp.full_like(x["beta"], 0.99)
+  run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
+  outs, ref = run("v4"), run("v3")
+  chex.assert_tree_all_finite(outs)
+  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv"), outs, ref):
+    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
 def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   """Forward and backward lower through Pallas's Triton lowering here (interpret mode would not catch an op the
   lowering lacks); the GPU is described as an H200."""
@@ -92,3 +115,8 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   text = exported.mlir_module()
   for name in ("kda_intra_fwd", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd"):
     assert f'name = "{name}"' in text, name
+  for dtype in (jnp.bfloat16, jnp.float32):   # the forward variant, in both precisions of its products
+    v4 = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant="v4")
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
+    text = jax.export.export(jax.jit(v4), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
+    assert 'name = "kda_intra_fwd_v4"' in text

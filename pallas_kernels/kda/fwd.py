@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load, masked, mm, mm_t, store, t_mm,
-                                      unit_lower_inverse_16)
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, diag_blocks_inverse, iota, load, masked, mm, mm_t,
+                                      store, t_mm, tile_of_row, unit_lower_inverse_16)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
@@ -57,13 +57,56 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
   store(w_ref, None, mm(M, beta * gamma * load(k_ref), F32, exact))
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
+def _intra_kernel_v4(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v3's algebra with M built in registers: B goes to memory once (it is an output) and comes back whole, the four
+  diagonal inverses run as one substitution, the off-diagonal blocks of M come from two doubling steps, and M is
+  written but never read back."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref = refs
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  exact = dtype == F32
+  e_k = gates.e_k()
+
+  # 1. Rows of A_qk and B, query tile I against the chunk's keys for anchor I: those for anchor I-1 decayed over
+  #    tile I-1 (rows of earlier tiles), tile I's own keys, zeros after.
+  kek, t = load(k_ref) * e_k, tile_of_row()
+  keys = jnp.where(t == 0, kek, 0.0)
+  for i in range(NT):
+    if i:
+      keys = jnp.where(t == i, kek, keys * jnp.exp(gates.tot[i - 1]))
+    e_q = gates.e_q(i)
+    q_i, k_i = load(q_ref, i), load(k_ref, i)
+    store(aqk_ref, i, masked(scale * mm_t(q_i * e_q, keys, dtype), gates.row_mask(i, False)))
+    store(kk_ref, i, masked(mm_t(k_i * e_q, keys, dtype), gates.row_mask(i, True)))
+  gamma = gates.gamma()
+  store(qs_ref, None, scale * load(q_ref) * gamma)
+  store(kd_ref, None, load(k_ref) * gates.to_end(e_k))
+  decay_ref[...] = gates.decay().reshape(decay_ref.shape)
+  barrier()
+
+  # 2. M = (I + βB)⁻¹: exact diagonal blocks, then X ← X − X L X with L the blocks of βB between the 16-row halves
+  #    of each 32-row half, then between the 32-row halves. Products in fp32 (tf32 on bf16 inputs), as v3's.
+  beta = load(beta_ref)[:, None]
+  a = beta * load(kk_ref)
+  tr, tc = tile_of_row(), iota((1, CHUNK), 1) // SUB
+  x = diag_blocks_inverse(a)
+  for outside in ((tr // 2 == tc // 2) & (tr != tc), tr // 2 != tc // 2):
+    x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
+  store(minv_ref, None, x)
+
+  # 3. U = M βV and W = M βΓK with M unrounded, as v3.
+  store(u_ref, None, mm(x, beta * load(v_ref), F32, exact))
+  store(w_ref, None, mm(x, beta * gamma * load(k_ref), F32, exact))
+
+
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8, variant="v3"):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
   and B = A_kk/β and M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix), which the
   backward reads.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
-  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv.
+  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v3" (M through memory, row by row) or
+  "v4" (M in registers, `_intra_kernel_v4`); same outputs.
   """
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -80,10 +123,11 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
                shape(CHUNK, F32), shape(CHUNK, F32)]
   out_specs = [row(K), row(V), row(K), row(K), row(CHUNK),
                pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK)]
-  kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                             dtype=dt)
+  body = {"v3": _intra_kernel, "v4": _intra_kernel_v4}[variant]
+  kernel = functools.partial(body, scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=dt)
   return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="kda_intra_fwd", num_warps=num_warps, num_stages=1)(*args)
+                     name="kda_intra_fwd" + ("" if variant == "v3" else "_" + variant), num_warps=num_warps,
+                     num_stages=1)(*args)
 
 
 def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out_refs, num_chunks, save, dtype):
