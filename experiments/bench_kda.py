@@ -247,10 +247,14 @@ def per_kernel_times(x, do, shape):
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
-  for nw in warps:
-    cases.append(("intra_bwd", dict(num_warps=nw),
-                  lambda *a, nw=nw: bwd.intra_backward(*a, scale=scale, lower_bound=lb, num_warps=nw),
-                  (q, k, v, g, beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
+  for variant, block_ks in (("v3", (None,)), ("v4", (32, 64) if FLAGS.sweep else (64,))):
+    for nw in warps + ((16,) if FLAGS.sweep else ()):
+      for bk in block_ks:
+        extra = {} if bk is None else dict(block_k=bk)
+        cases.append(("intra_bwd", dict(variant=variant, num_warps=nw, **extra),
+                      lambda *a, nw=nw, variant=variant, extra=extra: bwd.intra_backward(
+                          *a, scale=scale, lower_bound=lb, num_warps=nw, variant=variant, **extra),
+                      (q, k, v, g, beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
   rows = []
   for name, params, fn, args in cases:
     try:

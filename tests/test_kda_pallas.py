@@ -9,7 +9,7 @@ import pytest
 from k3jax.ops import kda
 from kda_testing import random_inputs, rel_err
 from k3jax.numerics import kda_outputs_and_grads
-from pallas_kernels.kda import fwd
+from pallas_kernels.kda import bwd, fwd
 
 # (B, T, H, K, V): T not a multiple of the 64-token chunk; K = V = 32 keeps interpret mode fast.
 SHAPE = (1, 100, 2, 32, 32)
@@ -35,10 +35,13 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("variant", ["v3", "v4"])
-@pytest.mark.parametrize("saturate", [None, -5.0])
+@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v4"), (-5.0, "v4"),
+                                              (-5.0, "v4_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
-  monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant))
+  if variant == "v4_bwd":   # K = 32 in two column blocks
+    monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v4", block_k=16))
+  else:
+    monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant))
   x, S0, _ = random_inputs(22, *SHAPE, dtype=jnp.bfloat16, saturate=saturate)
   _compare(x, S0, None, BF16_TOL.get)
 
@@ -95,6 +98,32 @@ def test_intra_forward_variants_agree(case):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
+def test_intra_backward_variants_agree(case):
+  """v4 (a row pass, then a column pass) gives v3's five gradients to fp32 rounding. Gates at the bound run with
+  all K in one column block: there dg cancels ~500x, so the CPU's rounding of the same products in another
+  blocking (not a difference of algebra) shows as 2.6e-5."""
+  B, T, H, K, V = 1, 128, 1, 32, 32
+  x, _, _ = random_inputs(27, B, T, H, K, V, saturate=-5.0 if case == "gates_at_bound" else None)
+  reset = None
+  if case == "random_with_resets":   # mid-tile, at a tile start, at a chunk start, two in one tile
+    reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 16, 37, 41, 64, 100])].set(1)
+  if case == "repeated_keys":
+    x["k"] = jnp.broadcast_to(x["k"][:, :1], x["k"].shape)
+    x["g"], x["beta"] = jnp.full_like(x["g"], -1e-3), jnp.full_like(x["beta"], 0.99)
+  kw = dict(scale=K ** -0.5, lower_bound=-5.0)
+  w, u, _, _, _, _, kk, minv = fwd.intra_forward(*x.values(), reset, **kw)
+  ks = jax.random.split(jax.random.PRNGKey(28), 7)
+  vn, dvn, do = (jax.random.normal(ks[i], (B, T, H, V)) for i in range(3))
+  dw, dqs, dkd = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3, 6))
+  dd = jax.random.normal(ks[6], (B, T // 64, H, K))
+  run = lambda **v: bwd.intra_backward(*x.values(), reset, u, w, kk, minv, vn, dvn, do, dw, dqs, dkd, dd, **kw, **v)
+  outs = run(variant="v4", block_k=K if case == "gates_at_bound" else K // 2)
+  chex.assert_tree_all_finite(outs)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs, run()):
+    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
 def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   """Forward and backward lower through Pallas's Triton lowering here (interpret mode would not catch an op the
   lowering lacks); the GPU is described as an H200."""
@@ -120,3 +149,8 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
     text = jax.export.export(jax.jit(v4), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
     assert 'name = "kda_intra_fwd_v4"' in text
+  monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v4", block_k=32))
+  text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"],
+                           disabled_checks=[triton])(*args).mlir_module()
+  for name in ("kda_intra_bwd_v4_rows", "kda_intra_bwd_v4_cols"):
+    assert f'name = "{name}"' in text, name

@@ -134,10 +134,101 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref
     later = later + tot
 
 
+def _intra_bwd_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
+                           dw_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v4, first pass: everything that contracts over K or V (dv, dβ, dA_qk, dB, and dKw = βΓ ⊙ dX_k for the
+  column pass), one query tile at a time with nothing carried between tiles."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = refs
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  exact = dtype == F32
+  for i in range(NT):
+    beta_i = load(beta_ref, i)[:, None]
+    gamma = gates.gamma_tile(i, gates.e_q(i))
+    m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
+    dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
+    dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), gates.row_mask(i, True))
+    store(dv_ref, i, beta_i * dXv)
+    store(dbeta_ref, i, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
+          + jnp.sum(dA * load(kk_ref, i), axis=1))
+    store(dB_ref, i, beta_i * dA)
+    store(dAqk_ref, i, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), gates.row_mask(i, False)))
+    store(dkw_ref, i, beta_i * gamma * dXk)
+
+
+def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale,
+                           lower_bound, has_reset, dtype):
+  """v4, second pass over a block of K columns (every term is column-separable): per tile J, last first, the
+  query-side products of rows J and the key-side products of columns J of dA_qk and dB, then dq, dk and dg of
+  tile J, so no tile is carried to a later one."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  dq_ref, dk_ref, dg_ref = refs
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  rounded = lambda a: a.astype(dtype).astype(F32)
+  te_dkd = lambda j: load(k_ref, j) * gates.to_end_tile(j, gates.e_k(j)) * load(dkd_ref, j)
+  later = gates.decay() * dd_ref[...].reshape(1, -1)
+  for j in range(NT):
+    later += jnp.sum(te_dkd(j), axis=0, keepdims=True)
+  for j in reversed(range(NT)):
+    e_q, e_k_j = gates.e_q(j), gates.e_k(j)
+    q_j, k_j = load(q_ref, j), load(k_ref, j)
+    gamma = gates.gamma_tile(j, e_q)
+    keys = load(k_ref) * gates.e_k() * gates.anchor_scale(j)
+    dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
+    dqs = load(dqs_ref, j)
+    store(dq_ref, j, dqh * e_q + scale * gamma * dqs)
+    scale_j = gates.e_q() * gates.anchor_scale_t(j)
+    cols = (slice(None), pl.ds(j * SUB, SUB))
+    dkeys = t_mm(dAqk_ref[cols], load(q_ref) * scale_j, dtype) + t_mm(dB_ref[cols], load(k_ref) * scale_j, dtype)
+    te = gates.to_end_tile(j, e_k_j)
+    dkw = load(dkw_ref, j)
+    store(dk_ref, j, dkh * e_q + dkw + dkeys * e_k_j + te * load(dkd_ref, j))
+    dG = (dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
+          - dkeys * rounded(k_j * e_k_j) - te_dkd(j))
+    tot = jnp.sum(dG, axis=0, keepdims=True)
+    store(dg_ref, j, tot - jnp.cumsum(dG, axis=0) + dG + later)
+    later = later + tot
+
+
+def _intra_backward_v4(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
+                       lower_bound, num_warps, block_k):
+  """Two launches: the row pass (grid chunks x heads) and the column pass (grid chunks x heads x K blocks)."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  N = T // CHUNK
+  block_k = min(block_k, K)
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
+  res = [pl.BlockSpec((None, CHUNK), lambda n, bh, *_: (bh // H, n))] if reset is not None else []
+  opt = [reset] if reset is not None else []
+  flags = dict(scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=q.dtype)
+  shape = lambda d, dtype: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  dv, dbeta, dAqk, dB, dkw = triton_call(
+      functools.partial(_intra_bwd_rows_kernel, **flags), grid=(N, B * H),
+      in_specs=[row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V), row(K)]
+      + res, out_specs=[row(V), tok, row(CHUNK), row(CHUNK), row(K)],
+      out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, F32), shape(CHUNK, F32),
+                 shape(K, F32)], name="kda_intra_bwd_v4_rows", num_warps=num_warps, num_stages=1)(
+                     k, v, g, beta, u, w, kk, minv, v_new, dv_new, do, dw, *opt)
+  col = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
+  full = pl.BlockSpec((None, CHUNK, None, CHUNK), lambda n, bh, kb: (bh // H, n, bh % H, 0))
+  dd_spec = pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
+  dq, dk, dg = triton_call(
+      functools.partial(_intra_bwd_cols_kernel, **flags), grid=(N, B * H, K // block_k),
+      in_specs=[col, col, col, full, full, col, col, col, dd_spec] + res, out_specs=[col, col, col],
+      out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v4_cols",
+      num_warps=num_warps, num_stages=1)(q, k, g, dAqk, dB, dkw, dqs, dkd, dd, *opt)
+  return dq, dk, dv, dg, dbeta
+
+
 def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
-                   lower_bound, num_warps=8):
+                   lower_bound, num_warps=8, variant="v3", block_k=64):
   """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's U, W, B and M, the state pass's v_new and
-  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay)."""
+  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v3" (one kernel) or "v4"
+  (a row pass and a column pass over `block_k` columns, `_intra_backward_v4`); same outputs."""
+  if variant == "v4":
+    return _intra_backward_v4(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
+                              scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k)
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
