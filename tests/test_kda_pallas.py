@@ -80,17 +80,24 @@ def test_repeated_keys_with_no_decay_are_exact():
   _compare(x, S0, None, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
-def test_intra_forward_variants_agree(case):
-  """v4 (M in registers) gives v3's eight outputs to fp32 rounding."""
-  B, T, H, K, V = 1, 128, 2, 32, 32
-  x, _, _ = random_inputs(26, B, T, H, K, V, saturate=-5.0 if case == "gates_at_bound" else None)
+def variant_case(seed, case, B, T, H, K, V):
+  """Inputs (dict, reset mask) of the variant-agreement cases: random with resets (mid-tile, at a tile start, at a
+  chunk start, two in one tile), every gate at the bound, or repeated keys with no decay."""
+  x, _, _ = random_inputs(seed, B, T, H, K, V, saturate=-5.0 if case == "gates_at_bound" else None)
   reset = None
-  if case == "random_with_resets":   # mid-tile, at a tile start, at a chunk start, two in one tile
+  if case == "random_with_resets":
     reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 16, 37, 41, 64, 100])].set(1)
   if case == "repeated_keys":
     x["k"] = jnp.broadcast_to(x["k"][:, :1], x["k"].shape)
     x["g"], x["beta"] = jnp.full_like(x["g"], -1e-3), jnp.full_like(x["beta"], 0.99)
+  return x, reset
+
+
+@pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
+def test_intra_forward_variants_agree(case):
+  """v4 (M in registers) gives v3's eight outputs to fp32 rounding."""
+  B, T, H, K, V = 1, 128, 2, 32, 32
+  x, reset = variant_case(26, case, B, T, H, K, V)
   run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
   outs, ref = run("v4"), run("v3")
   chex.assert_tree_all_finite(outs)
@@ -104,13 +111,7 @@ def test_intra_backward_variants_agree(case):
   all K in one column block: there dg cancels ~500x, so the CPU's rounding of the same products in another
   blocking (not a difference of algebra) shows as 2.6e-5."""
   B, T, H, K, V = 1, 128, 1, 32, 32
-  x, _, _ = random_inputs(27, B, T, H, K, V, saturate=-5.0 if case == "gates_at_bound" else None)
-  reset = None
-  if case == "random_with_resets":   # mid-tile, at a tile start, at a chunk start, two in one tile
-    reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 16, 37, 41, 64, 100])].set(1)
-  if case == "repeated_keys":
-    x["k"] = jnp.broadcast_to(x["k"][:, :1], x["k"].shape)
-    x["g"], x["beta"] = jnp.full_like(x["g"], -1e-3), jnp.full_like(x["beta"], 0.99)
+  x, reset = variant_case(27, case, B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
   w, u, _, _, _, _, kk, minv = fwd.intra_forward(*x.values(), reset, **kw)
   ks = jax.random.split(jax.random.PRNGKey(28), 7)
