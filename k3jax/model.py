@@ -17,7 +17,7 @@ from k3jax import config as config_lib
 from k3jax.layers import attnres
 from k3jax.layers.common import RMSNorm, normal_param
 from k3jax.layers.ffn import SiTUGLU
-from k3jax.layers.kda import KDALayer
+from k3jax.layers.kda import KDA_OUT, KDALayer
 from k3jax.layers.mla import GatedMLA
 
 
@@ -71,10 +71,10 @@ class DecoderLayer(nnx.Module):
 def _remat_layer(layer, stream, segment_ids_BT):
   """A decoder layer rematerialised in the backward pass. The layer's forward mutates nothing, so it runs as a pure
   function of its state under `jax.checkpoint` (`nnx.remat` would write every variable back, the balancer state
-  too, which lives outside the gradient's trace and may not be written from inside it)."""
+  too, which lives outside the gradient's trace and may not be written from inside it). The KDA output is kept."""
   graphdef, state = nnx.split(layer)
-  return jax.checkpoint(lambda st, s, seg: nnx.merge(graphdef, st)(s, segment_ids_BT=seg))(
-      state, stream, segment_ids_BT)
+  return jax.checkpoint(lambda st, s, seg: nnx.merge(graphdef, st)(s, segment_ids_BT=seg),
+                        policy=jax.checkpoint_policies.save_only_these_names(KDA_OUT))(state, stream, segment_ids_BT)
 
 
 class K3Model(nnx.Module):

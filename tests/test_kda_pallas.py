@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax.ops import kda
-from kda_testing import random_inputs, rel_err
+from kda_testing import cuda_module_text, random_inputs, rel_err
 from k3jax.numerics import kda_outputs_and_grads
 from pallas_kernels.kda import bwd, fwd
 
@@ -128,30 +128,21 @@ def test_intra_backward_variants_agree(case):
 def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   """Forward and backward lower through Pallas's Triton lowering here (interpret mode would not catch an op the
   lowering lacks); the GPU is described as an H200."""
-  from jax._src.pallas.triton import pallas_call_registration
-  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")
-  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                      lambda: pallas_call_registration.gpu_info_lib.GpuInfo(
-                          gpu_version=None, arch_name="9.0", compute_capability=90))
   B, T, H, K, V = 1, 128, 2, 64, 64
   shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H)]
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
 
   def loss(q, k, v, g, beta, seg):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
-  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"],
-                               disabled_checks=[triton])(*args)
-  text = exported.mlir_module()
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+  text = cuda_module_text(monkeypatch, grads, *args)
   for name in ("kda_intra_fwd", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd"):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variant, in both precisions of its products
     v4 = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant="v4")
-    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
-    text = jax.export.export(jax.jit(v4), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
-    assert 'name = "kda_intra_fwd_v4"' in text
+    v4_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
+    assert 'name = "kda_intra_fwd_v4"' in cuda_module_text(monkeypatch, v4, *v4_args)
   monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v4", block_k=32))
-  text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"],
-                           disabled_checks=[triton])(*args).mlir_module()
+  text = cuda_module_text(monkeypatch, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)  # a new function: no trace cache
   for name in ("kda_intra_bwd_v4_rows", "kda_intra_bwd_v4_cols"):
     assert f'name = "{name}"' in text, name

@@ -9,7 +9,7 @@ from flax import nnx
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats
 from k3jax.model import K3Model, ModelCache, z_loss
-from kda_testing import rel_err
+from kda_testing import cuda_module_text, rel_err
 from model_testing import MODEL, T, T0, abstract, random_module, segments, shared_model, small_config
 
 # fp32 roundoff compounded over layers (chunked vs recurrent KDA, standard vs absorbed MLA) on random weights
@@ -100,6 +100,20 @@ def test_remat_gives_the_same_loss_and_gradients():
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     assert rel_err(b, a) < 1e-4
   assert float(jnp.max(jnp.abs(g1["layers"][0]["ffn_res"]["query"][...]))) > 0    # gradients reach the queries
+
+
+def test_remat_keeps_the_kda_output_so_its_kernels_run_forward_twice_not_three_times(monkeypatch):
+  # The kernels' VJP recomputes the KDA forward from the layer's inputs; without the kept output, remat's
+  # recomputation of the layer would run the forward kernels a third time. Counted in the program lowered for CUDA.
+  changes = {**MODEL, "num_layers": 2, "layer_pattern": ("kda",), "last_layer": "kda", "moe.enabled": False,
+             "kda.backend": "pallas"}
+  counts = []
+  for remat in (False, True):
+    model = nnx.eval_shape(lambda: K3Model(small_config(remat=remat, **changes), rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
+    counts.append(cuda_module_text(monkeypatch, jax.grad(loss), params).count('name = "kda_intra_fwd"'))
+  assert counts == [4, 4], counts
 
 
 def test_tied_head_shares_the_embedding():

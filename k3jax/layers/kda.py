@@ -16,12 +16,17 @@ import math
 
 import flax.struct
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import config as config_lib
 from k3jax.layers.common import Linear, RMSNorm, normal_param
 from k3jax.ops.kda import fused_kda, kda_decode_step, kda_gate, l2_normalize
+
+# The KDA output, kept by the decoder's remat policy: the kernels' VJP needs only the layer's inputs, so with o kept
+# the backward recomputes the KDA forward once (inside the VJP) instead of twice.
+KDA_OUT = "kda_out"
 
 
 @flax.struct.dataclass
@@ -86,7 +91,7 @@ class KDALayer(nnx.Module):
     raw, _ = self._projections(x_BTD, None, segment_ids_BT)
     o, _ = fused_kda(*raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound,
                      segment_ids=segment_ids_BT, backend=self.backend)
-    return self._output(o, x_BTD)
+    return self._output(checkpoint_name(o, KDA_OUT), x_BTD)
 
   def init_cache(self, batch: int, max_len: int | None = None) -> KDACache:
     """The empty state (before any token); `max_len` is unused (the state does not grow)."""
