@@ -134,7 +134,7 @@ def run_ablation(config, workdir, methods, *, steps: int, seed: int) -> dict:
   table = {"steps": steps, "seed": seed, "optimal_loss": optimal_loss,
            "moe_layers": [i for i in range(model.num_layers) if config_lib.uses_moe(model, i)],
            "max_vio_bound": model.moe.num_experts / model.moe.top_k - 1, "methods": results}
-  (workdir / "balance_ablation.json").write_text(json.dumps(table, indent=2) + "\n")
+  harness.write_json(str(workdir / "balance_ablation.json"), table)
   plot(table, workdir / "balance_ablation.png")
   return table
 

@@ -16,7 +16,6 @@ Times: host timer around `block_until_ready`, median of --repeats after warm-up.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -342,9 +341,7 @@ def main(argv):
   results["wall_s"] = time.perf_counter() - start
   results["summary"] = table = summary(results, shapes)
   print(table, flush=True)
-  if os.environ.get("OUT"):
-    with open(os.path.join(os.environ["OUT"], "bench_moe.json"), "w") as f:
-      json.dump(results, f, indent=1)
+  harness.write_json(os.environ.get("OUT") and os.path.join(os.environ["OUT"], "bench_moe.json"), results)
   print(f"total {results['wall_s']:.0f} s; {'OK' if ok else 'FAILED (see above)'}", flush=True)
   sys.exit(0 if ok else 1)
 

@@ -4,7 +4,6 @@
 uses the config saved in the checkpoint; the result is printed and written as JSON to `--output`
 (default DIR/eval_stage<N>_step<S>.json).
 """
-import json
 import pathlib
 
 from absl import app, flags
@@ -31,8 +30,7 @@ def main(argv):
   result = trainer.evaluate_checkpoint(_WORKDIR.value, stage=_STAGE.value, step=_STEP.value,
                                        overrides={k: v for k, v in overrides.items() if v is not None})
   default = pathlib.Path(_WORKDIR.value) / f"eval_stage{result['stage']}_step{result['step']}.json"
-  out = pathlib.Path(_OUTPUT.value or default)
-  out.write_text(json.dumps(result, indent=2) + "\n")
+  harness.write_json(_OUTPUT.value or str(default), result)
 
 
 if __name__ == "__main__":

@@ -110,17 +110,29 @@ def sort_by_expert(expert_ids_TK, num_experts: int):
   return order, jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
 
 
+def local_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, expert_fn: Callable):
+  """Every token-slot's expert output `[T, k, L]` with every expert on this device: sort the slots by expert, run
+  `expert_fn` on them (see `expert_parallel_slot_outputs`), unsort."""
+  t, k = expert_ids_TK.shape
+  order, counts_E = sort_by_expert(expert_ids_TK, num_experts)
+  return _unsort(expert_fn(z_TL[order // k], counts_E, *expert_weights), order, t, k)
+
+
+def _unsort(y_sorted, order, t, k):
+  """Rows sorted by expert back to the slots they came from, `[T, k, L]`."""
+  return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+
+
 def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, expert_fn: Callable, a2a_impl: str):
   """Per device (inside shard_map): every local slot's expert output, `[T, k, L]`."""
   t, k = expert_ids_TK.shape
   ep = jax.lax.axis_size(EXPERT)
   me = jax.lax.axis_index(EXPERT)
+  if ep == 1:  # every expert is local: no exchange (a one-device all-to-all would still copy every row twice)
+    return local_slot_outputs(z_TL, expert_ids_TK, expert_weights, num_experts=num_experts, expert_fn=expert_fn)
   e_loc = num_experts // ep
   order, counts_E = sort_by_expert(expert_ids_TK, num_experts)
   x_sorted = z_TL[order // k]
-  if ep == 1:  # every expert is local: no exchange (a one-device all-to-all would still copy every row twice)
-    y_sorted = expert_fn(x_sorted, counts_E, *expert_weights)
-    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
 
   # counts_SE[s, e]: slots device s (along `expert`) routes to expert e. Receivers lay rows out by local expert,
   # then by source device: expert e's rows from source s start at start_E[e] + before_SE[s, e].
@@ -145,7 +157,7 @@ def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, e
       (my_start_J[None, :] + my_before_SJ).reshape(-1), mine_SJ.reshape(-1),
       jax.lax.dynamic_slice_in_dim(src_offsets_SE, me * e_loc, e_loc, axis=1).reshape(-1), counts_E,
       axis_name=EXPERT, impl=a2a_impl)
-  return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+  return _unsort(y_sorted, order, t, k)
 
 
 def expert_parallel_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, mesh: Mesh, num_experts: int,

@@ -22,7 +22,7 @@ from flax import nnx
 
 from k3jax import config as config_lib
 from k3jax.layers.common import Linear, RMSNorm, normal_param
-from k3jax.ops.kda import fused_kda, kda_decode_step, kda_gate, l2_normalize
+from k3jax.ops.kda import fused_inputs, fused_kda, kda_decode_step
 
 # The KDA output, kept by the decoder's remat policy: the kernels' VJP needs only the layer's inputs, so with o kept
 # the backward recomputes the KDA forward once (inside the VJP) instead of twice.
@@ -111,9 +111,9 @@ class KDALayer(nnx.Module):
     """One token through the recurrence; `pos` is unused (the state carries position)."""
     del pos
     (q, k, v, g_raw, beta_logits), conv = self._projections(x_B1D, cache.conv_BWC, None)
-    g = kda_gate(g_raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound)
-    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
-    o, S = kda_decode_step(l2_normalize(q), l2_normalize(k), v, g, beta, cache.state_BHKV)
+    q, k, g, beta = fused_inputs(q, k, g_raw, beta_logits, self.A_log[...], self.dt_bias[...],
+                                 lower_bound=self.lower_bound)
+    o, S = kda_decode_step(q, k, v, g, beta, cache.state_BHKV)
     return self._output(o, x_B1D), KDACache(conv, S)
 
   def _projections(self, x_BTD, conv_state, segment_ids_BT):

@@ -10,6 +10,8 @@ hidden units.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -69,14 +71,6 @@ def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, backend: str =
   return grouped_matmul(situ_glu(ab_MF[:, :h], ab_MF[:, h:]), w_down_GHL, group_sizes_G, backend=backend)
 
 
-def slot_outputs(z_TL, expert_ids_TK, w_gate_up_ELF, w_down_EHL, *, backend: str = "auto"):
-  """Every token-slot's expert output `[T, k, ℓ]` on one device: sort slots by expert, grouped GEMMs, unsort."""
-  t, k = expert_ids_TK.shape
-  order, sizes_E = parallel.sort_by_expert(expert_ids_TK, w_gate_up_ELF.shape[0])
-  y_sorted = expert_ffn(z_TL[order // k], sizes_E, w_gate_up_ELF, w_down_EHL, backend=backend)
-  return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
-
-
 class LatentMoE(nnx.Module):
   """The MoE FFN: `(x_BTD) -> (y_BTD, MoEStats)`. The balancer bias is a `BalancerState`, never a Param."""
 
@@ -109,12 +103,12 @@ class LatentMoE(nnx.Module):
     z_TL = self.latent_down(x_TD)
     e, l, _, h = self.w_gate_up.shape
     experts = (self.w_gate_up[...].reshape(e, l, 2 * h).astype(self.dtype), self.w_down[...].astype(self.dtype))
+    expert_fn = functools.partial(expert_ffn, backend=self.backend)
     if self.mesh is None:
-      y_TKL = slot_outputs(z_TL, ids_TK, *experts, backend=self.backend)
+      y_TKL = parallel.local_slot_outputs(z_TL, ids_TK, experts, num_experts=e, expert_fn=expert_fn)
     else:
-      y_TKL = parallel.expert_parallel_slot_outputs(
-          z_TL, ids_TK, experts, mesh=self.mesh, num_experts=cfg.num_experts,
-          expert_fn=lambda x, sizes, wgu, wd: expert_ffn(x, sizes, wgu, wd, backend=self.backend))
+      y_TKL = parallel.expert_parallel_slot_outputs(z_TL, ids_TK, experts, mesh=self.mesh, num_experts=e,
+                                                    expert_fn=expert_fn)
     u_TL = jnp.einsum("tkl,tk->tl", y_TKL.astype(jnp.float32), weights_TK)
     y_BTD = self.latent_up(self.norm(u_TL)).reshape(b, t, d)
     if self.shared is not None:

@@ -122,11 +122,17 @@ def fused_kda(q, k, v, g_raw, beta_logits, A_log, dt_bias, *, lower_bound: float
   """KDA from the layer's raw projections: L2-normalises q and k, applies the gate and β = σ(beta_logits), then
   runs `chunk_kda`. Differentiable w.r.t. everything, A_log and dt_bias included."""
   check_inputs(q, k, v, g_raw, beta_logits, initial_state, segment_ids)
-  g = kda_gate(g_raw, A_log, dt_bias, lower_bound=lower_bound)
-  beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))  # kept fp32: rounding β to bf16 costs ~2e-3 in o
-  return chunk_kda(l2_normalize(q), l2_normalize(k), v, g, beta, scale=scale, initial_state=initial_state,
+  q, k, g, beta = fused_inputs(q, k, g_raw, beta_logits, A_log, dt_bias, lower_bound=lower_bound)
+  return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                    output_final_state=output_final_state, segment_ids=segment_ids, lower_bound=lower_bound,
                    backend=backend)
+
+
+def fused_inputs(q, k, g_raw, beta_logits, A_log, dt_bias, *, lower_bound: float | None = -5.0):
+  """`fused_kda`'s pre-pass: (L2-normalised q and k, the fp32 log-decay g, β = σ(beta_logits) in fp32)."""
+  g = kda_gate(g_raw, A_log, dt_bias, lower_bound=lower_bound)
+  beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))  # kept fp32: rounding β to bf16 costs ~2e-3 in o
+  return l2_normalize(q), l2_normalize(k), g, beta
 
 
 def l2_normalize(x, eps: float = 1e-6):

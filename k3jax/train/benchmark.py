@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from k3jax.train import batches, flops, trainer
+from k3jax.train import flops, trainer
 
 PATTERNS = {"config": None, "mla": ("mla",), "kda": ("kda",)}
 
@@ -49,15 +49,14 @@ class CompiledRun:
     return self.run.stages[0]
 
   def batch(self, i: int) -> dict:
-    stage = self.stage
-    return batches.train_batch(self.run.data[0], i, stage.batch_size, self.run.config.micro_batches, self.run.mesh)
+    return self.run.batch(self.stage, i)
 
 
 def compile_runs(configs, *, threads: int | None = None) -> list[CompiledRun]:
   """Builds each config's Run and traces its train step one after another (tracing holds the GIL; data caches
   may be written), then compiles them on `threads` threads (default: all at once)."""
   runs = [trainer.Run(c) for c in configs]
-  lowered = [r.train_step.lower(r.abstract, _batch_shapes(r)) for r in runs]
+  lowered = [r.train_step.lower(r.abstract, r.batch(r.stages[0], 0)) for r in runs]
 
   def compile_one(low):
     start = time.perf_counter()
@@ -66,16 +65,6 @@ def compile_runs(configs, *, threads: int | None = None) -> list[CompiledRun]:
   with concurrent.futures.ThreadPoolExecutor(max_workers=threads or len(runs)) as pool:
     done = list(pool.map(compile_one, lowered))
   return [CompiledRun(r, step, s) for r, (step, s) in zip(runs, done)]
-
-
-def _batch_shapes(run) -> dict:
-  """Shapes, dtypes and shardings of the first stage's batches (from one host batch's rows)."""
-  stage = run.stages[0]
-  rows = run.data[0].rows(0, stage.batch_size)
-  sharding = batches.micro_batch_sharding(run.mesh)
-  a = run.config.micro_batches
-  return {k: jax.ShapeDtypeStruct((a, stage.batch_size // a, *v.shape[1:]), v.dtype, sharding=sharding)
-          for k, v in rows.items()}
 
 
 def time_train_step(c: CompiledRun, *, steps: int, warmup: int) -> dict:

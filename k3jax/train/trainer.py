@@ -61,6 +61,11 @@ class Run:
     chosen = self.stages if stage is None else [self.stages[stage]]
     return [self.run_stage(s, workdir) for s in chosen]
 
+  def batch(self, stage: stages_lib.Stage, step_in_stage: int) -> dict:
+    """The device batch of a stage's step (a pure function of the stage and the step)."""
+    return batches.train_batch(self.data[stage.index], step_in_stage, stage.batch_size, self.config.micro_batches,
+                               self.mesh)
+
   def checkpointer(self, workdir, stage_index: int) -> checkpoint.Checkpointer:
     return checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints" / f"stage_{stage_index}",
                                    keep=self.config.keep_checkpoints)
@@ -114,8 +119,7 @@ class Run:
     flops_token = flops.flops_per_token(config.model, stage.seq_len)
     clock, timed_steps, m = None, 0, None
     for s in range(first, stage.end):
-      batch = batches.train_batch(self.data[stage.index], s - stage.start, stage.batch_size, config.micro_batches,
-                                  self.mesh)
+      batch = self.batch(stage, s - stage.start)
       jax.block_until_ready(m)  # keep one step in flight: the next batch is built while this one runs
       state, m = self.train_step(state, batch)
       done = s + 1

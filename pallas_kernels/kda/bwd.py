@@ -169,22 +169,23 @@ def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_r
   later = gates.decay() * dd_ref[...].reshape(1, -1)
   for j in range(NT):
     later += jnp.sum(te_dkd(j), axis=0, keepdims=True)
+  kek, e_q_all = load(k_ref) * gates.e_k(), gates.e_q()
   for j in reversed(range(NT)):
     e_q, e_k_j = gates.e_q(j), gates.e_k(j)
     q_j, k_j = load(q_ref, j), load(k_ref, j)
     gamma = gates.gamma_tile(j, e_q)
-    keys = load(k_ref) * gates.e_k() * gates.anchor_scale(j)
+    keys = kek * gates.anchor_scale(j)
     dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
     dqs = load(dqs_ref, j)
     store(dq_ref, j, dqh * e_q + scale * gamma * dqs)
-    scale_j = gates.e_q() * gates.anchor_scale_t(j)
+    scale_j = e_q_all * gates.anchor_scale_t(j)
     cols = (slice(None), pl.ds(j * SUB, SUB))
     dkeys = t_mm(dAqk_ref[cols], load(q_ref) * scale_j, dtype) + t_mm(dB_ref[cols], load(k_ref) * scale_j, dtype)
-    te = gates.to_end_tile(j, e_k_j)
+    te, dkd = gates.to_end_tile(j, e_k_j), load(dkd_ref, j)
     dkw = load(dkw_ref, j)
-    store(dk_ref, j, dkh * e_q + dkw + dkeys * e_k_j + te * load(dkd_ref, j))
+    store(dk_ref, j, dkh * e_q + dkw + dkeys * e_k_j + te * dkd)
     dG = (dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
-          - dkeys * rounded(k_j * e_k_j) - te_dkd(j))
+          - dkeys * rounded(k_j * e_k_j) - k_j * te * dkd)
     tot = jnp.sum(dG, axis=0, keepdims=True)
     store(dg_ref, j, tot - jnp.cumsum(dG, axis=0) + dG + later)
     later = later + tot
