@@ -7,8 +7,7 @@ with every layer MLA (or KDA), all in one process; the variants compile concurre
 MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in k3jax/train/flops.py.
 On a CPU use the tiny config and small sizes (MFU is then not reported).
 """
-import json
-import pathlib
+import functools
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -22,7 +21,6 @@ _TOKENS = flags.DEFINE_integer("tokens_per_step", 65536, "tokens per step (batch
 _PATTERNS = flags.DEFINE_list("patterns", ["config", "mla"], f"layer patterns: {sorted(benchmark.PATTERNS)}")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps first")
-_THREADS = flags.DEFINE_integer("compile_threads", 0, "variants compiled at once (0: all)")
 _OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
 flags.mark_flags_as_required(["config"])
 
@@ -31,14 +29,20 @@ def main(argv):
   harness.check_argv(argv)
   names = [(p, int(t)) for p in _PATTERNS.value for t in _SEQ_LENS.value]
   configs = [benchmark.variant(_CONFIG.value, pattern=p, seq_len=t, tokens_per_step=_TOKENS.value) for p, t in names]
-  print(f"compiling {len(configs)} variants", flush=True)
-  compiled = benchmark.compile_runs(configs, threads=_THREADS.value or None)
-  rows = []
-  for (pattern, _), c in zip(names, compiled):
-    rows.append({"variant": pattern, **benchmark.time_train_step(c, steps=_STEPS.value, warmup=_WARMUP.value)})
+  print(f"compiling {len(configs)} variants, one process each", flush=True)
+  measure = functools.partial(benchmark.time_train_step, steps=_STEPS.value, warmup=_WARMUP.value)
+  rows, failed = [], []
+  for (pattern, seq_len), row in zip(names, benchmark.measure_in_turn(configs, measure)):
+    if "error" in row:
+      failed.append((pattern, seq_len))
+      print(f"{pattern} at T={seq_len} failed:\n{row['error']}", flush=True)
+      continue
+    rows.append({"variant": pattern, **row})
     print(benchmark.format_table(rows[-1:]).splitlines()[-1], flush=True)
     harness.write_json(_OUT.value, rows)
   print(benchmark.format_table(rows), flush=True)
+  if failed:
+    raise SystemExit(f"failed variants: {failed}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Throughput and scaling benchmarks of the train step: an expert-parallel mesh reproduces the one-device loss
 curve (fp32), compiled concurrently; curve comparison and variant errors."""
+import copy
+import functools
+
 import chex
 import numpy as np
 import pytest
@@ -32,6 +35,16 @@ def test_time_train_step_reports_finite_throughput():
   row = benchmark.time_train_step(run, steps=2, warmup=1)
   assert (row["seq_len"], row["batch_size"]) == (16, 8)
   assert row["finite"] and row["tokens_per_s"] > 0 and row["mfu"] is None  # no peak FLOP/s known for a CPU
+
+
+def test_measure_in_turn_returns_rows_in_config_order_and_reports_a_failing_config():
+  good = benchmark.variant(small_tiny(), pattern="mla", seq_len=16, tokens_per_step=128)
+  bad = copy.deepcopy(good)
+  bad.log_every = 0  # rejected when its Run is built, inside its process
+  measure = functools.partial(benchmark.time_train_step, steps=1, warmup=1)
+  rows = list(benchmark.measure_in_turn([bad, good], measure, timeout_s=600))
+  assert "log_every" in rows[0]["error"]
+  assert rows[1]["finite"] and (rows[1]["seq_len"], rows[1]["batch_size"]) == (16, 8), rows[1]
 
 
 def test_compare_curves_measures_gaps_and_scaling():

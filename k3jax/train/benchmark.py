@@ -6,7 +6,11 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import multiprocessing
+import os
+import queue as queue_lib
 import time
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -39,8 +43,9 @@ def variant(config, *, pattern: str = "config", seq_len: int | None = None, toke
 
 @dataclasses.dataclass
 class CompiledRun:
-  """A config's Run with its first stage's train step compiled for that stage's batches."""
+  """A config's Run with its init and its first stage's train step compiled for that stage's batches."""
   run: trainer.Run
+  init: Callable[[], Any]
   step: Callable[[Any, dict], tuple[Any, dict]]
   compile_s: float
 
@@ -53,25 +58,88 @@ class CompiledRun:
 
 
 def compile_runs(configs, *, threads: int | None = None) -> list[CompiledRun]:
-  """Builds each config's Run and traces its train step one after another (tracing holds the GIL; data caches
-  may be written), then compiles them on `threads` threads (default: all at once)."""
+  """Builds each config's Run and traces its init and train step one after another (tracing holds the GIL; data
+  caches may be written), then compiles them on `threads` threads (default: all at once)."""
   runs = [trainer.Run(c) for c in configs]
-  lowered = [r.train_step.lower(r.abstract, r.batch(r.stages[0], 0)) for r in runs]
+  lowered = [(r.init.lower(), r.train_step.lower(r.abstract, r.batch(r.stages[0], 0))) for r in runs]
 
-  def compile_one(low):
+  def compile_one(pair):
     start = time.perf_counter()
-    return low.compile(), time.perf_counter() - start
+    init, step = (low.compile() for low in pair)
+    seconds = time.perf_counter() - start
+    print(f"compiled a variant in {seconds:.0f} s", flush=True)
+    return init, step, seconds
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=threads or len(runs)) as pool:
     done = list(pool.map(compile_one, lowered))
-  return [CompiledRun(r, step, s) for r, (step, s) in zip(runs, done)]
+  return [CompiledRun(r, *d) for r, d in zip(runs, done)]
+
+
+def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_s: float = 3600.0):
+  """Yields `measure(compiled run)` for each config, in order. Each config is traced and compiled in its own process,
+  all at once (tracing is Python under the GIL, so threads would serialise it); the processes then measure one at
+  a time, after every compile has finished, so no timing overlaps another's work. A config whose process fails
+  yields {"error": ...}. `measure` must be picklable (a module-level function or a partial of one)."""
+  ctx = multiprocessing.get_context("spawn")
+  # Each process allocates only what it uses, so the waiting ones leave the device to the one measuring.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  queue, turns = ctx.Queue(), [ctx.Event() for _ in configs]
+  procs = [ctx.Process(target=_measure_child, args=(i, c, measure, queue, turns[i]), daemon=True)
+           for i, c in enumerate(configs)]
+  for p in procs:
+    p.start()
+  pending, compiled, results = set(range(len(configs))), set(), {}
+  deadline = time.monotonic() + timeout_s
+
+  def receive():
+    """The next message; a process that died without one (killed, out of memory) is reported as an error."""
+    while True:
+      dead = [i for i in pending if not procs[i].is_alive()]
+      try:
+        return queue.get(timeout=5.0)
+      except queue_lib.Empty:
+        if dead:
+          return ("error", dead[0], f"process exited with code {procs[dead[0]].exitcode}")
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"measure_in_turn: no result within {timeout_s:.0f} s") from None
+
+  def record(kind, i, payload):
+    if kind == "compiled":
+      compiled.add(i)
+    else:
+      pending.discard(i)
+      results.setdefault(i, payload if kind == "result" else {"error": payload})
+
+  try:
+    while not pending <= compiled:
+      record(*receive())
+    for i in range(len(configs)):
+      turns[i].set()
+      while i not in results:
+        record(*receive())
+      yield results[i]
+  finally:
+    for p in procs:
+      p.join(timeout=30)
+      if p.is_alive():
+        p.kill()
+
+
+def _measure_child(index, config, measure, queue, turn):
+  try:
+    run, = compile_runs([config])
+    queue.put(("compiled", index, run.compile_s))
+    turn.wait()
+    queue.put(("result", index, measure(run)))
+  except BaseException:  # reported to the parent, which carries on with the other configs
+    queue.put(("error", index, traceback.format_exc(limit=-3)))
 
 
 def time_train_step(c: CompiledRun, *, steps: int, warmup: int) -> dict:
   """Tokens/s, MFU and peak memory of `steps` train steps after `warmup` untimed ones (two batches, alternated)."""
   stage = c.stage
   host = [c.batch(i) for i in range(2)]
-  state = c.run.init()
+  state = c.init()
   for i in range(warmup):
     state, m = c.step(state, host[i % 2])
   jax.block_until_ready(state)
@@ -85,11 +153,15 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int) -> dict:
   flops_token = flops.flops_per_token(c.run.config.model, stage.seq_len)
   devices = list(c.run.mesh.devices.flat)
   peak = [d.memory_stats().get("peak_bytes_in_use") for d in devices] if devices[0].memory_stats() else None
+  mem = c.step.memory_analysis()
+  # The process peak is a running maximum over every variant run so far; XLA's own count is this step's.
+  step_bytes = mem and mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
   return {"seq_len": stage.seq_len, "batch_size": stage.batch_size, "step_ms": 1e3 * elapsed / steps,
           "tokens_per_s": tokens_per_s, "flops_per_token": flops_token,
           "model_tflops_per_s": tokens_per_s * flops_token / 1e12,
           "mfu": flops.mfu(tokens_per_s, flops_token, devices), "compile_s": c.compile_s, "loss": loss,
-          "finite": bool(np.isfinite(loss)), "peak_gib": peak and max(peak) / 2 ** 30}
+          "finite": bool(np.isfinite(loss)), "peak_gib": peak and max(peak) / 2 ** 30,
+          "step_gib": step_bytes and step_bytes / 2 ** 30}
 
 
 def loss_curve(c: CompiledRun, *, steps: int, warmup: int = 5) -> dict:
@@ -100,7 +172,7 @@ def loss_curve(c: CompiledRun, *, steps: int, warmup: int = 5) -> dict:
     raise ValueError(f"need 0 < warmup < steps, got warmup={warmup}, steps={steps}")
   if steps > stage.steps:
     raise ValueError(f"steps={steps} exceeds the first stage's {stage.steps} steps")
-  state = c.run.init()
+  state = c.init()
   metrics, start = [], None
   for i in range(steps):
     if i == warmup:
@@ -133,12 +205,13 @@ def compare_curves(reference: dict, other: dict, *, tail: int = 50) -> dict:
 
 def format_table(rows: list[dict]) -> str:
   head = (f"{'variant':<10} {'T':>6} {'B':>4} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'peak GiB':>9} {'compile s':>9}")
+          f"{'step GiB':>9} {'peak GiB':>9} {'compile s':>9}")
   lines = [head]
   for r in rows:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
     peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+    step_gib = f"{r['step_gib']:.1f}" if r.get("step_gib") is not None else "-"
     lines.append(f"{r['variant']:<10} {r['seq_len']:>6} {r['batch_size']:>4} {r['step_ms']:>9.1f} "
-                 f"{r['tokens_per_s']:>11,.0f} {r['model_tflops_per_s']:>8.2f} {mfu:>6} {peak:>9} "
+                 f"{r['tokens_per_s']:>11,.0f} {r['model_tflops_per_s']:>8.2f} {mfu:>6} {step_gib:>9} {peak:>9} "
                  f"{r['compile_s']:>9.0f}")
   return "\n".join(lines)
