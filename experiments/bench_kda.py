@@ -31,6 +31,8 @@ flags.DEFINE_integer("warmup", 3, "Untimed runs first.")
 flags.DEFINE_bool("check", False, "After timing, check Pallas against the XLA path in fp32 (see check_pallas).")
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
+flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
+flags.DEFINE_list("intra_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_fwd variants timed.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -219,19 +221,23 @@ def per_kernel_times(x, do, shape):
   v = x["v"]
   S0 = jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
   bv = default_block_v(B, H, D)
-  w, u, qs, kd, aqk, decay, kk, minv = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
-      q, k, v, g, beta)
-  _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
-  dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
-  dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
   cases = [("prepass", {}, fused_inputs, (x,))]
   warps = (4, 8) if FLAGS.sweep else (8,)
-  for variant in ("v3", "v4"):
+  for variant in FLAGS.intra_variants:
     for nw in warps + ((16,) if FLAGS.sweep else ()):
       cases.append(("intra_fwd", dict(variant=variant, num_warps=nw),
                     lambda *a, nw=nw, variant=variant: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb,
                                                                          num_warps=nw, variant=variant),
                     (q, k, v, g, beta)))
+  rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
+  if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "intra_fwd"}:
+    return rows
+  w, u, qs, kd, aqk, decay, kk, minv = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
+      q, k, v, g, beta)
+  _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
+  dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
+  dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
+  cases = []
   for b in sorted({16, 32, 64, 128, bv}) if FLAGS.sweep else (bv,):
     for nw in ((4, 8) if b >= 64 else (4,)) if FLAGS.sweep else (None,):
       if b <= D:
@@ -252,15 +258,18 @@ def per_kernel_times(x, do, shape):
                       lambda *a, nw=nw, variant=variant, extra=extra: bwd.intra_backward(
                           *a, scale=scale, lower_bound=lb, num_warps=nw, variant=variant, **extra),
                       (q, k, v, g, beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
-  rows = []
-  for name, params, fn, args in cases:
-    try:
-      ms = 1e3 * harness.median_seconds(jax.jit(fn), *args, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
-      rows.append(dict(kind="kernel", shape=shape, kernel=name, ms=ms, **params))
-    except Exception as e:
-      rows.append(dict(kind="kernel", shape=shape, kernel=name, error=repr(e)[:300], **params))
-    print(rows[-1], flush=True)
-  return rows
+  return rows + [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
+
+
+def run_case(shape, name, params, fn, args):
+  """Times one kernel case; a failure is reported in its row, not raised."""
+  try:
+    ms = 1e3 * harness.median_seconds(jax.jit(fn), *args, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
+    row = dict(kind="kernel", shape=shape, kernel=name, ms=ms, **params)
+  except Exception as e:
+    row = dict(kind="kernel", shape=shape, kernel=name, error=repr(e)[:300], **params)
+  print(row, flush=True)
+  return row
 
 
 def print_table(rows):

@@ -35,8 +35,8 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v4"), (-5.0, "v4"),
-                                              (-5.0, "v4_bwd"), (None, "v3_bwd")])
+@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v4"), (-5.0, "v4"), (None, "v5"),
+                                              (-5.0, "v5"), (-5.0, "v4_bwd"), (None, "v3_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
   if variant == "v4_bwd":   # K = 32 in two column blocks
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v4", block_k=16))
@@ -95,13 +95,14 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
+@pytest.mark.parametrize("variant", ["v4", "v5"])
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
-def test_intra_forward_variants_agree(case):
-  """v4 (M in registers) gives v3's eight outputs to fp32 rounding."""
+def test_intra_forward_variants_agree(case, variant):
+  """v4 (M in registers) and v5 (two launches) give v3's eight outputs to fp32 rounding."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
   run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
-  outs, ref = run("v4"), run("v3")
+  outs, ref = run(variant), run("v3")
   chex.assert_tree_all_finite(outs)
   for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv"), outs, ref):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
@@ -141,10 +142,13 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   for name in ("kda_intra_fwd", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v4_rows",
                "kda_intra_bwd_v4_cols"):
     assert f'name = "{name}"' in text, name
-  for dtype in (jnp.bfloat16, jnp.float32):   # the forward variant, in both precisions of its products
-    v4 = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant="v4")
-    v4_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
-    assert 'name = "kda_intra_fwd_v4"' in cuda_module_text(monkeypatch, v4, *v4_args)
+  for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
+    for variant, names in (("v4", ["kda_intra_fwd_v4"]), ("v5", ["kda_intra_fwd_v5_rows", "kda_intra_fwd_v5_inverse",
+                                                                 "kda_intra_fwd_v5_apply"])):
+      f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
+      f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
+      text = cuda_module_text(monkeypatch, f, *f_args)
+      assert all(f'name = "{name}"' in text for name in names), variant
   monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v3"))
   text = cuda_module_text(monkeypatch, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)  # a new function: no trace cache
   assert 'name = "kda_intra_bwd"' in text

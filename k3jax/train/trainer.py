@@ -118,6 +118,9 @@ class Run:
     tokens_per_step = stage.batch_size * stage.seq_len
     flops_token = flops.flops_per_token(config.model, stage.seq_len)
     clock, timed_steps, m = None, 0, None
+    print(f"stage {stage.index}: compiling the train step for {stage.batch_size} x {stage.seq_len} tokens (minutes "
+          f"on a GPU for the larger configs)", flush=True)
+    start = time.perf_counter()
     for s in range(first, stage.end):
       batch = self.batch(stage, s - stage.start)
       jax.block_until_ready(m)  # keep one step in flight: the next batch is built while this one runs
@@ -126,6 +129,7 @@ class Run:
       if clock is None:  # the first step compiles: time from its end
         jax.block_until_ready(m)
         clock = time.perf_counter()
+        print(f"stage {stage.index}: first step done in {clock - start:.0f} s, compilation included", flush=True)
       else:
         timed_steps += 1
       if done % config.log_every == 0 or done == stage.end:

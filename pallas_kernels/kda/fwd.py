@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, diag_blocks_inverse, iota, load, masked, mm, mm_t,
-                                      store, t_mm, tile_of_row, unit_lower_inverse_16)
+                                      per_tile, store, t_mm, tile_of_row, unit_lower_inverse_16)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
@@ -99,15 +99,127 @@ def _intra_kernel_v4(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_b
   store(w_ref, None, mm(x, beta * gamma * load(k_ref), F32, exact))
 
 
+def _tile_gates(g_ref, reset_ref, i, lower_bound):
+  """What query tile i (a traced index) needs of its chunk's gates: the exponent of its anchored keys, its own
+  exponents, and masks. Sums over same-sign terms only, as `Gates`."""
+  c = SUB / 2 * lower_bound
+  tot = [jnp.sum(load(g_ref, j), axis=0, keepdims=True) for j in range(NT)]              # [1,K] per tile
+  zero = jnp.zeros_like(tot[0])
+  # Keys of tile J <= i against anchor R_i: e^{c - loc + R_i - R_J}, R_i - R_J = Σ_{J<=P<i} tot_P (<= 0).
+  span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
+  g = load(g_ref)
+  loc = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)
+  t = tile_of_row()
+  key_exp = jnp.where(t <= i, c - loc + per_tile(span), -jnp.inf)
+  loc_i = jnp.cumsum(load(g_ref, i), axis=0)                                              # [16,K]
+  prefix = sum((jnp.where(p < i, tot[p], 0.0) for p in range(NT)), zero)                 # R_i
+  rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)                  # G_C - R_i
+  out = dict(key_exp=key_exp, q_exp=loc_i - c, gamma_exp=prefix + loc_i, to_end_exp=rest - loc_i,
+             causal=iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - i * SUB, doc_ok=None, first=None, last=None)
+  if reset_ref is not None:
+    reset = load(reset_ref, None, jnp.int32)
+    doc_all = jnp.cumsum(reset, axis=0)                                                   # [64]
+    doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
+    out.update(doc_ok=doc_i[:, None] == doc_all[None, :], first=(doc_i == 0)[:, None],
+               last=(doc_i == jnp.sum(reset))[:, None])
+  return out
+
+
+def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v5, first launch, one program per query tile: its rows of A_qk and B against the chunk's keys for its anchor,
+  and its rows of the scaled decayed queries and of the keys decayed to the chunk end."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  aqk_ref, kk_ref, qs_ref, kd_ref = refs
+  i = pl.program_id(2)
+  tg = _tile_gates(g_ref, reset_ref, i, lower_bound)
+  keys = load(k_ref) * jnp.exp(tg["key_exp"])
+  q_i, k_i = load(q_ref, i), load(k_ref, i)
+  e_q = jnp.exp(tg["q_exp"])
+  for out_ref, rows, strict, factor in ((aqk_ref, q_i, False, scale), (kk_ref, k_i, True, 1.0)):
+    m = tg["causal"] < 0 if strict else tg["causal"] <= 0
+    m = m if tg["doc_ok"] is None else m & tg["doc_ok"]
+    store(out_ref, None, jnp.where(m, factor * mm_t(rows * e_q, keys, dtype), 0.0))
+  store(qs_ref, None, scale * q_i * masked(jnp.exp(tg["gamma_exp"]), tg["first"]))
+  store(kd_ref, None, k_i * masked(jnp.exp(tg["to_end_exp"]), tg["last"]))
+
+
+def _inverse_kernel(g_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exact):
+  """v5, second launch, one program per chunk: M = (I + βB)⁻¹ as v4 (exact diagonal blocks, two doubling steps),
+  and the chunk's state decay."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  minv_ref, decay_ref = refs
+  a = load(beta_ref)[:, None] * load(kk_ref)
+  tr, tc = tile_of_row(), iota((1, CHUNK), 1) // SUB
+  x = diag_blocks_inverse(a)
+  for outside in ((tr // 2 == tc // 2) & (tr != tc), tr // 2 != tc // 2):
+    x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
+  store(minv_ref, None, x)
+  decay_ref[...] = Gates(g_ref, reset_ref, lower_bound).decay().reshape(decay_ref.shape)
+
+
+def _apply_kernel(minv_ref, beta_ref, x_ref, *refs, lower_bound, has_gamma, has_reset, exact):
+  """v5, third launch (twice), one program per chunk and column block: U = M βV, or W = M βΓK with Γ = e^{G} of
+  the block's columns; M unrounded, as v3."""
+  refs = list(refs)
+  g_ref = refs.pop(0) if has_gamma else None
+  reset_ref = refs.pop(0) if has_reset and has_gamma else None
+  out_ref, = refs
+  x = load(beta_ref)[:, None] * load(x_ref)
+  if has_gamma:
+    x = x * Gates(g_ref, reset_ref, lower_bound).gamma()
+  store(out_ref, None, mm(load(minv_ref), x, F32, exact))
+
+
+def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64):
+  """Four lighter launches instead of one kernel at the register limit: rows of A_qk / B per query tile (grid
+  chunks × heads × 4), the inverse per chunk, then U and W per chunk and block of `block_cols` columns."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  N = T // CHUNK
+  dt = q.dtype
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh, *_: (bh // H, n, bh % H, 0))
+  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh, i: (bh // H, n * NT + i, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh, *_: (bh // H, n, bh % H))
+  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  resets = [] if reset is None else [reset]
+  reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh, *_: (bh // H, n))] * len(resets)
+  flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
+  exact = dt == F32
+  aqk, kk, qs, kd = triton_call(
+      functools.partial(_rows_kernel, scale=scale, dtype=dt, **flags), grid=(N, B * H, NT),
+      in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[tile(CHUNK), tile(CHUNK), tile(K), tile(K)],
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K)], name="kda_intra_fwd_v5_rows",
+      num_warps=num_warps, num_stages=1)(q, k, g, *resets)
+  minv, decay = triton_call(
+      functools.partial(_inverse_kernel, exact=exact, **flags), grid=(N, B * H),
+      in_specs=[row(K), tok, row(CHUNK)] + reset_specs,
+      out_specs=[row(CHUNK), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))],
+      out_shape=[shape(CHUNK, F32), jax.ShapeDtypeStruct((B, N, H, K), F32)], name="kda_intra_fwd_v5_inverse",
+      num_warps=4, num_stages=1)(g, beta, kk, *resets)
+
+  def apply(x, *gates):
+    d = x.shape[-1]
+    bc = block_cols if d % block_cols == 0 else d
+    cols = pl.BlockSpec((None, CHUNK, None, bc), lambda n, bh, c: (bh // H, n, bh % H, c))
+    return triton_call(
+        functools.partial(_apply_kernel, has_gamma=bool(gates), exact=exact, **flags),
+        grid=(N, B * H, d // bc),
+        in_specs=[row(CHUNK), tok, cols] + ([cols] + reset_specs if gates else []), out_specs=cols,
+        out_shape=shape(x.shape[-1]), name="kda_intra_fwd_v5_apply", num_warps=4, num_stages=1)(minv, beta, x, *gates)
+  return apply(k, g, *resets), apply(v), qs, kd, aqk, decay, kk, minv
+
+
 def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8, variant="v3"):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
   and B = A_kk/β and M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix), which the
   backward reads.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
-  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v3" (M through memory, row by row) or
-  "v4" (M in registers, `_intra_kernel_v4`); same outputs.
+  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v3" (M through memory, row by row),
+  "v4" (M in registers, `_intra_kernel_v4`) or "v5" (two launches, `_intra_forward_v5`); same outputs.
   """
+  if variant == "v5":
+    return _intra_forward_v5(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound, num_warps=num_warps)
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
