@@ -33,6 +33,7 @@ flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
 flags.DEFINE_list("intra_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_fwd variants timed.")
+flags.DEFINE_list("bwd_variants", ["v3", "v4"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -250,7 +251,8 @@ def per_kernel_times(x, do, shape):
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
-  for variant, block_ks in (("v3", (None,)), ("v4", (32, 64) if FLAGS.sweep else (64,))):
+  bwd_blocks = {"v3": (None,), "v4": (32, 64) if FLAGS.sweep else (32,)}
+  for variant, block_ks in ((v, bwd_blocks[v]) for v in FLAGS.bwd_variants):
     for nw in warps + ((16,) if FLAGS.sweep else ()):
       for bk in block_ks:
         extra = {} if bk is None else dict(block_k=bk)

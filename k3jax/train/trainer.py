@@ -114,12 +114,12 @@ class Run:
     end (waiting until the last save is on disk)."""
     config = self.config
     first = int(state.step)
+    print(f"stage {stage.index}: compiling the train step for {stage.batch_size} x {stage.seq_len} tokens (minutes "
+          f"on a GPU for the larger configs)", flush=True)
     progress = metrics_lib.Progress(stage, first - stage.start)
     tokens_per_step = stage.batch_size * stage.seq_len
     flops_token = flops.flops_per_token(config.model, stage.seq_len)
     clock, timed_steps, m = None, 0, None
-    print(f"stage {stage.index}: compiling the train step for {stage.batch_size} x {stage.seq_len} tokens (minutes "
-          f"on a GPU for the larger configs)", flush=True)
     start = time.perf_counter()
     for s in range(first, stage.end):
       batch = self.batch(stage, s - stage.start)
