@@ -33,7 +33,8 @@ flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
 flags.DEFINE_list("intra_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_fwd variants timed.")
-flags.DEFINE_list("bwd_variants", ["v3", "v4"], "With --per_kernel: the intra_bwd variants timed.")
+flags.DEFINE_bool("fla_kernels", False, "With fla in --impls: also FLA's own kernels, timed by the torch profiler.")
+flags.DEFINE_list("bwd_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -111,7 +112,23 @@ def fla_runner(x, do):
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
 
-  return dict(fwd=lambda: timed(fwd, True), fwdbwd=lambda: timed(fwdbwd, False), fwdbwd_mem=lambda: peak_bytes(fwdbwd))
+  def kernel_times(fn, no_grad, reps=10):
+    """FLA's GPU kernels in one call of `fn`, by name: (name, launches per call, ms per call), slowest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad() if no_grad else torch.enable_grad():
+      fn()
+      torch.cuda.synchronize()
+      with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+          fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count / reps, e.self_device_time_total / reps / 1e3) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])
+
+  return dict(fwd=lambda: timed(fwd, True), fwdbwd=lambda: timed(fwdbwd, False), fwdbwd_mem=lambda: peak_bytes(fwdbwd),
+              kernels={"fwd": lambda: kernel_times(fwd, True), "fwdbwd": lambda: kernel_times(fwdbwd, False)})
 
 
 CHECK_CASES = ("random", "gates_at_bound", "repeated_keys")
@@ -194,6 +211,15 @@ def main(argv):
         rows.append(row)
         print(row, flush=True)
         save(rows)
+        if impl == "fla" and FLAGS.fla_kernels and "error" not in row:
+          try:
+            for name, launches, ms in fla["kernels"][mode]():
+              rows.append(dict(kind="fla_kernel", shape=shape, mode=mode, kernel=name, launches=launches, ms=ms))
+              print(f"[fla kernel] {shape} {mode} {ms:8.3f} ms  x{launches:g}  {name}", flush=True)
+          except Exception as e:  # the profiler's API moves; the timings above stand without it
+            rows.append(dict(kind="error", shape=shape, mode=mode, error=f"FLA kernel profile: {e!r}"[:400]))
+            print(rows[-1], flush=True)
+          save(rows)
     if "pallas" in FLAGS.impls and (FLAGS.check or FLAGS.per_kernel):
       try:
         if FLAGS.check:
@@ -251,7 +277,8 @@ def per_kernel_times(x, do, shape):
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
-  bwd_blocks = {"v3": (None,), "v4": (32, 64) if FLAGS.sweep else (32,)}
+  split = (32, 64) if FLAGS.sweep else (32,)
+  bwd_blocks = {"v3": (None,), "v4": split, "v5": split}
   for variant, block_ks in ((v, bwd_blocks[v]) for v in FLAGS.bwd_variants):
     for nw in warps + ((16,) if FLAGS.sweep else ()):
       for bk in block_ks:

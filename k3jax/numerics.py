@@ -18,7 +18,8 @@ def kda_outputs_and_grads(fn, inputs, S0, segment_ids=None, cot_seed=0):
   def loss(x, S0):
     o, S = fn(**x, initial_state=S0, output_final_state=True, segment_ids=segment_ids)
     ko, ks = jax.random.split(jax.random.PRNGKey(cot_seed))
-    return (jnp.sum(o.astype(jnp.float32) * jax.random.normal(ko, o.shape))
-            + jnp.sum(S * jax.random.normal(ks, S.shape))), (o, S)
+    # fp32 cotangents, also under x64, so a float64 reference sees the same functional.
+    return (jnp.sum(o.astype(jnp.float32) * jax.random.normal(ko, o.shape, jnp.float32))
+            + jnp.sum(S * jax.random.normal(ks, S.shape, jnp.float32))), (o, S)
   (_, (o, S)), (gx, gs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(inputs, S0)
   return o, S, {**gx, "initial_state": gs}

@@ -155,7 +155,8 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int) -> dict:
   peak = [d.memory_stats().get("peak_bytes_in_use") for d in devices] if devices[0].memory_stats() else None
   mem = c.step.memory_analysis()
   # The process peak is a running maximum over every variant run so far; XLA's own count is this step's.
-  step_bytes = mem and mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+  step_bytes = mem and (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                        - mem.alias_size_in_bytes)
   return {"seq_len": stage.seq_len, "batch_size": stage.batch_size, "step_ms": 1e3 * elapsed / steps,
           "tokens_per_s": tokens_per_s, "flops_per_token": flops_token,
           "model_tflops_per_s": tokens_per_s * flops_token / 1e12,

@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda.fwd import StateSpecs
-from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB, Gates, load, masked, mm, mm_t, store, t_mm
+from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB, Gates, TileGates, load, masked, mm, mm_t, store, t_mm
 
 
 def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref, dvn_ref, dh_ref, ds0_ref, *,
@@ -156,6 +156,27 @@ def _intra_bwd_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, 
     store(dkw_ref, i, beta_i * gamma * dXk)
 
 
+def _intra_bwd_tile_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref,
+                                do_ref, dw_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v5, first pass: v4's row pass with one program per query tile (its tiles carry nothing)."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = refs
+  i = pl.program_id(2)
+  tg = TileGates(g_ref, reset_ref, i, lower_bound)
+  exact = dtype == F32
+  beta_i = load(beta_ref, i)[:, None]
+  gamma = tg.gamma()
+  m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
+  dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
+  dA = jnp.where(tg.row_mask(True), -(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), 0.0)
+  store(dv_ref, None, beta_i * dXv)
+  store(dbeta_ref, None, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
+        + jnp.sum(dA * load(kk_ref, i), axis=1))
+  store(dB_ref, None, beta_i * dA)
+  store(dAqk_ref, None, jnp.where(tg.row_mask(False), scale * mm_t(load(do_ref, i), load(vn_ref), dtype), 0.0))
+  store(dkw_ref, None, beta_i * gamma * dXk)
+
+
 def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale,
                            lower_bound, has_reset, dtype):
   """v4, second pass over a block of K columns (every term is column-separable): per tile J, last first, the
@@ -191,29 +212,82 @@ def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_r
     later = later + tot
 
 
+def _intra_bwd_tile_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
+                                lower_bound, has_reset, dtype):
+  """v5, second pass: v4's column pass with one program per tile J; dg's sum over later rows, the only thing v4
+  carries between tiles, is left to `_dg_suffix_kernel` (this writes each row's own term dG)."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  dq_ref, dk_ref, dG_ref = refs
+  j = pl.program_id(3)
+  tg = TileGates(g_ref, reset_ref, j, lower_bound)
+  rounded = lambda a: a.astype(dtype).astype(F32)
+  e_q, e_k_j, gamma, te = tg.e_q(), tg.e_k(), tg.gamma(), tg.to_end()
+  q_j, k_j, dqs, dkd, dkw = (load(r, j) for r in (q_ref, k_ref, dqs_ref, dkd_ref, dkw_ref))
+  keys = load(k_ref) * tg.keys_factor()
+  dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
+  store(dq_ref, None, dqh * e_q + scale * gamma * dqs)
+  queries = tg.queries_factor()
+  cols = (slice(None), pl.ds(j * SUB, SUB))
+  dkeys = t_mm(dAqk_ref[cols], load(q_ref) * queries, dtype) + t_mm(dB_ref[cols], load(k_ref) * queries, dtype)
+  store(dk_ref, None, dkh * e_q + dkw + dkeys * e_k_j + te * dkd)
+  store(dG_ref, None, dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
+        - dkeys * rounded(k_j * e_k_j) - k_j * te * dkd)
+
+
+def _dg_suffix_kernel(k_ref, g_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_bound, has_reset):
+  """v5, third pass: dg of row r = Σ_{rows r' >= r of the chunk} dG[r'] + what the chunk's state decay and the
+  keys decayed to its end contribute to every row."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  dg_ref, = refs
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  base = gates.decay() * dd_ref[...].reshape(1, -1) + jnp.sum(
+      load(k_ref) * gates.to_end(gates.e_k()) * load(dkd_ref), axis=0, keepdims=True)
+  dG = load(dG_ref)
+  store(dg_ref, None, jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + base)
+
+
 def _intra_backward_v4(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
-                       lower_bound, num_warps, block_k):
-  """Two launches: the row pass (grid chunks x heads) and the column pass (grid chunks x heads x K blocks)."""
+                       lower_bound, num_warps, block_k, tile_rows=False):
+  """Two launches: the row pass (grid chunks × heads) and the column pass (grid chunks × heads × K blocks). With
+  `tile_rows` (v5) both run a program per tile and a third launch sums dg over later rows."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
   block_k = min(block_k, K)
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh, *_: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh, *_: (bh // H, n, bh % H))
   res = [pl.BlockSpec((None, CHUNK), lambda n, bh, *_: (bh // H, n))] if reset is not None else []
   opt = [reset] if reset is not None else []
   flags = dict(scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=q.dtype)
   shape = lambda d, dtype: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  if tile_rows:
+    grid, kernel, name = (N, B * H, NT), _intra_bwd_tile_rows_kernel, "kda_intra_bwd_v5_rows"
+    out = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh, i: (bh // H, n * NT + i, bh % H, 0))
+    out_tok = pl.BlockSpec((None, SUB, None), lambda n, bh, i: (bh // H, n * NT + i, bh % H))
+  else:
+    grid, kernel, name, out, out_tok = (N, B * H), _intra_bwd_rows_kernel, "kda_intra_bwd_v4_rows", row, tok
   dv, dbeta, dAqk, dB, dkw = triton_call(
-      functools.partial(_intra_bwd_rows_kernel, **flags), grid=(N, B * H),
+      functools.partial(kernel, **flags), grid=grid,
       in_specs=[row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V), row(K)]
-      + res, out_specs=[row(V), tok, row(CHUNK), row(CHUNK), row(K)],
+      + res, out_specs=[out(V), out_tok, out(CHUNK), out(CHUNK), out(K)],
       out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, F32), shape(CHUNK, F32),
-                 shape(K, F32)], name="kda_intra_bwd_v4_rows", num_warps=num_warps, num_stages=1)(
+                 shape(K, F32)], name=name, num_warps=num_warps, num_stages=1)(
                      k, v, g, beta, u, w, kk, minv, v_new, dv_new, do, dw, *opt)
-  col = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
-  full = pl.BlockSpec((None, CHUNK, None, CHUNK), lambda n, bh, kb: (bh // H, n, bh % H, 0))
+  col = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb, *_: (bh // H, n, bh % H, kb))
+  full = pl.BlockSpec((None, CHUNK, None, CHUNK), lambda n, bh, *_: (bh // H, n, bh % H, 0))
   dd_spec = pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
+  if tile_rows:
+    tile_col = pl.BlockSpec((None, SUB, None, block_k), lambda n, bh, kb, j: (bh // H, n * NT + j, bh % H, kb))
+    dq, dk, dG = triton_call(
+        functools.partial(_intra_bwd_tile_cols_kernel, **flags), grid=(N, B * H, K // block_k, NT),
+        in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
+        out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
+        num_warps=num_warps, num_stages=1)(q, k, g, dAqk, dB, dkw, dqs, dkd, *opt)
+    dg = triton_call(
+        functools.partial(_dg_suffix_kernel, lower_bound=lower_bound, has_reset=reset is not None),
+        grid=(N, B * H, K // block_k), in_specs=[col, col, col, dd_spec, col] + res, out_specs=col,
+        out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", num_warps=4, num_stages=1)(k, g, dkd, dd, dG, *opt)
+    return dq, dk, dv, dg, dbeta
   dq, dk, dg = triton_call(
       functools.partial(_intra_bwd_cols_kernel, **flags), grid=(N, B * H, K // block_k),
       in_specs=[col, col, col, full, full, col, col, col, dd_spec] + res, out_specs=[col, col, col],
@@ -225,12 +299,14 @@ def _intra_backward_v4(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, d
 def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
                    lower_bound, num_warps=4, variant="v4", block_k=32):
   """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's U, W, B and M, the state pass's v_new and
-  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v4" (a row pass and a column pass
-  over `block_k` columns, `_intra_backward_v4`) or "v3" (one kernel); same outputs. Defaults: the fastest setting
-  measured on the H200 (BUILD_NOTES run 5: v4, 4 warps, 32 columns, 7.2 ms against v3's best 9.8 at 8×4096)."""
-  if variant == "v4":
+  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v4" (a row pass and a
+  column pass over `block_k` columns, `_intra_backward_v4`), "v5" (v4's passes with a program per tile, and dg's
+  sum over later rows in a third launch) or "v3" (one kernel); same outputs. Defaults: the fastest setting measured
+  on the H200 (BUILD_NOTES run 5: v4, 4 warps, 32 columns, 7.2 ms against v3's best 9.8 at 8×4096)."""
+  if variant in ("v4", "v5"):
     return _intra_backward_v4(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
-                              scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k)
+                              scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k,
+                              tile_rows=variant == "v5")
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, diag_blocks_inverse, iota, load, masked, mm, mm_t,
-                                      per_tile, store, t_mm, tile_of_row, unit_lower_inverse_16)
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileGates, diag_blocks_inverse, iota, load,
+                                      masked, mm, mm_t, store, t_mm, tile_of_row, unit_lower_inverse_16)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
@@ -99,48 +99,20 @@ def _intra_kernel_v4(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_b
   store(w_ref, None, mm(x, beta * gamma * load(k_ref), F32, exact))
 
 
-def _tile_gates(g_ref, reset_ref, i, lower_bound):
-  """What query tile i (a traced index) needs of its chunk's gates: the exponent of its anchored keys, its own
-  exponents, and masks. Sums over same-sign terms only, as `Gates`."""
-  c = SUB / 2 * lower_bound
-  tot = [jnp.sum(load(g_ref, j), axis=0, keepdims=True) for j in range(NT)]              # [1,K] per tile
-  zero = jnp.zeros_like(tot[0])
-  # Keys of tile J <= i against anchor R_i: e^{c - loc + R_i - R_J}, R_i - R_J = Σ_{J<=P<i} tot_P (<= 0).
-  span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
-  g = load(g_ref)
-  loc = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)
-  t = tile_of_row()
-  key_exp = jnp.where(t <= i, c - loc + per_tile(span), -jnp.inf)
-  loc_i = jnp.cumsum(load(g_ref, i), axis=0)                                              # [16,K]
-  prefix = sum((jnp.where(p < i, tot[p], 0.0) for p in range(NT)), zero)                 # R_i
-  rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)                  # G_C - R_i
-  out = dict(key_exp=key_exp, q_exp=loc_i - c, gamma_exp=prefix + loc_i, to_end_exp=rest - loc_i,
-             causal=iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - i * SUB, doc_ok=None, first=None, last=None)
-  if reset_ref is not None:
-    reset = load(reset_ref, None, jnp.int32)
-    doc_all = jnp.cumsum(reset, axis=0)                                                   # [64]
-    doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
-    out.update(doc_ok=doc_i[:, None] == doc_all[None, :], first=(doc_i == 0)[:, None],
-               last=(doc_i == jnp.sum(reset))[:, None])
-  return out
-
-
 def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
   """v5, first launch, one program per query tile: its rows of A_qk and B against the chunk's keys for its anchor,
   and its rows of the scaled decayed queries and of the keys decayed to the chunk end."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref = refs
   i = pl.program_id(2)
-  tg = _tile_gates(g_ref, reset_ref, i, lower_bound)
-  keys = load(k_ref) * jnp.exp(tg["key_exp"])
+  tg = TileGates(g_ref, reset_ref, i, lower_bound)
+  keys = load(k_ref) * tg.keys_factor()
   q_i, k_i = load(q_ref, i), load(k_ref, i)
-  e_q = jnp.exp(tg["q_exp"])
-  for out_ref, rows, strict, factor in ((aqk_ref, q_i, False, scale), (kk_ref, k_i, True, 1.0)):
-    m = tg["causal"] < 0 if strict else tg["causal"] <= 0
-    m = m if tg["doc_ok"] is None else m & tg["doc_ok"]
-    store(out_ref, None, jnp.where(m, factor * mm_t(rows * e_q, keys, dtype), 0.0))
-  store(qs_ref, None, scale * q_i * masked(jnp.exp(tg["gamma_exp"]), tg["first"]))
-  store(kd_ref, None, k_i * masked(jnp.exp(tg["to_end_exp"]), tg["last"]))
+  e_q = tg.e_q()
+  store(aqk_ref, None, jnp.where(tg.row_mask(False), scale * mm_t(q_i * e_q, keys, dtype), 0.0))
+  store(kk_ref, None, jnp.where(tg.row_mask(True), mm_t(k_i * e_q, keys, dtype), 0.0))
+  store(qs_ref, None, scale * q_i * tg.gamma())
+  store(kd_ref, None, k_i * tg.to_end())
 
 
 def _inverse_kernel(g_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exact):

@@ -165,6 +165,65 @@ class Gates:
     return m
 
 
+class TileGates:
+  """What one query tile i (a traced index: a grid axis) needs of its chunk's gates, for kernels that run a program
+  per tile; the same quantities as `Gates`, every sum over same-sign terms."""
+
+  def __init__(self, g_ref, reset_ref, i, lower_bound):
+    self.c = SUB / 2 * lower_bound
+    tot = [jnp.sum(load(g_ref, j), axis=0, keepdims=True) for j in range(NT)]             # [1,K] per tile
+    zero = jnp.zeros_like(tot[0])
+    # Key rows of tile J <= i against anchor R_i: e^{c - loc + R_i - R_J}, R_i - R_J = Σ_{J<=P<i} tot_P (<= 0).
+    self.span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
+    self.g_ref, self.i, self.tot = g_ref, i, tot
+    self.loc = jnp.cumsum(load(g_ref, i), axis=0)                                          # [16,K]
+    self.prefix = sum((jnp.where(p < i, tot[p], 0.0) for p in range(NT)), zero)            # R_i
+    self.rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)             # G_C - R_i
+    self.causal = iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - i * SUB                  # key - query position
+    self.doc_ok = self.first = self.last = None
+    if reset_ref is not None:
+      reset = load(reset_ref, None, jnp.int32)
+      doc_all = jnp.cumsum(reset, axis=0)                                                  # resets up to each row
+      doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
+      self.doc_ok = doc_i[:, None] == doc_all[None, :]
+      self.first, self.last = (doc_i == 0)[:, None], (doc_i == jnp.sum(reset))[:, None]
+
+  def keys_factor(self):
+    """[64,K]: e^{c - (G - R_J) + R_i - R_J} on rows of tiles J <= i, 0 after: the chunk's keys for anchor i."""
+    g = load(self.g_ref)
+    loc_all = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)
+    return jnp.exp(jnp.where(tile_of_row() <= self.i, self.c - loc_all + per_tile(self.span), -jnp.inf))
+
+  def queries_factor(self):
+    """[64,K]: e^{G - R_I - c + R_I - R_i} on rows of tiles I >= i, 0 before: the chunk's queries for anchor i."""
+    g = load(self.g_ref)
+    loc_all = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)
+    span = [sum((jnp.where(p >= self.i, self.tot[p], 0.0) for p in range(j)), jnp.zeros_like(self.tot[0]))
+            for j in range(NT)]
+    return jnp.exp(jnp.where(tile_of_row() >= self.i, loc_all - self.c + per_tile(span), -jnp.inf))
+
+  def e_q(self):
+    """[16,K]: the tile's query factor e^{G - R_i - c}."""
+    return jnp.exp(self.loc - self.c)
+
+  def e_k(self):
+    """[16,K]: the tile's key factor e^{c - (G - R_i)}."""
+    return jnp.exp(self.c - self.loc)
+
+  def gamma(self):
+    """[16,K]: e^{G}, zero past a document start inside the chunk."""
+    return masked(jnp.exp(self.prefix + self.loc), self.first)
+
+  def to_end(self):
+    """[16,K]: e^{G_C - G}, zero unless the row is in the chunk's last document."""
+    return masked(jnp.exp(self.rest - self.loc), self.last)
+
+  def row_mask(self, strict):
+    """[16,64]: causal (strictly, for B), within one document."""
+    m = self.causal < 0 if strict else self.causal <= 0
+    return m if self.doc_ok is None else m & self.doc_ok
+
+
 def unit_lower_inverse_16(n):
   """(I + n)⁻¹ for a strictly lower 16x16 n, by forward substitution in fp32 (stable: no large intermediates,
   unlike a Neumann product when rows of n are near one)."""
