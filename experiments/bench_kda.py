@@ -6,6 +6,7 @@ Each implementation runs the layer's fused operator (q/k L2 norm, bounded gate, 
 `--check` first compares the Pallas kernels in bf16 with the XLA path in fp32 (outputs and every gradient).
 Times are medians of a host timer around `block_until_ready` (JAX) or CUDA events (FLA, `triton.testing.do_bench`).
 """
+import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and PyTorch share the GPU here
@@ -35,6 +36,9 @@ flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. 
 flags.DEFINE_list("intra_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_fwd variants timed.")
 flags.DEFINE_bool("fla_kernels", False, "With fla in --impls: also FLA's own kernels, timed by the torch profiler.")
 flags.DEFINE_list("bwd_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_bwd variants timed.")
+flags.DEFINE_string("intra_fwd", None, "Run the whole op (pallas rows, --check) with this intra_fwd variant, not the "
+                    "default (e.g. v5).")
+flags.DEFINE_string("intra_bwd", None, "Likewise for intra_bwd.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -184,6 +188,7 @@ def main(argv):
   save = lambda rows: harness.write_json(FLAGS.out, rows)
 
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
+  use_variants(FLAGS.intra_fwd, FLAGS.intra_bwd)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -236,6 +241,18 @@ def main(argv):
         print(rows[-1], flush=True)
       save(rows)
   print_table(rows)
+
+
+def use_variants(intra_fwd, intra_bwd):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use these kernel variants in this process: candidates
+  are timed end to end before they become defaults."""
+  from pallas_kernels.kda import bwd, fwd
+  if intra_fwd:
+    fwd.intra_forward = functools.partial(fwd.intra_forward, variant=intra_fwd)
+  if intra_bwd:
+    bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
+  if intra_fwd or intra_bwd:
+    print(f"[bench_kda] pallas uses intra_fwd {intra_fwd or 'default'}, intra_bwd {intra_bwd or 'default'}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
