@@ -131,6 +131,25 @@ def test_intra_backward_variants_agree(case, variant):
     assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
 
+def test_v5_with_k_unlike_v_and_several_column_blocks_agrees_with_v3():
+  """v5's U and W launches tile V and K separately (64-column blocks) and its column pass splits K; K = 128 and
+  V = 32 exercise both."""
+  B, T, H, K, V = 1, 128, 1, 128, 32
+  x, reset = variant_case(29, "random_with_resets", B, T, H, K, V)
+  kw = dict(scale=K ** -0.5, lower_bound=-5.0)
+  outs, ref = (fwd.intra_forward(*x.values(), reset, variant=v, **kw) for v in ("v5", "v3"))
+  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv"), outs, ref):
+    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+  w, u, _, _, _, _, kk, minv = ref
+  ks = jax.random.split(jax.random.PRNGKey(30), 7)
+  vn, dvn, do = (jax.random.normal(ks[i], (B, T, H, V)) for i in range(3))
+  dw, dqs, dkd = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3, 6))
+  dd = jax.random.normal(ks[6], (B, T // 64, H, K))
+  run = lambda **v: bwd.intra_backward(*x.values(), reset, u, w, kk, minv, vn, dvn, do, dw, dqs, dkd, dd, **kw, **v)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), run(variant="v5", block_k=32), run(variant="v3")):
+    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("variant", ["v3", "v4", "v5"])
 def test_saturated_gate_gradients_of_every_backward_variant_are_within_fp32_tolerance_of_float64(variant, monkeypatch):
   monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant=variant, block_k=16))
