@@ -188,3 +188,11 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     grads = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3, 4))  # a new function: no trace cache
     text = cuda_module_text(monkeypatch, grads, *args)
     assert f'name = "{name}"' in text, variant
+
+
+def test_unknown_kernel_variant_is_refused_before_any_work():
+  x, _, _ = random_inputs(31, *SHAPE)
+  with pytest.raises(ValueError, match="variant"):
+    fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant="v9")
+  with pytest.raises(ValueError, match="variant"):
+    bwd.intra_backward(*([None] * 17), scale=1.0, lower_bound=-5.0, variant="v9")

@@ -246,8 +246,8 @@ def _dg_suffix_kernel(k_ref, g_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_bound,
   store(dg_ref, None, jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + base)
 
 
-def _intra_backward_v4(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
-                       lower_bound, num_warps, block_k, tile_rows=False):
+def _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *,
+                           scale, lower_bound, num_warps, block_k, tile_rows=False):
   """Two launches: the row pass (grid chunks × heads) and the column pass (grid chunks × heads × K blocks). With
   `tile_rows` (v5) both run a program per tile and a third launch sums dg over later rows."""
   B, T, H, K = q.shape
@@ -300,13 +300,15 @@ def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, d
                    lower_bound, num_warps=4, variant="v4", block_k=32):
   """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's U, W, B and M, the state pass's v_new and
   its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v4" (a row pass and a
-  column pass over `block_k` columns, `_intra_backward_v4`), "v5" (v4's passes with a program per tile, and dg's
-  sum over later rows in a third launch) or "v3" (one kernel); same outputs. Defaults: the fastest setting measured
+  column pass over `block_k` columns, `_intra_backward_passes`), "v5" (v4's passes with a program per tile, and
+  dg's sum over later rows in a third launch) or "v3" (one kernel); same outputs. Defaults: the fastest setting measured
   on the H200 (BUILD_NOTES run 5: v4, 4 warps, 32 columns, 7.2 ms against v3's best 9.8 at 8×4096)."""
+  if variant not in ("v3", "v4", "v5"):
+    raise ValueError(f"intra_backward: variant must be 'v3', 'v4' or 'v5', got {variant!r}")
   if variant in ("v4", "v5"):
-    return _intra_backward_v4(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
-                              scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k,
-                              tile_rows=variant == "v5")
+    return _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
+                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k,
+                                  tile_rows=variant == "v5")
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK

@@ -190,6 +190,8 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8, v
   Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v3" (M through memory, row by row),
   "v4" (M in registers, `_intra_kernel_v4`) or "v5" (two launches, `_intra_forward_v5`); same outputs.
   """
+  if variant not in ("v3", "v4", "v5"):
+    raise ValueError(f"intra_forward: variant must be 'v3', 'v4' or 'v5', got {variant!r}")
   if variant == "v5":
     return _intra_forward_v5(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound, num_warps=num_warps)
   B, T, H, K = q.shape
