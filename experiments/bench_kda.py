@@ -266,9 +266,9 @@ def per_kernel_times(x, do, shape):
   S0 = jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
   bv = default_block_v(B, H, D)
   cases = [("prepass", {}, fused_inputs, (x,))]
-  warps = (4, 8) if FLAGS.sweep else (8,)
+  warps = (4, 8, 16) if FLAGS.sweep else (8,)
   for variant in FLAGS.intra_variants:
-    for nw in warps + ((16,) if FLAGS.sweep else ()):
+    for nw in warps:
       cases.append(("intra_fwd", dict(variant=variant, num_warps=nw),
                     lambda *a, nw=nw, variant=variant: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb,
                                                                          num_warps=nw, variant=variant),
@@ -297,7 +297,7 @@ def per_kernel_times(x, do, shape):
   split = (32, 64) if FLAGS.sweep else (32,)
   bwd_blocks = {"v3": (None,), "v4": split, "v5": split}
   for variant, block_ks in ((v, bwd_blocks[v]) for v in FLAGS.bwd_variants):
-    for nw in warps + ((16,) if FLAGS.sweep else ()):
+    for nw in warps:
       for bk in block_ks:
         extra = {} if bk is None else dict(block_k=bk)
         cases.append(("intra_bwd", dict(variant=variant, num_warps=nw, **extra),

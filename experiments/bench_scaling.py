@@ -1,5 +1,6 @@
 """Expert-parallel scaling: the first steps of a config trained from the same seed, data and global batch on one
-device and on meshes of more (data × expert axes), in one process; per-step losses compared, tokens/s ratio:
+device and on meshes of more (data × expert axes), each mesh compiled in its own process, all at once, then trained
+one after another; per-step losses compared, tokens/s ratio:
 
   python -m experiments.bench_scaling --config=experiments/configs/small.py --steps=200 \\
       --mesh=data:1,expert:1 --mesh=data:1,expert:-1 --out=$OUT/bench_scaling.json
@@ -8,6 +9,8 @@ The first mesh is the reference. `scaling` = tokens/s ÷ (reference tokens/s × 
 Losses of bf16 training on different meshes differ by reduction order alone, so their gap should stay at bf16
 noise (a fraction of a percent) and show no drift over the steps.
 """
+import functools
+
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -20,7 +23,6 @@ _MESHES = flags.DEFINE_multi_string("mesh", ["data:1,expert:1", "data:1,expert:-
 _STEPS = flags.DEFINE_integer("steps", 200, "steps of the config's first stage")
 _WARMUP = flags.DEFINE_integer("warmup", 5, "steps before timing starts (the first compiles)")
 _TAIL = flags.DEFINE_integer("tail", 50, "last steps over which the mean loss gap is taken")
-_THREADS = flags.DEFINE_integer("compile_threads", 0, "meshes compiled at once (0: all)")
 _OUT = flags.DEFINE_string("out", None, "JSON file for the curves and the comparison (rewritten after each curve)")
 flags.mark_flags_as_required(["config"])
 
@@ -32,12 +34,13 @@ def main(argv):
   if not 0 < _TAIL.value <= _STEPS.value:
     raise app.UsageError(f"--tail must be in [1, --steps], got {_TAIL.value}")
   configs = [benchmark.variant(_CONFIG.value, mesh=mesh) for mesh in _MESHES.value]
-  print(f"compiling {len(configs)} meshes", flush=True)
-  compiled = benchmark.compile_runs(configs, threads=_THREADS.value or None)
+  print(f"compiling {len(configs)} meshes, one process each", flush=True)
+  measure = functools.partial(benchmark.loss_curve, steps=_STEPS.value, warmup=_WARMUP.value)
   curves = []
-  for mesh, run in zip(_MESHES.value, compiled):
-    curves.append(benchmark.loss_curve(run, steps=_STEPS.value, warmup=_WARMUP.value))
-    c = curves[-1]
+  for mesh, c in zip(_MESHES.value, benchmark.measure_in_turn(configs, measure)):
+    if "error" in c:
+      raise SystemExit(f"mesh {mesh} failed:\n{c['error']}")
+    curves.append(c)
     print(f"mesh {mesh} ({c['devices']} devices): compiled in {c['compile_s']:.0f} s, {c['tokens_per_s']:,.0f} "
           f"tokens/s, {c['step_ms']:.1f} ms/step, loss {c['losses'][0]:.4f} -> {c['losses'][-1]:.4f}", flush=True)
     harness.write_json(_OUT.value, {"curves": curves})

@@ -1,5 +1,6 @@
 """Training throughput (tokens/s, MFU) of a config at several sequence lengths, with its own layer pattern and
-with every layer MLA (or KDA), all in one process; the variants compile concurrently first:
+with every layer MLA (or KDA), in one call: each variant compiles in its own process, all at once, then they run
+one at a time (`benchmark.measure_in_turn`):
 
   python -m experiments.bench_train --config=experiments/configs/small.py --seq_lens=4096,16384 \
       --tokens_per_step=65536 --patterns=config,mla --out=$OUT/bench_train.json

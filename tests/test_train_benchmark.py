@@ -1,5 +1,5 @@
 """Throughput and scaling benchmarks of the train step: an expert-parallel mesh reproduces the one-device loss
-curve (fp32), compiled concurrently; curve comparison and variant errors."""
+curve (fp32); variants measured in turn from their own processes; curve comparison and variant errors."""
 import copy
 import functools
 
@@ -21,7 +21,7 @@ def small_tiny():
 
 def test_expert_parallel_mesh_reproduces_the_one_device_curve():
   configs = [benchmark.variant(small_tiny(), mesh=m) for m in ("data:1,expert:1", "data:2,expert:2")]
-  runs = benchmark.compile_runs(configs)
+  runs = [benchmark.compile_run(c) for c in configs]
   curves = [benchmark.loss_curve(r, steps=6, warmup=2) for r in runs]
   chex.assert_trees_all_close(curves[0]["losses"], curves[1]["losses"], rtol=1e-5)
   assert curves[0]["losses"][-1] < curves[0]["losses"][0]  # the curve is a training curve, not a constant
@@ -31,7 +31,7 @@ def test_expert_parallel_mesh_reproduces_the_one_device_curve():
 
 
 def test_time_train_step_reports_finite_throughput():
-  run, = benchmark.compile_runs([benchmark.variant(small_tiny(), pattern="mla", seq_len=16, tokens_per_step=128)])
+  run = benchmark.compile_run(benchmark.variant(small_tiny(), pattern="mla", seq_len=16, tokens_per_step=128))
   row = benchmark.time_train_step(run, steps=2, warmup=1)
   assert (row["seq_len"], row["batch_size"]) == (16, 8)
   assert row["finite"] and row["tokens_per_s"] > 0 and row["mfu"] is None  # no peak FLOP/s known for a CPU

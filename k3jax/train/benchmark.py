@@ -1,9 +1,8 @@
 """Training throughput and scaling: the jitted train step of config variants (sequence length, layer pattern,
-mesh), compiled ahead of time and concurrently (a GPU train step of `small` takes ~3 minutes to compile, nearly all
-of it in XLA, which releases the GIL), then timed on rows of the config's data mixture."""
+mesh), compiled ahead of time, one process per variant and all at once (a GPU train step of `small` takes ~5
+minutes to compile), then measured one variant at a time on rows of the config's data mixture."""
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
 import multiprocessing
@@ -57,22 +56,15 @@ class CompiledRun:
     return self.run.batch(self.stage, i)
 
 
-def compile_runs(configs, *, threads: int | None = None) -> list[CompiledRun]:
-  """Builds each config's Run and traces its init and train step one after another (tracing holds the GIL; data
-  caches may be written), then compiles them on `threads` threads (default: all at once)."""
-  runs = [trainer.Run(c) for c in configs]
-  lowered = [(r.init.lower(), r.train_step.lower(r.abstract, r.batch(r.stages[0], 0))) for r in runs]
-
-  def compile_one(pair):
-    start = time.perf_counter()
-    init, step = (low.compile() for low in pair)
-    seconds = time.perf_counter() - start
-    print(f"compiled a variant in {seconds:.0f} s", flush=True)
-    return init, step, seconds
-
-  with concurrent.futures.ThreadPoolExecutor(max_workers=threads or len(runs)) as pool:
-    done = list(pool.map(compile_one, lowered))
-  return [CompiledRun(r, *d) for r, d in zip(runs, done)]
+def compile_run(config) -> CompiledRun:
+  """Builds the config's Run and compiles its init and its first stage's train step ahead of time."""
+  run = trainer.Run(config)
+  start = time.perf_counter()
+  init = run.init.lower().compile()
+  step = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0)).compile()
+  seconds = time.perf_counter() - start
+  print(f"compiled a variant in {seconds:.0f} s", flush=True)
+  return CompiledRun(run, init, step, seconds)
 
 
 def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_s: float = 3600.0):
@@ -127,7 +119,7 @@ def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_
 
 def _measure_child(index, config, measure, queue, turn):
   try:
-    run, = compile_runs([config])
+    run = compile_run(config)
     queue.put(("compiled", index, run.compile_s))
     turn.wait()
     queue.put(("result", index, measure(run)))

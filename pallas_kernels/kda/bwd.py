@@ -134,58 +134,77 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref
     later = later + tot
 
 
-def _intra_bwd_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
-                           dw_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v4, first pass: everything that contracts over K or V (dv, dβ, dA_qk, dB, and dKw = βΓ ⊙ dX_k for the
-  column pass), one query tile at a time with nothing carried between tiles."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = refs
-  gates = Gates(g_ref, reset_ref, lower_bound)
-  exact = dtype == F32
-  for i in range(NT):
-    beta_i = load(beta_ref, i)[:, None]
-    gamma = gates.gamma_tile(i, gates.e_q(i))
-    m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
-    dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
-    dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), gates.row_mask(i, True))
-    store(dv_ref, i, beta_i * dXv)
-    store(dbeta_ref, i, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
-          + jnp.sum(dA * load(kk_ref, i), axis=1))
-    store(dB_ref, i, beta_i * dA)
-    store(dAqk_ref, i, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), gates.row_mask(i, False)))
-    store(dkw_ref, i, beta_i * gamma * dXk)
-
-
-def _intra_bwd_tile_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref,
-                                do_ref, dw_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v5, first pass: v4's row pass with one program per query tile (its tiles carry nothing)."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = refs
-  i = pl.program_id(2)
-  tg = TileGates(g_ref, reset_ref, i, lower_bound)
+def _row_pass_tile(i, at, gates, ins, outs, *, scale, dtype):
+  """The row pass for query tile i (a Python int or a grid index): everything that contracts over K or V (dv, dβ,
+  dA_qk, dB, and dKw = βΓ ⊙ dX_k for the column pass), stored at `at` (i, or None where the block is the tile).
+  `gates`: (Γ of the tile, row mask) as functions, called where they are used."""
+  k_ref, v_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref, dw_ref = ins
+  dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = outs
+  gamma_of, mask_of = gates
   exact = dtype == F32
   beta_i = load(beta_ref, i)[:, None]
-  gamma = tg.gamma()
+  gamma = gamma_of()
   m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
   dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
-  dA = jnp.where(tg.row_mask(True), -(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), 0.0)
-  store(dv_ref, None, beta_i * dXv)
-  store(dbeta_ref, None, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
+  dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), mask_of(True))
+  store(dv_ref, at, beta_i * dXv)
+  store(dbeta_ref, at, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
         + jnp.sum(dA * load(kk_ref, i), axis=1))
-  store(dB_ref, None, beta_i * dA)
-  store(dAqk_ref, None, jnp.where(tg.row_mask(False), scale * mm_t(load(do_ref, i), load(vn_ref), dtype), 0.0))
-  store(dkw_ref, None, beta_i * gamma * dXk)
+  store(dB_ref, at, beta_i * dA)
+  store(dAqk_ref, at, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), mask_of(False)))
+  store(dkw_ref, at, beta_i * gamma * dXk)
+
+
+def _col_pass_tile(j, at, e_q, e_k, gates, ins, outs, *, scale, dtype):
+  """The column pass for tile J: stores dq and dk of its rows at `at` (J, or None where the block is the tile) and
+  returns dG, each row's own term of dg (dg sums it over the chunk's later rows). `gates`: Γ of the tile, the
+  chunk's keys scaled for anchor J, its queries scaled from J, and e^{G_C - G} of the tile, as functions called
+  where they are used."""
+  q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref = ins
+  dq_ref, dk_ref = outs
+  gamma_of, keys_of, queries_of, to_end_of = gates
+  rounded = lambda a: a.astype(dtype).astype(F32)
+  q_j, k_j = load(q_ref, j), load(k_ref, j)
+  gamma = gamma_of()
+  keys = keys_of()
+  dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
+  dqs = load(dqs_ref, j)
+  store(dq_ref, at, dqh * e_q + scale * gamma * dqs)
+  queries = queries_of()
+  cols = (slice(None), pl.ds(j * SUB, SUB))
+  dkeys = t_mm(dAqk_ref[cols], load(q_ref) * queries, dtype) + t_mm(dB_ref[cols], load(k_ref) * queries, dtype)
+  te, dkd = to_end_of(), load(dkd_ref, j)
+  dkw = load(dkw_ref, j)
+  store(dk_ref, at, dkh * e_q + dkw + dkeys * e_k + te * dkd)
+  return (dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
+          - dkeys * rounded(k_j * e_k) - k_j * te * dkd)
+
+
+def _intra_bwd_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
+                           dw_ref, *refs, scale, lower_bound, has_reset, dtype, per_tile):
+  """The row pass: v4 walks the chunk's query tiles in one program; v5 (`per_tile`) runs a program per tile."""
+  reset_ref, outs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  ins = (k_ref, v_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref, dw_ref)
+  kw = dict(scale=scale, dtype=dtype)
+  if per_tile:
+    i = pl.program_id(2)
+    tg = TileGates(g_ref, reset_ref, i, lower_bound)
+    _row_pass_tile(i, None, (tg.gamma, tg.row_mask), ins, outs, **kw)
+    return
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  for i in range(NT):
+    _row_pass_tile(i, i, (lambda: gates.gamma_tile(i, gates.e_q(i)), lambda strict: gates.row_mask(i, strict)),
+                   ins, outs, **kw)
 
 
 def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale,
                            lower_bound, has_reset, dtype):
-  """v4, second pass over a block of K columns (every term is column-separable): per tile J, last first, the
-  query-side products of rows J and the key-side products of columns J of dA_qk and dB, then dq, dk and dg of
-  tile J, so no tile is carried to a later one."""
+  """v4, second pass over a block of K columns (every term is column-separable): tile after tile, last first, so
+  dg's sum over later rows is carried from one tile to the next."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dg_ref = refs
+  ins = (q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref)
   gates = Gates(g_ref, reset_ref, lower_bound)
-  rounded = lambda a: a.astype(dtype).astype(F32)
   te_dkd = lambda j: load(k_ref, j) * gates.to_end_tile(j, gates.e_k(j)) * load(dkd_ref, j)
   later = gates.decay() * dd_ref[...].reshape(1, -1)
   for j in range(NT):
@@ -193,20 +212,9 @@ def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_r
   kek, e_q_all = load(k_ref) * gates.e_k(), gates.e_q()
   for j in reversed(range(NT)):
     e_q, e_k_j = gates.e_q(j), gates.e_k(j)
-    q_j, k_j = load(q_ref, j), load(k_ref, j)
-    gamma = gates.gamma_tile(j, e_q)
-    keys = kek * gates.anchor_scale(j)
-    dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
-    dqs = load(dqs_ref, j)
-    store(dq_ref, j, dqh * e_q + scale * gamma * dqs)
-    scale_j = e_q_all * gates.anchor_scale_t(j)
-    cols = (slice(None), pl.ds(j * SUB, SUB))
-    dkeys = t_mm(dAqk_ref[cols], load(q_ref) * scale_j, dtype) + t_mm(dB_ref[cols], load(k_ref) * scale_j, dtype)
-    te, dkd = gates.to_end_tile(j, e_k_j), load(dkd_ref, j)
-    dkw = load(dkw_ref, j)
-    store(dk_ref, j, dkh * e_q + dkw + dkeys * e_k_j + te * dkd)
-    dG = (dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
-          - dkeys * rounded(k_j * e_k_j) - k_j * te * dkd)
+    tile_gates = (lambda: gates.gamma_tile(j, e_q), lambda: kek * gates.anchor_scale(j),
+                  lambda: e_q_all * gates.anchor_scale_t(j), lambda: gates.to_end_tile(j, e_k_j))
+    dG = _col_pass_tile(j, j, e_q, e_k_j, tile_gates, ins, (dq_ref, dk_ref), scale=scale, dtype=dtype)
     tot = jnp.sum(dG, axis=0, keepdims=True)
     store(dg_ref, j, tot - jnp.cumsum(dG, axis=0) + dG + later)
     later = later + tot
@@ -214,24 +222,16 @@ def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_r
 
 def _intra_bwd_tile_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
                                 lower_bound, has_reset, dtype):
-  """v5, second pass: v4's column pass with one program per tile J; dg's sum over later rows, the only thing v4
+  """v5, second pass: the column pass with one program per tile J; dg's sum over later rows, the only thing v4
   carries between tiles, is left to `_dg_suffix_kernel` (this writes each row's own term dG)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dG_ref = refs
   j = pl.program_id(3)
   tg = TileGates(g_ref, reset_ref, j, lower_bound)
-  rounded = lambda a: a.astype(dtype).astype(F32)
-  e_q, e_k_j, gamma, te = tg.e_q(), tg.e_k(), tg.gamma(), tg.to_end()
-  q_j, k_j, dqs, dkd, dkw = (load(r, j) for r in (q_ref, k_ref, dqs_ref, dkd_ref, dkw_ref))
-  keys = load(k_ref) * tg.keys_factor()
-  dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
-  store(dq_ref, None, dqh * e_q + scale * gamma * dqs)
-  queries = tg.queries_factor()
-  cols = (slice(None), pl.ds(j * SUB, SUB))
-  dkeys = t_mm(dAqk_ref[cols], load(q_ref) * queries, dtype) + t_mm(dB_ref[cols], load(k_ref) * queries, dtype)
-  store(dk_ref, None, dkh * e_q + dkw + dkeys * e_k_j + te * dkd)
-  store(dG_ref, None, dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
-        - dkeys * rounded(k_j * e_k_j) - k_j * te * dkd)
+  tile_gates = (tg.gamma, lambda: load(k_ref) * tg.keys_factor(), tg.queries_factor, tg.to_end)
+  store(dG_ref, None, _col_pass_tile(j, None, tg.e_q(), tg.e_k(), tile_gates,
+                                     (q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref), (dq_ref, dk_ref),
+                                     scale=scale, dtype=dtype))
 
 
 def _dg_suffix_kernel(k_ref, g_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_bound, has_reset):
@@ -261,13 +261,13 @@ def _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_ne
   flags = dict(scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=q.dtype)
   shape = lambda d, dtype: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   if tile_rows:
-    grid, kernel, name = (N, B * H, NT), _intra_bwd_tile_rows_kernel, "kda_intra_bwd_v5_rows"
+    grid, name = (N, B * H, NT), "kda_intra_bwd_v5_rows"
     out = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh, i: (bh // H, n * NT + i, bh % H, 0))
     out_tok = pl.BlockSpec((None, SUB, None), lambda n, bh, i: (bh // H, n * NT + i, bh % H))
   else:
-    grid, kernel, name, out, out_tok = (N, B * H), _intra_bwd_rows_kernel, "kda_intra_bwd_v4_rows", row, tok
+    grid, name, out, out_tok = (N, B * H), "kda_intra_bwd_v4_rows", row, tok
   dv, dbeta, dAqk, dB, dkw = triton_call(
-      functools.partial(kernel, **flags), grid=grid,
+      functools.partial(_intra_bwd_rows_kernel, per_tile=tile_rows, **flags), grid=grid,
       in_specs=[row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V), row(K)]
       + res, out_specs=[out(V), out_tok, out(CHUNK), out(CHUNK), out(K)],
       out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, F32), shape(CHUNK, F32),

@@ -173,11 +173,14 @@ class TileGates:
     self.c = SUB / 2 * lower_bound
     tot = [jnp.sum(load(g_ref, j), axis=0, keepdims=True) for j in range(NT)]             # [1,K] per tile
     zero = jnp.zeros_like(tot[0])
-    # Key rows of tile J <= i against anchor R_i: e^{c - loc + R_i - R_J}, R_i - R_J = Σ_{J<=P<i} tot_P (<= 0).
-    self.span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
-    self.g_ref, self.i, self.tot = g_ref, i, tot
-    self.loc = jnp.cumsum(load(g_ref, i), axis=0)                                          # [16,K]
-    self.prefix = sum((jnp.where(p < i, tot[p], 0.0) for p in range(NT)), zero)            # R_i
+    # Rows of tile J against anchor R_i: keys (J <= i) take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1), queries
+    # (J >= i) take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
+    self.key_span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
+    self.query_span = [sum((jnp.where(p >= i, tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
+    self.i = i
+    self.loc_all = jnp.cumsum(load(g_ref).reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)   # tile start -> row
+    self.loc = jnp.cumsum(load(g_ref, i), axis=0)                                          # [16,K], tile i
+    self.prefix = self.key_span[0]                                                           # R_i
     self.rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)             # G_C - R_i
     self.causal = iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - i * SUB                  # key - query position
     self.doc_ok = self.first = self.last = None
@@ -190,17 +193,11 @@ class TileGates:
 
   def keys_factor(self):
     """[64,K]: e^{c - (G - R_J) + R_i - R_J} on rows of tiles J <= i, 0 after: the chunk's keys for anchor i."""
-    g = load(self.g_ref)
-    loc_all = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)
-    return jnp.exp(jnp.where(tile_of_row() <= self.i, self.c - loc_all + per_tile(self.span), -jnp.inf))
+    return jnp.exp(jnp.where(tile_of_row() <= self.i, self.c - self.loc_all + per_tile(self.key_span), -jnp.inf))
 
   def queries_factor(self):
-    """[64,K]: e^{G - R_I - c + R_I - R_i} on rows of tiles I >= i, 0 before: the chunk's queries for anchor i."""
-    g = load(self.g_ref)
-    loc_all = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)
-    span = [sum((jnp.where(p >= self.i, self.tot[p], 0.0) for p in range(j)), jnp.zeros_like(self.tot[0]))
-            for j in range(NT)]
-    return jnp.exp(jnp.where(tile_of_row() >= self.i, loc_all - self.c + per_tile(span), -jnp.inf))
+    """[64,K]: e^{G - R_J - c + R_J - R_i} on rows of tiles J >= i, 0 before: the chunk's queries for anchor i."""
+    return jnp.exp(jnp.where(tile_of_row() >= self.i, self.loc_all - self.c + per_tile(self.query_span), -jnp.inf))
 
   def e_q(self):
     """[16,K]: the tile's query factor e^{G - R_i - c}."""
