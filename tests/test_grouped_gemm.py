@@ -78,15 +78,18 @@ def test_mosaic_shape_constraints_are_named():
   assert "dtype float32" in mosaic.shape_reason(1024, 2048, jnp.float32, configs)
   assert "K=100" in mosaic.shape_reason(100, 2048, jnp.bfloat16, configs)
   assert "N=200" in mosaic.shape_reason(1024, 200, jnp.bfloat16, configs)
+  two = TileConfig(compute_wgs=2)
+  assert "N=384 is not a multiple of fwd's 256" in mosaic.shape_reason(1024, 384, jnp.bfloat16, Configs(fwd=two))
 
 
-@pytest.mark.parametrize("m, g", [(1000, 64), (512, 7)])
-def test_mosaic_forward_and_backward_lower_for_cuda(monkeypatch, m, g):
+@pytest.mark.parametrize("m, g, wgs", [(1000, 64, 1), (512, 7, 1), (1000, 64, 2)])
+def test_mosaic_forward_and_backward_lower_for_cuda(monkeypatch, m, g, wgs):
   """The three kernels trace and lower to CUDA here (shared-memory and shape checks run at lowering)."""
   # transposed_ragged_dot reads the SM count from jax.devices()[0] while tracing; CPU devices have none.
   monkeypatch.setattr(jax, "devices", lambda *a, **kw: [types.SimpleNamespace(core_count=132)])
-  k, n = 256, 384
-  configs = Configs(fwd=TileConfig(block_n=128), dx=TileConfig(block_n=128), dw=TileConfig(block_n=128))
+  k, n = 256, 384 * wgs
+  ragged = TileConfig(block_n=64 * wgs, max_concurrent_steps=4 if wgs == 1 else 3, compute_wgs=wgs)
+  configs = Configs(fwd=ragged, dx=ragged, dw=TileConfig(block_n=128))
 
   def loss(x, w, sizes):  # the op below grouped_matmul's device check
     return ops._gmm(x, w, sizes, ops.MosaicProducts(configs)).astype(jnp.float32).sum()
@@ -94,3 +97,51 @@ def test_mosaic_forward_and_backward_lower_for_cuda(monkeypatch, m, g):
           jax.ShapeDtypeStruct((g,), jnp.int32))
   exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"])(*args)
   assert exported.mlir_module().count("mosaic_gpu") >= 3
+
+
+def test_row_tile_schedule_gives_every_row_to_its_group_exactly_once():
+  block_m, rows = 16, 208
+  sizes = jnp.array([0, 5, 16, 0, 40, 1, 1, 0, 90, 7, 0], jnp.int32)  # 160 rows: aligned and unaligned ends
+  schedule, count = mosaic.row_tile_schedule(sizes, rows, block_m)
+  block, group, lo, hi = np.asarray(schedule)
+  chex.assert_shape(schedule, (4, rows // block_m + sizes.shape[0] - 1))
+  owner = np.full(rows, -1)
+  for b, g, a, e in zip(block, group, lo, hi):
+    assert 0 <= a <= e <= block_m
+    rows_here = np.arange(b * block_m + a, b * block_m + e)
+    assert np.all(owner[rows_here] == -1), "a row is covered twice"
+    owner[rows_here] = g
+  np.testing.assert_array_equal(owner, np.concatenate([np.repeat(np.arange(11), np.asarray(sizes)),
+                                                       np.full(rows - 160, -1)]))
+  assert int(count[0]) == int(np.sum(hi > lo))
+
+
+@pytest.mark.parametrize("wgs", [1, 2])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_mosaic_ragged_dot_in_interpret_mode_matches_dense_reference(wgs, transpose_rhs):
+  """Our Mosaic-GPU kernel, run by Pallas's GPU interpreter on the CPU: empty groups, groups inside one tile, rows
+  past the groups (never written, so not compared)."""
+  kx, kw = jax.random.split(jax.random.key(3))
+  m, k, n = 256, 128, 128
+  sizes = jnp.array([70, 0, 1, 120, 40], jnp.int32)  # 231 of 256 rows
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (5, k, n), jnp.float32).astype(jnp.bfloat16)
+  config = TileConfig(64, 64, 64, max_concurrent_steps=2, compute_wgs=wgs)
+  got = mosaic.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, sizes, config,
+                          transpose_rhs=transpose_rhs, interpret=True)
+  want = dense_reference(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+  assert rel(got[:231].astype(jnp.float32), want[:231]) <= 4e-3  # bf16 output rounding
+
+
+def test_mosaic_ragged_dot_rejects_tiles_that_do_not_divide_the_operands():
+  x, w, sizes = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 128, 192), jnp.bfloat16), jnp.array([3, 5])
+  with pytest.raises(ValueError, match="N=192 of block_n=128"):
+    mosaic.ragged_dot(x, w, sizes, TileConfig(64, 128, 64), interpret=True)
+  with pytest.raises(ValueError, match="compute_wgs"):
+    mosaic.ragged_dot(x, w, sizes, TileConfig(64, 64, 64, compute_wgs=2), interpret=True)
+
+
+def test_default_tiles_are_two_warpgroups_where_they_fit_and_one_elsewhere():
+  assert mosaic.default_configs(1024, 2048, jnp.bfloat16).fwd.compute_wgs == 2
+  narrow = mosaic.default_configs(1024, 384, jnp.bfloat16)  # 384 columns: not a multiple of 2 x 128
+  assert narrow.fwd.compute_wgs == 1 and mosaic.shape_reason(1024, 384, jnp.bfloat16, narrow) is None

@@ -173,17 +173,18 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
-  for name in ("kda_intra_fwd", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v4_rows",
-               "kda_intra_bwd_v4_cols"):
+  for name in ("kda_intra_fwd_v5_rows", "kda_intra_fwd_v5_inverse", "kda_intra_fwd_v5_apply", "kda_state_fwd",
+               "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols",
+               "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
-    for variant, names in (("v4", ["kda_intra_fwd_v4"]), ("v5", ["kda_intra_fwd_v5_rows", "kda_intra_fwd_v5_inverse",
-                                                                 "kda_intra_fwd_v5_apply"])):
+    for variant, names in (("v3", ["kda_intra_fwd"]), ("v4", ["kda_intra_fwd_v4"]),
+                           ("v5", ["kda_intra_fwd_v5_rows", "kda_intra_fwd_v5_inverse", "kda_intra_fwd_v5_apply"])):
       f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
       f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
       text = cuda_module_text(monkeypatch, f, *f_args)
       assert all(f'name = "{name}"' in text for name in names), variant
-  for variant, name in (("v3", "kda_intra_bwd"), ("v5", "kda_intra_bwd_v5_rows")):
+  for variant, name in (("v3", "kda_intra_bwd"), ("v4", "kda_intra_bwd_v4_rows")):
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant=variant))
     grads = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3, 4))  # a new function: no trace cache
     text = cuda_module_text(monkeypatch, grads, *args)

@@ -41,7 +41,7 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, backend: str = "auto", configs
 
 def products(backend: str, k: int, n: int, dtype, configs: mosaic.Configs | None = None):
   """The implementation of the three products that `backend` means for `[M, k] x [G, k, n]` in `dtype` here."""
-  configs = configs or mosaic.Configs()
+  configs = configs or mosaic.default_configs(k, n, dtype)
   reason = mosaic.unsupported_reason(k, n, dtype, configs)
   if backend == "mosaic" and reason is not None:
     raise ValueError(f"backend='mosaic' cannot run here: {reason}")
