@@ -42,7 +42,8 @@ flags.DEFINE_integer("expert_hidden", 1024, "routed expert hidden width h (in â„
 flags.DEFINE_integer("num_shared", 1, "shared experts")
 flags.DEFINE_integer("shared_hidden", 1024, "each shared expert's hidden width (full d)")
 flags.DEFINE_integer("repeats", 10, "timed calls per measurement (median)")
-flags.DEFINE_integer("ragged_rows", 32768, "rows for the ragged_dot comparison (halved while it runs out of memory)")
+flags.DEFINE_integer("ragged_rows", 262144, "rows for the ragged_dot comparison: all of them by default, halved while "
+                     "ragged_dot runs out of memory (XLA expands it densely over the groups)")
 flags.DEFINE_integer("check_rows", 8160, "rows of the numerical check (not a multiple of 128 on purpose)")
 flags.DEFINE_bool("sweep", True, "time a few kernel tile configurations (GPU only)")
 flags.DEFINE_bool("small", False, "tiny shapes for a CPU run")

@@ -25,7 +25,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-  """Tiling of one kernel (the keyword arguments of both JAX kernels)."""
+  """Tiling of one kernel: ours (`ragged_dot`) or JAX's (`transposed_ragged_dot`, which ignores compute_wgs)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -42,10 +42,14 @@ class Configs:
   dw: TileConfig = TileConfig()
 
 
-# What `grouped_matmul` uses when given no tiles: the first whose shape constraints hold. Measured on the H200
-# (BUILD_NOTES run 6, E = 256): two consumer warpgroups 0.68-0.69 of a dense GEMM on the gate/up GEMM, one 0.49-0.62.
-_TWO_WARPGROUPS = TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=8, compute_wgs=2)
-DEFAULT_CONFIGS = (Configs(fwd=_TWO_WARPGROUPS, dx=_TWO_WARPGROUPS), Configs())
+# What `grouped_matmul` uses when given no tiles: the first whose shape constraints hold. The first is the best of
+# bench_moe's sweep on the H200 (BUILD_NOTES run 6: 0.62-0.87 of a dense GEMM at E = 64 and 256); the second fits any
+# N that is a multiple of 128.
+DEFAULT_CONFIGS = (
+    Configs(fwd=TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=4, compute_wgs=2),
+            dx=TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=8, compute_wgs=2),
+            dw=TileConfig(128, 128, 64, max_concurrent_steps=4, grid_block_n=8)),
+    Configs())
 
 
 def default_configs(k: int, n: int, dtype) -> Configs:
@@ -102,7 +106,8 @@ def row_tile_schedule(group_sizes_G, rows: int, block_m: int):
   count = jnp.where(group_sizes_G > 0, last - first + 1, 0)
   item_ends = jnp.cumsum(count)
   item = jnp.arange(rows // block_m + num_groups - 1)
-  group = jnp.minimum(jnp.searchsorted(item_ends, item, side="right"), num_groups - 1)
+  # compare_all: one fusion over [items, G]; the default binary search lowers to a while loop of small kernels.
+  group = jnp.minimum(jnp.searchsorted(item_ends, item, side="right", method="compare_all"), num_groups - 1)
   block = first[group] + item - (item_ends - count)[group]
   lo = jnp.clip(starts[group] - block * block_m, 0, block_m)
   hi = jnp.where(item < item_ends[-1], jnp.clip(ends[group] - block * block_m, 0, block_m), lo)
