@@ -246,10 +246,9 @@ def main(argv):
 def use_variants(intra_fwd, intra_bwd):
   """Makes the whole op (`chunk_kda(..., backend="pallas")`) use these kernel variants in this process: candidates
   are timed end to end before they become defaults."""
-  from pallas_kernels.kda import bwd, chunk, fwd
+  from pallas_kernels.kda import bwd, fwd
   if intra_fwd:
     fwd.intra_forward = functools.partial(fwd.intra_forward, variant=intra_fwd)
-    chunk.GRAD_INTRA_FORWARD = intra_fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if intra_fwd or intra_bwd:

@@ -50,22 +50,14 @@ def _kda(cfg, q, k, v, g, beta, S0, reset):
   return _forward(cfg, q, k, v, g, beta, S0, reset)
 
 
-# The intra_fwd variant inside differentiated programs. On the H200, a forward+backward program with v5's forward
-# did not finish compiling or running within 75 s (BUILD_NOTES run 6; v5 alone, and v3's forward with v5's
-# backward, ran in seconds; cause not established), so gradients keep v3's forward until that is understood.
-GRAD_INTRA_FORWARD = "v3"
-
-
-def _forward(cfg, q, k, v, g, beta, S0, reset, **variant):
+def _forward(cfg, q, k, v, g, beta, S0, reset):
   scale, lower_bound, block_v, _ = cfg
-  w, u, qs, kd, aqk, decay, _, _ = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
-                                                     **variant)
+  w, u, qs, kd, aqk, decay, _, _ = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
   return fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v)
 
 
 def _kda_fwd(cfg, q, k, v, g, beta, S0, reset):
-  out = _forward(cfg, q, k, v, g, beta, S0, reset, variant=GRAD_INTRA_FORWARD)
-  return out, (q, k, v, g, beta, S0, reset)
+  return _forward(cfg, q, k, v, g, beta, S0, reset), (q, k, v, g, beta, S0, reset)
 
 
 def _kda_bwd(cfg, res, cotangents):
@@ -73,7 +65,7 @@ def _kda_bwd(cfg, res, cotangents):
   q, k, v, g, beta, S0, reset = res
   do, dS_T = cotangents
   w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale,
-                                                         lower_bound=lower_bound, variant=GRAD_INTRA_FORWARD)
+                                                         lower_bound=lower_bound)
   do = do.astype(q.dtype)
   _, _, h, v_new = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=True)
   dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v_bwd)

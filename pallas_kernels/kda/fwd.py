@@ -181,18 +181,21 @@ def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps,
   return apply(k, g, *resets), apply(v), qs, kd, aqk, decay, kk, minv
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=4, variant="v5"):
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v3"):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
   and B = A_kk/β and M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix), which the
   backward reads.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
   Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v3" (M through memory, row by row),
-  "v4" (M in registers, `_intra_kernel_v4`) or "v5" (four launches, `_intra_forward_v5`); same outputs. Defaults:
-  the fastest measured on the H200 (BUILD_NOTES run 6: v5 at 4 warps 3.02 ms against v3's best 4.40 at 8×4096).
+  "v4" (M in registers, `_intra_kernel_v4`) or "v5" (four launches, `_intra_forward_v5`); same outputs. The default
+  is the variant checked on the H200 (BUILD_NOTES run 5). v5 is faster there (run 6: 3.02 ms at 4 warps against
+  v3's 4.40 at 8×4096) but has no GPU check yet: a forward+backward program using it did not finish, and the
+  check comes after that program. `num_warps`: the variant's fastest measured setting when None.
   """
   if variant not in ("v3", "v4", "v5"):
     raise ValueError(f"intra_forward: variant must be 'v3', 'v4' or 'v5', got {variant!r}")
+  num_warps = num_warps or {"v3": 8, "v4": 4, "v5": 4}[variant]
   if variant == "v5":
     return _intra_forward_v5(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound, num_warps=num_warps)
   B, T, H, K = q.shape
