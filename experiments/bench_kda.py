@@ -8,6 +8,7 @@ Times are medians of a host timer around `block_until_ready` (JAX) or CUDA event
 """
 import functools
 import os
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and PyTorch share the GPU here
 
@@ -70,12 +71,12 @@ def jax_fns(impl):
 
   fwd = jax.jit(run)
   fwdbwd = jax.jit(jax.grad(lambda x, do: jnp.sum(run(x).astype(jnp.float32) * do.astype(jnp.float32))))
-  return (lambda x, do: fwd(x)), fwdbwd
+  return fwd, fwdbwd
 
 
-def jax_temp_bytes(fn, args):
+def jax_temp_bytes(compiled):
   """Bytes XLA allocates for one call beyond its arguments (temporaries + outputs)."""
-  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+  stats = compiled.memory_analysis()
   return None if stats is None else stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
@@ -205,10 +206,14 @@ def main(argv):
             if mode == "fwdbwd":
               row["mem_bytes"] = fla["fwdbwd_mem"]()
           else:
-            fn = fns[0] if mode == "fwd" else fns[1]
-            row["ms"] = 1e3 * harness.median_seconds(fn, x, do, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
+            fn, args = (fns[0], (x,)) if mode == "fwd" else (fns[1], (x, do))
+            start = time.perf_counter()  # compile apart from the calls, so a slow compile and a hang read apart
+            compiled = fn.lower(*args).compile()
+            row["compile_s"] = time.perf_counter() - start
+            print(f"[bench_kda] {shape} {impl} {mode}: compiled in {row['compile_s']:.1f} s", flush=True)
+            row["ms"] = 1e3 * harness.median_seconds(compiled, *args, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
             if mode == "fwdbwd":
-              row["mem_bytes"] = jax_temp_bytes(fn, (x, do))
+              row["mem_bytes"] = jax_temp_bytes(compiled)
           flops, nbytes = model_counts(B, T, H, D, mode)
           row.update(tflops=flops / row["ms"] / 1e9, gbps=nbytes / row["ms"] / 1e6)
         except Exception as e:  # a failing implementation is reported, not fatal for the others

@@ -1,0 +1,42 @@
+"""The GPU benchmark scripts run end to end on the CPU at tiny shapes (so a device call never finds them broken):
+each prints its table, writes its JSON and exits 0 only when its own checks pass."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_script(module, *flags, out_dir):
+  env = dict(os.environ, OUT=str(out_dir), JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # one device is enough
+  return subprocess.run([sys.executable, "-m", module, *flags], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=900)
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
+  done = run_script("experiments.bench_kda", "--impls=xla,pallas", "--shapes=1x128x2x32", "--repeats=1",
+                    "--warmup=1", "--check", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_kda.json").read_text())
+  times = [r for r in rows if r["kind"] == "time"]
+  assert {(r["impl"], r["mode"]) for r in times} == {(i, m) for i in ("xla", "pallas") for m in ("fwd", "fwdbwd")}
+  assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in times)
+  checks = [r for r in rows if r["kind"] == "check"]
+  assert checks and all(r["ok"] for r in checks if r["case"] != "repeated_keys")
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_bench_moe_small_runs_its_sections_and_checks(tmp_path):
+  done = run_script("experiments.bench_moe", "--small", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  result = json.loads((tmp_path / "bench_moe.json").read_text())
+  assert not result["errors"]
+  for experts in (8, 16):
+    entry = result[f"E{experts}"]
+    assert set(entry["gate_up"]) >= {"check", "times", "vs_ragged_dot"} and entry["layer"]["moe"] > 0
