@@ -199,9 +199,6 @@ def sweep(shapes: Shapes, experts: int, key) -> dict:
   """Times of each candidate tiling on both expert GEMMs; a config that fails to build is reported, not fatal."""
   m = shapes.tokens * shapes.top_k
   sizes = routed_group_sizes(key, shapes.tokens, experts, shapes.top_k)
-  runs = {"fwd": lambda c: jax.jit(lambda x, w, s: mosaic.ragged_dot(x, w, s, c)),
-          "dx": lambda c: jax.jit(lambda d, w, s: mosaic.ragged_dot(d, w, s, c, transpose_rhs=True)),
-          "dw": lambda c: jax.jit(lambda x, d, s: mosaic.transposed_ragged_dot(x, d, s, c))}
   result = {"fwd": [], "dx": [], "dw": []}
   for name, (k, n) in gemm_shapes(shapes).items():
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
@@ -212,7 +209,8 @@ def sweep(shapes: Shapes, experts: int, key) -> dict:
       for config in candidates:
         row = {"gemm": name, "config": dataclasses.asdict(config)}
         try:
-          row["seconds"] = harness.median_seconds(runs[product](config), *args[product], repeats=shapes.repeats)
+          run = getattr(ops.MosaicProducts(Configs(config, config, config)), product)  # the op's own product
+          row["seconds"] = harness.median_seconds(jax.jit(run), *args[product], repeats=shapes.repeats)
           row["tflops"] = 2 * m * k * n / row["seconds"] / 1e12
         except Exception as e:
           row["error"] = str(e).splitlines()[0][:200]
