@@ -35,7 +35,8 @@ flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
 flags.DEFINE_list("intra_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_fwd variants timed.")
-flags.DEFINE_bool("fla_kernels", False, "With fla in --impls: also FLA's own kernels, timed by the torch profiler.")
+flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
+                  "JAX's for ours): where each program's time goes.")
 flags.DEFINE_list("bwd_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_fwd", None, "Run the whole op (pallas rows, --check) with this intra_fwd variant, not the "
                     "default (e.g. v5).")
@@ -224,13 +225,15 @@ def main(argv):
         rows.append(row)
         print(row, flush=True)
         save(rows)
-        if impl == "fla" and FLAGS.fla_kernels and "error" not in row:
+        if FLAGS.profile and "error" not in row:
           try:
-            for name, launches, ms in fla["kernels"][mode]():
-              rows.append(dict(kind="fla_kernel", shape=shape, mode=mode, kernel=name, launches=launches, ms=ms))
-              print(f"[fla kernel] {shape} {mode} {ms:8.3f} ms  x{launches:g}  {name}", flush=True)
-          except Exception as e:  # the profiler's API moves; the timings above stand without it
-            rows.append(dict(kind="error", shape=shape, mode=mode, error=f"FLA kernel profile: {e!r}"[:400]))
+            profile = fla["kernels"][mode]() if impl == "fla" else harness.device_kernel_times(compiled, *args)
+            for name, launches, ms in profile:
+              rows.append(dict(kind="kernel_profile", shape=shape, impl=impl, mode=mode, kernel=name,
+                               launches=launches, ms=ms))
+              print(f"[profile] {shape} {impl} {mode} {ms:8.3f} ms  x{launches:g}  {name}", flush=True)
+          except Exception as e:  # the profilers' APIs move; the timings above stand without them
+            rows.append(dict(kind="error", shape=shape, mode=mode, error=f"{impl} kernel profile: {e!r}"[:400]))
             print(rows[-1], flush=True)
           save(rows)
     if "pallas" in FLAGS.impls and (FLAGS.check or FLAGS.per_kernel):

@@ -1,8 +1,11 @@
 """What the experiment scripts share: their argv check and the benchmarks' host timer."""
+import collections
+import glob
 import json
 import os
 import pathlib
 import statistics
+import tempfile
 import time
 
 import jax
@@ -28,6 +31,33 @@ def median_seconds(fn, *args, repeats: int, warmup: int = 2) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def kernel_times_from_profile(profile, calls: int):
+  """Device kernels in a `jax.profiler.ProfileData` of `calls` calls: [(name, launches per call, ms per call)],
+  slowest first. Counts the GPU planes' stream lines only (the derived "XLA Ops" line repeats the same time)."""
+  launches, ns = collections.Counter(), collections.Counter()
+  for plane in profile.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if line.name.startswith("Stream #"):
+        for event in line.events:
+          launches[event.name] += 1
+          ns[event.name] += event.duration_ns
+  return sorted(((n, launches[n] / calls, ns[n] / calls / 1e6) for n in ns), key=lambda r: -r[2])
+
+
+def device_kernel_times(fn, *args, calls: int = 5):
+  """Per-kernel device time of `fn(*args)` by the JAX profiler (GPU; [] on a CPU): where a program's time goes,
+  as `torch.profiler` shows it for the PyTorch anchors. Call `fn` once before, so compiling is not traced."""
+  from jax.profiler import ProfileData
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    path, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
+    return kernel_times_from_profile(ProfileData.from_file(path), calls)
 
 
 def write_json(path: str | None, obj) -> None:

@@ -31,3 +31,23 @@ def test_write_json_creates_the_folder_and_skips_an_empty_path(tmp_path):
   assert json.loads((tmp_path / "x" / "r.json").read_text()) == [{"a": 1}]
   harness.write_json("", {"b": 2})
   harness.write_json(None, {"b": 2})
+
+
+def test_kernel_times_sum_stream_launches_per_call_and_skip_derived_lines():
+  from jax.profiler import ProfileData
+  event = lambda meta, ps: f"events {{ metadata_id: {meta} offset_ps: 0 duration_ps: {ps} }}"
+  text = ('planes { id: 1 name: "/device:GPU:0" '
+          f'lines {{ id: 1 name: "Stream #13(Compute)" {event(1, 4_000_000)} {event(2, 1_000_000)} {event(1, 2_000_000)} }} '
+          f'lines {{ id: 2 name: "XLA Ops" {event(1, 9_000_000)} }} '
+          'event_metadata { key: 1 value { id: 1 name: "kern_a" } } '
+          'event_metadata { key: 2 value { id: 2 name: "kern_b" } } } '
+          f'planes {{ id: 2 name: "/host:CPU" lines {{ id: 1 name: "python" {event(1, 7_000_000)} }} '
+          'event_metadata { key: 1 value { id: 1 name: "kern_a" } } }')
+  profile = ProfileData.from_serialized_xspace(ProfileData.text_proto_to_serialized_xspace(text))
+  assert harness.kernel_times_from_profile(profile, calls=2) == [("kern_a", 1.0, 3e-3), ("kern_b", 0.5, 5e-4)]
+
+
+def test_device_kernel_times_is_empty_without_a_gpu():
+  f = jax.jit(lambda x: x * 2)
+  f(jax.numpy.ones(4))
+  assert harness.device_kernel_times(f, jax.numpy.ones(4), calls=2) == []
