@@ -297,14 +297,13 @@ def _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_ne
 
 
 def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
-                   lower_bound, num_warps=4, variant="v4", block_k=None):
+                   lower_bound, num_warps=4, variant="v5", block_k=None):
   """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's U, W, B and M, the state pass's v_new and
   its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v4" (a row pass and a
   column pass over `block_k` columns, `_intra_backward_passes`), "v5" (v4's passes with a program per tile, and
-  dg's sum over later rows in a third launch) or "v3" (one kernel); same outputs. The default is the setting checked on
-  the H200 (BUILD_NOTES run 5: v4, 4 warps, 32 columns, 7.2 ms against v3's best 9.8 at 8×4096). v5 with 64
-  columns is faster there (run 6: 6.2 ms) but has no GPU check yet. `block_k`: the variant's fastest measured
-  when None (v4 32, v5 64)."""
+  dg's sum over later rows in a third launch) or "v3" (one kernel); same outputs. The default is the fastest setting
+  checked on the H200 (BUILD_NOTES KDA run 7: v5, 4 warps, 64 columns, 5.6 ms at 8×4096 against v4's 6.7).
+  `block_k`: the variant's fastest measured when None (v4 32, v5 64)."""
   if variant not in ("v3", "v4", "v5"):
     raise ValueError(f"intra_backward: variant must be 'v3', 'v4' or 'v5', got {variant!r}")
   block_k = block_k or {"v3": None, "v4": 32, "v5": 64}[variant]

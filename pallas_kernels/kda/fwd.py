@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileGates, diag_blocks_inverse, iota, load,
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileGates, iota, load,
                                       masked, mm, mm_t, store, t_mm, tile_of_row, unit_lower_inverse_16)
 
 
@@ -57,48 +57,6 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
   store(w_ref, None, mm(M, beta * gamma * load(k_ref), F32, exact))
 
 
-def _intra_kernel_v4(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v3's algebra with M built in registers: B goes to memory once (it is an output) and comes back whole, the four
-  diagonal inverses run as one substitution, the off-diagonal blocks of M come from two doubling steps, and M is
-  written but never read back."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref = refs
-  gates = Gates(g_ref, reset_ref, lower_bound)
-  exact = dtype == F32
-  e_k = gates.e_k()
-
-  # 1. Rows of A_qk and B, query tile I against the chunk's keys for anchor I: those for anchor I-1 decayed over
-  #    tile I-1 (rows of earlier tiles), tile I's own keys, zeros after.
-  kek, t = load(k_ref) * e_k, tile_of_row()
-  keys = jnp.where(t == 0, kek, 0.0)
-  for i in range(NT):
-    if i:
-      keys = jnp.where(t == i, kek, keys * jnp.exp(gates.tot[i - 1]))
-    e_q = gates.e_q(i)
-    q_i, k_i = load(q_ref, i), load(k_ref, i)
-    store(aqk_ref, i, masked(scale * mm_t(q_i * e_q, keys, dtype), gates.row_mask(i, False)))
-    store(kk_ref, i, masked(mm_t(k_i * e_q, keys, dtype), gates.row_mask(i, True)))
-  gamma = gates.gamma()
-  store(qs_ref, None, scale * load(q_ref) * gamma)
-  store(kd_ref, None, load(k_ref) * gates.to_end(e_k))
-  decay_ref[...] = gates.decay().reshape(decay_ref.shape)
-  barrier()
-
-  # 2. M = (I + βB)⁻¹: exact diagonal blocks, then X ← X − X L X with L the blocks of βB between the 16-row halves
-  #    of each 32-row half, then between the 32-row halves. Products in fp32 (tf32 on bf16 inputs), as v3's.
-  beta = load(beta_ref)[:, None]
-  a = beta * load(kk_ref)
-  tr, tc = tile_of_row(), iota((1, CHUNK), 1) // SUB
-  x = diag_blocks_inverse(a)
-  for outside in ((tr // 2 == tc // 2) & (tr != tc), tr // 2 != tc // 2):
-    x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
-  store(minv_ref, None, x)
-
-  # 3. U = M βV and W = M βΓK with M unrounded, as v3.
-  store(u_ref, None, mm(x, beta * load(v_ref), F32, exact))
-  store(w_ref, None, mm(x, beta * gamma * load(k_ref), F32, exact))
-
-
 def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
   """v5, first launch, one program per query tile: its rows of A_qk and B against the chunk's keys for its anchor,
   and its rows of the scaled decayed queries and of the keys decayed to the chunk end."""
@@ -116,13 +74,21 @@ def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtyp
 
 
 def _inverse_kernel(g_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exact):
-  """v5, second launch, one program per chunk: M = (I + βB)⁻¹ as v4 (exact diagonal blocks, two doubling steps),
-  and the chunk's state decay."""
+  """v5, second launch, one program per chunk: M = (I + βB)⁻¹ and the chunk's state decay. Exact diagonal blocks by
+  substitution, through memory as v3's (a batched 64-row substitution took XLA's Triton pipeline 70 s to compile on
+  the H200, BUILD_NOTES KDA run 7); then the off-diagonal blocks by two doubling steps X ← X − X L X, with L the
+  blocks of βB between the 16-row halves of each 32-row half, then between the 32-row halves."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   minv_ref, decay_ref = refs
+  for i in range(NT):
+    rows = pl.ds(i * SUB, SUB)
+    m_ii = unit_lower_inverse_16(load(beta_ref, i)[:, None] * kk_ref[rows, rows].astype(F32))
+    for j in range(NT):
+      minv_ref[rows, pl.ds(j * SUB, SUB)] = m_ii if i == j else jnp.zeros((SUB, SUB), F32)
+  barrier()
   a = load(beta_ref)[:, None] * load(kk_ref)
   tr, tc = tile_of_row(), iota((1, CHUNK), 1) // SUB
-  x = diag_blocks_inverse(a)
+  x = load(minv_ref)
   for outside in ((tr // 2 == tc // 2) & (tr != tc), tr // 2 != tc // 2):
     x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
   store(minv_ref, None, x)
@@ -181,21 +147,20 @@ def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps,
   return apply(k, g, *resets), apply(v), qs, kd, aqk, decay, kk, minv
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v3"):
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v5"):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
   and B = A_kk/β and M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix), which the
   backward reads.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
-  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v3" (M through memory, row by row),
-  "v4" (M in registers, `_intra_kernel_v4`) or "v5" (four launches, `_intra_forward_v5`); same outputs. The default
-  is the variant checked on the H200 (BUILD_NOTES run 5). v5 is faster there (run 6: 3.02 ms at 4 warps against
-  v3's 4.40 at 8×4096) but has no GPU check yet: a forward+backward program using it did not finish, and the
-  check comes after that program. `num_warps`: the variant's fastest measured setting when None.
+  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v5" (four launches,
+  `_intra_forward_v5`; checked on the H200 and the fastest, BUILD_NOTES KDA runs 6-7: 3.0 ms at 8×4096) or "v3" (one
+  kernel, M through memory row by row: the reference the tests hold v5 to; 4.4 ms); same outputs. `num_warps`: the
+  variant's fastest measured setting when None.
   """
-  if variant not in ("v3", "v4", "v5"):
-    raise ValueError(f"intra_forward: variant must be 'v3', 'v4' or 'v5', got {variant!r}")
-  num_warps = num_warps or {"v3": 8, "v4": 4, "v5": 4}[variant]
+  if variant not in ("v3", "v5"):
+    raise ValueError(f"intra_forward: variant must be 'v3' or 'v5', got {variant!r}")
+  num_warps = num_warps or {"v3": 8, "v5": 4}[variant]
   if variant == "v5":
     return _intra_forward_v5(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound, num_warps=num_warps)
   B, T, H, K = q.shape
@@ -213,10 +178,9 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
                shape(CHUNK, F32), shape(CHUNK, F32)]
   out_specs = [row(K), row(V), row(K), row(K), row(CHUNK),
                pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK)]
-  body = {"v3": _intra_kernel, "v4": _intra_kernel_v4}[variant]
-  kernel = functools.partial(body, scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=dt)
+  kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=dt)
   return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="kda_intra_fwd" + ("" if variant == "v3" else "_" + variant), num_warps=num_warps,
+                     name="kda_intra_fwd", num_warps=num_warps,
                      num_stages=1)(*args)
 
 

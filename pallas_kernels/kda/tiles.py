@@ -231,18 +231,3 @@ def unit_lower_inverse_16(n):
     n_i = jnp.sum(jnp.where(c == i, n_t, 0.0), axis=1, keepdims=True)     # [16,1]: n[i, j] at row j
     m = jnp.where(r == i, m - jnp.sum(n_i * m, axis=0, keepdims=True), m)
   return m
-
-
-def diag_blocks_inverse(a):
-  """[64,64]: (I + n)⁻¹ for n the four 16x16 diagonal blocks of a strictly lower a, by the forward substitution of
-  `unit_lower_inverse_16` on all four blocks at once (15 steps instead of 4 x 15). Works on the transpose, so the
-  coefficients (a column reduction) and the update (a row reduction) come out in the shapes they are used in."""
-  r, c = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
-  tr, tc = r // SUB, c // SUB
-  n = jnp.where(tr == tc, a, 0.0)
-  m_t = jnp.where(r == c, 1.0, 0.0).astype(F32)                       # m_t[c', j] = M[j, c']
-  for i in range(1, SUB):
-    coef = jnp.sum(jnp.where(r == tc * SUB + i, n, 0.0), axis=0, keepdims=True)   # [1,64]: n[16·T(j) + i, j]
-    step = jnp.sum(m_t * coef, axis=1, keepdims=True)                  # [64,1]: Σ_j n[16·T(c') + i, j] M[j, c']
-    m_t = jnp.where(c == tr * SUB + i, m_t - step, m_t)
-  return m_t.T
