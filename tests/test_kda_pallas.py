@@ -35,8 +35,8 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v5"), (-5.0, "v5"), (-5.0, "v4_bwd"),
-                                              (None, "v3_bwd"), (-5.0, "v5_bwd")])
+@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v5"), (-5.0, "v5"), (None, "v6"),
+                                              (-5.0, "v6"), (-5.0, "v4_bwd"), (None, "v3_bwd"), (-5.0, "v5_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
   if variant in ("v4_bwd", "v5_bwd"):   # K = 32 in two column blocks
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant=variant[:2], block_k=16))
@@ -95,13 +95,14 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
+@pytest.mark.parametrize("variant", ["v5", "v6"])
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
-def test_intra_forward_variants_agree(case):
-  """v5 (four launches) gives v3's eight outputs (one kernel) to fp32 rounding."""
+def test_intra_forward_variants_agree(case, variant):
+  """v5 (four launches) and v6 (its first launch per chunk) give v3's eight outputs (one kernel) to fp32 rounding."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
   run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
-  outs, ref = run("v5"), run("v3")
+  outs, ref = run(variant), run("v3")
   chex.assert_tree_all_finite(outs)
   for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv"), outs, ref):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
@@ -127,6 +128,22 @@ def test_intra_backward_variants_agree(case, variant):
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs, run(variant="v3")):
     tol = 5e-5 if (name, case) == ("dg", "gates_at_bound") else 1e-5
     assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+
+
+def test_v6_rows_of_other_anchors_may_overflow_without_reaching_the_outputs():
+  """v6 multiplies every row of the chunk by every anchor's keys and keeps one tile's rows per anchor. With large
+  unnormalised q, k and every gate at the bound a discarded row overflows in fp32 (e^{80}·q·k); the kept rows, A_qk
+  and B, still equal v3's."""
+  x, _ = variant_case(31, "gates_at_bound", 1, 64, 1, 32, 32)
+  x["q"], x["k"] = 1e4 * x["q"], 1e4 * x["k"]
+  loc = jnp.cumsum(x["g"][0, :, 0].reshape(4, 16, -1), axis=1).reshape(64, -1)   # the kernel's factors, c = -40
+  discarded = (x["q"][0, 48:, 0] * jnp.exp(loc[48:] + 40.0)) @ (x["k"][0, :16, 0] * jnp.exp(-40.0 - loc[:16])).T
+  assert not jnp.all(jnp.isfinite(discarded))          # tile 3's queries against anchor 0's keys
+  run = lambda variant: fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant=variant)
+  (_, _, qs, kd, aqk, _, kk, _), ref = run("v6"), run("v3")
+  chex.assert_tree_all_finite((qs, kd, aqk, kk))
+  for name, a, b in zip(("qs", "kd", "aqk", "kk"), (qs, kd, aqk, kk), (ref[2], ref[3], ref[4], ref[6])):
+    assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
 
 
 def test_v5_with_k_unlike_v_and_several_column_blocks_agrees_with_v3():
@@ -176,7 +193,8 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
     for variant, names in (("v3", ["kda_intra_fwd"]),
-                           ("v5", ["kda_intra_fwd_v5_rows", "kda_intra_fwd_v5_inverse", "kda_intra_fwd_v5_apply"])):
+                           ("v5", ["kda_intra_fwd_v5_rows", "kda_intra_fwd_v5_inverse", "kda_intra_fwd_v5_apply"]),
+                           ("v6", ["kda_intra_fwd_v6_rows", "kda_intra_fwd_v5_inverse"])):
       f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
       f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
       text = cuda_module_text(monkeypatch, f, *f_args)

@@ -73,6 +73,29 @@ def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtyp
   store(kd_ref, None, k_i * tg.to_end())
 
 
+def _rows_chunk_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v6, first launch, one program per chunk: v5's rows for all four query tiles, the gates loaded and summed once.
+  Each anchor's product takes all 64 rows (a 64-row GEMM, not a 16-row one) and keeps its own tile's: the other
+  rows' factors also stay within e^{±8|γ_min|}, and a row that overflows anyway (unnormalised q, k) is discarded
+  whole, as each output element is its own sum."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  aqk_ref, kk_ref, qs_ref, kd_ref = refs
+  gates = Gates(g_ref, reset_ref, lower_bound)
+  e_k = gates.e_k()
+  store(qs_ref, None, scale * load(q_ref) * gates.gamma())     # first: fewer values live through the products
+  store(kd_ref, None, load(k_ref) * gates.to_end(e_k))
+  e_q = gates.e_q()
+  q_e, k_e, kek = (load(q_ref) * e_q).astype(dtype), (load(k_ref) * e_q).astype(dtype), load(k_ref) * e_k
+  t = tile_of_row()
+  aqk = kk = jnp.zeros((CHUNK, CHUNK), F32)
+  for i in range(NT):
+    keys = kek * gates.anchor_scale(i)
+    aqk = jnp.where(t == i, mm_t(q_e, keys, dtype), aqk)
+    kk = jnp.where(t == i, mm_t(k_e, keys, dtype), kk)
+  store(aqk_ref, None, jnp.where(gates.chunk_mask(False), scale * aqk, 0.0))
+  store(kk_ref, None, jnp.where(gates.chunk_mask(True), kk, 0.0))
+
+
 def _inverse_kernel(g_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exact):
   """v5, second launch, one program per chunk: M = (I + βB)⁻¹ and the chunk's state decay. Exact diagonal blocks by
   substitution, through memory as v3's (a batched 64-row substitution took XLA's Triton pipeline 70 s to compile on
@@ -104,13 +127,14 @@ def _apply_kernel(minv_ref, beta_ref, x_ref, *refs, lower_bound, has_gamma, has_
   out_ref, = refs
   x = load(beta_ref)[:, None] * load(x_ref)
   if has_gamma:
-    x = x * Gates(g_ref, reset_ref, lower_bound).gamma()
+    x = x * Gates(g_ref, reset_ref, lower_bound).gamma(scan=True)
   store(out_ref, None, mm(load(minv_ref), x, F32, exact))
 
 
-def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64):
+def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64, chunk_rows=False):
   """Four lighter launches instead of one kernel at the register limit: rows of A_qk / B per query tile (grid
-  chunks × heads × 4), the inverse per chunk, then U and W per chunk and block of `block_cols` columns."""
+  chunks × heads × 4; with `chunk_rows`, v6, per chunk), the inverse per chunk, then U and W per chunk and block of
+  `block_cols` columns."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
@@ -123,10 +147,12 @@ def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps,
   reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh, *_: (bh // H, n))] * len(resets)
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
   exact = dt == F32
+  rows_kernel, grid, out_block, name = ((_rows_chunk_kernel, (N, B * H), row, "kda_intra_fwd_v6_rows") if chunk_rows
+                                       else (_rows_kernel, (N, B * H, NT), tile, "kda_intra_fwd_v5_rows"))
   aqk, kk, qs, kd = triton_call(
-      functools.partial(_rows_kernel, scale=scale, dtype=dt, **flags), grid=(N, B * H, NT),
-      in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[tile(CHUNK), tile(CHUNK), tile(K), tile(K)],
-      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K)], name="kda_intra_fwd_v5_rows",
+      functools.partial(rows_kernel, scale=scale, dtype=dt, **flags), grid=grid,
+      in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[out_block(d) for d in (CHUNK, CHUNK, K, K)],
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K)], name=name,
       num_warps=num_warps, num_stages=1)(q, k, g, *resets)
   minv, decay = triton_call(
       functools.partial(_inverse_kernel, exact=exact, **flags), grid=(N, B * H),
@@ -154,15 +180,17 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
   Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v5" (four launches,
-  `_intra_forward_v5`; checked on the H200 and the fastest, BUILD_NOTES KDA runs 6-7: 3.0 ms at 8×4096) or "v3" (one
-  kernel, M through memory row by row: the reference the tests hold v5 to; 4.4 ms); same outputs. `num_warps`: the
-  variant's fastest measured setting when None.
+  `_intra_forward_v5`; checked on the H200 and the fastest, BUILD_NOTES KDA runs 6-7: 3.0 ms at 8×4096), "v6" (v5
+  with its first launch per chunk, `_rows_chunk_kernel`; not yet timed on a GPU) or "v3" (one kernel, M through
+  memory row by row: the reference the tests hold the others to; 4.4 ms); same outputs. `num_warps`: the variant's
+  fastest measured setting when None (v6: a guess).
   """
-  if variant not in ("v3", "v5"):
-    raise ValueError(f"intra_forward: variant must be 'v3' or 'v5', got {variant!r}")
-  num_warps = num_warps or {"v3": 8, "v5": 4}[variant]
-  if variant == "v5":
-    return _intra_forward_v5(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound, num_warps=num_warps)
+  if variant not in ("v3", "v5", "v6"):
+    raise ValueError(f"intra_forward: variant must be 'v3', 'v5' or 'v6', got {variant!r}")
+  num_warps = num_warps or {"v3": 8, "v5": 4, "v6": 8}[variant]
+  if variant in ("v5", "v6"):
+    return _intra_forward_v5(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound, num_warps=num_warps,
+                             chunk_rows=variant == "v6")
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK

@@ -97,9 +97,7 @@ class Gates:
     self.prefix = [sum(self.tot[:i], zero) for i in range(NT)]          # R_I: before tile I
     self.later = [sum(self.tot[i + 1:], zero) for i in range(NT)]       # after tile I
     self.G_C = sum(self.tot, zero)
-    g = load(g_ref)
-    self.G = jnp.cumsum(g, axis=0)                                      # [64,K], chunk start -> i
-    self.loc = jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)   # tile start -> i
+    self.loc = jnp.cumsum(load(g_ref).reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)   # tile start -> i
     self.doc = self.doc_all = None
     if reset_ref is not None:
       resets = [load(reset_ref, i, jnp.int32) for i in range(NT)]
@@ -128,9 +126,11 @@ class Gates:
     zero = jnp.zeros_like(self.tot[0])
     return per_tile([jnp.exp(sum(self.tot[j:i], zero)) if i >= j else None for i in range(NT)])
 
-  def gamma(self):
-    """e^{G} ([64,K]), zero past a document start inside the chunk."""
-    return masked(jnp.exp(self.G), None if self.doc_all is None else (self.doc_all == 0)[:, None])
+  def gamma(self, scan=False):
+    """e^{G} ([64,K]), zero past a document start inside the chunk. G from the tile sums already held, or with
+    `scan` by one cumulative sum over the chunk (fewer instructions in a kernel that needs nothing else)."""
+    G = jnp.cumsum(load(self.g_ref), axis=0) if scan else per_tile(self.prefix) + self.loc
+    return masked(jnp.exp(G), None if self.doc_all is None else (self.doc_all == 0)[:, None])
 
   def gamma_tile(self, i, e_q):
     g = jnp.exp(self.prefix[i] + self.c) * e_q
@@ -156,6 +156,12 @@ class Gates:
     if self.doc is not None:
       m = m & (self.doc[i][:, None] == self.doc_all[None, :])
     return m
+
+  def chunk_mask(self, strict):
+    """[64,64] mask of the chunk's queries against its keys: causal (strictly, for B), within one document."""
+    r, j = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
+    m = j < r if strict else j <= r
+    return m if self.doc_all is None else m & (self.doc_all[:, None] == self.doc_all[None, :])
 
   def diag_mask(self, i):
     """[16,16] strictly causal mask of tile i with itself, within one document."""
