@@ -9,7 +9,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileGates, iota, load,
-                                      masked, mm, mm_t, store, t_mm, tile_of_row, unit_lower_inverse_16)
+                                      masked, mm, mm_t, store, store_block_diagonal, t_mm, tile_of_row,
+                                      unit_lower_inverse_16)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
@@ -39,10 +40,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
 
   # 2. M = (I + βB)⁻¹ in memory: diagonal blocks (zeros above), then block rows by forward substitution,
   #    M[I, :I] = −M_II Σ_{P<I} A_IP M[P, :], each row reading the rows finished before it.
-  for i in range(NT):
-    for j in range(NT):
-      block = M_diag[i] if i == j else jnp.zeros((SUB, SUB), F32)
-      minv_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block
+  store_block_diagonal(minv_ref, M_diag)
   barrier()
   for i in range(1, NT):
     row = -mm(M_diag[i], mm(A_off[i], load(minv_ref), F32, exact), F32, exact)
@@ -103,11 +101,8 @@ def _inverse_kernel(g_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exac
   blocks of βB between the 16-row halves of each 32-row half, then between the 32-row halves."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   minv_ref, decay_ref = refs
-  for i in range(NT):
-    rows = pl.ds(i * SUB, SUB)
-    m_ii = unit_lower_inverse_16(load(beta_ref, i)[:, None] * kk_ref[rows, rows].astype(F32))
-    for j in range(NT):
-      minv_ref[rows, pl.ds(j * SUB, SUB)] = m_ii if i == j else jnp.zeros((SUB, SUB), F32)
+  diag = lambda i: kk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)].astype(F32)
+  store_block_diagonal(minv_ref, [unit_lower_inverse_16(load(beta_ref, i)[:, None] * diag(i)) for i in range(NT)])
   barrier()
   a = load(beta_ref)[:, None] * load(kk_ref)
   tr, tc = tile_of_row(), iota((1, CHUNK), 1) // SUB

@@ -227,6 +227,13 @@ class TileGates:
     return m if self.doc_ok is None else m & self.doc_ok
 
 
+def store_block_diagonal(ref, blocks):
+  """Writes the chunk's [64,64] matrix held by `ref` as the four 16x16 `blocks` on its diagonal, zeros elsewhere."""
+  for i, block in enumerate(blocks):
+    for j in range(NT):
+      ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block if i == j else jnp.zeros((SUB, SUB), F32)
+
+
 def unit_lower_inverse_16(n):
   """(I + n)⁻¹ for a strictly lower 16x16 n, by forward substitution in fp32 (stable: no large intermediates,
   unlike a Neumann product when rows of n are near one)."""
