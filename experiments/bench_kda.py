@@ -34,12 +34,12 @@ flags.DEFINE_bool("check", False, "After timing, check Pallas against the XLA pa
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
-flags.DEFINE_list("intra_variants", ["v3", "v5", "v6"], "With --per_kernel: the intra_fwd variants timed.")
+flags.DEFINE_list("intra_variants", ["v3", "v6", "v7"], "With --per_kernel: the intra_fwd variants timed.")
 flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
                   "JAX's for ours): where each program's time goes.")
 flags.DEFINE_list("bwd_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_fwd", None, "Run the whole op (pallas rows, --check) with this intra_fwd variant, not the "
-                    "default (e.g. v5).")
+                    "default (e.g. v7).")
 flags.DEFINE_string("intra_bwd", None, "Likewise for intra_bwd.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
@@ -297,8 +297,8 @@ def per_kernel_times(x, do, shape):
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "intra_fwd"}:
     return rows
-  w, u, qs, kd, aqk, decay, kk, minv = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
-      q, k, v, g, beta)
+  w, u, qs, kd, aqk, decay, kk, minv, loc = jax.jit(
+      lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(q, k, v, g, beta)
   _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
   dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
   dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
@@ -324,7 +324,7 @@ def per_kernel_times(x, do, shape):
         cases.append(("intra_bwd", dict(variant=variant, num_warps=nw, **extra),
                       lambda *a, nw=nw, variant=variant, extra=extra: bwd.intra_backward(
                           *a, scale=scale, lower_bound=lb, num_warps=nw, variant=variant, **extra),
-                      (q, k, v, g, beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
+                      (q, k, v, loc, beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
   return rows + [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
 
 

@@ -35,8 +35,8 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v5"), (-5.0, "v5"), (None, "v6"),
-                                              (-5.0, "v6"), (-5.0, "v4_bwd"), (None, "v3_bwd"), (-5.0, "v5_bwd")])
+@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v6"), (-5.0, "v6"), (None, "v7"),
+                                              (-5.0, "v7"), (-5.0, "v4_bwd"), (None, "v3_bwd"), (-5.0, "v5_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
   if variant in ("v4_bwd", "v5_bwd"):   # K = 32 in two column blocks
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant=variant[:2], block_k=16))
@@ -95,17 +95,23 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
-@pytest.mark.parametrize("variant", ["v5", "v6"])
+@pytest.mark.parametrize("variant", ["v6", "v7", "v8"])
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
 def test_intra_forward_variants_agree(case, variant):
-  """v5 (four launches) and v6 (its first launch per chunk) give v3's eight outputs (one kernel) to fp32 rounding."""
+  """v7 (two launches), v6 (v7's second launch in three) and v8 (v7's first launch by key tile) give v3's nine
+  outputs (one kernel) to fp32 rounding."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
   run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
   outs, ref = run(variant), run("v3")
   chex.assert_tree_all_finite(outs)
-  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv"), outs, ref):
+  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
+def bwd_inputs(x, loc):
+  """q, k, v, the forward's cumulative gates in g's place, β: the intra backward's first five arguments."""
+  return x["q"], x["k"], x["v"], loc, x["beta"]
 
 
 @pytest.mark.parametrize("variant", ["v4", "v5"])
@@ -117,12 +123,13 @@ def test_intra_backward_variants_agree(case, variant):
   B, T, H, K, V = 1, 128, 1, 32, 32
   x, reset = variant_case(27, case, B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
-  w, u, _, _, _, _, kk, minv = fwd.intra_forward(*x.values(), reset, **kw)
+  w, u, _, _, _, _, kk, minv, loc = fwd.intra_forward(*x.values(), reset, **kw)
   ks = jax.random.split(jax.random.PRNGKey(28), 7)
   vn, dvn, do = (jax.random.normal(ks[i], (B, T, H, V)) for i in range(3))
   dw, dqs, dkd = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3, 6))
   dd = jax.random.normal(ks[6], (B, T // 64, H, K))
-  run = lambda **v: bwd.intra_backward(*x.values(), reset, u, w, kk, minv, vn, dvn, do, dw, dqs, dkd, dd, **kw, **v)
+  run = lambda **v: bwd.intra_backward(*bwd_inputs(x, loc), reset, u, w, kk, minv, vn, dvn, do, dw, dqs, dkd, dd,
+                                       **kw, **v)
   outs = run(variant=variant, block_k=K // 2)
   chex.assert_tree_all_finite(outs)
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs, run(variant="v3")):
@@ -140,27 +147,30 @@ def test_v6_rows_of_other_anchors_may_overflow_without_reaching_the_outputs():
   discarded = (x["q"][0, 48:, 0] * jnp.exp(loc[48:] + 40.0)) @ (x["k"][0, :16, 0] * jnp.exp(-40.0 - loc[:16])).T
   assert not jnp.all(jnp.isfinite(discarded))          # tile 3's queries against anchor 0's keys
   run = lambda variant: fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant=variant)
-  (_, _, qs, kd, aqk, _, kk, _), ref = run("v6"), run("v3")
+  (_, _, qs, kd, aqk, _, kk, _, _), ref = run("v6"), run("v3")
   chex.assert_tree_all_finite((qs, kd, aqk, kk))
   for name, a, b in zip(("qs", "kd", "aqk", "kk"), (qs, kd, aqk, kk), (ref[2], ref[3], ref[4], ref[6])):
     assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
 
 
-def test_v5_with_k_unlike_v_and_several_column_blocks_agrees_with_v3():
-  """v5's U and W launches tile V and K separately (64-column blocks) and its column pass splits K; K = 128 and
-  V = 32 exercise both."""
+def test_k_unlike_v_and_several_column_blocks_agree_with_v3():
+  """v6's U and W launches and v7's loops tile V and K separately (64-column blocks), and v5's column pass splits
+  K; K = 128 and V = 32 exercise all three."""
   B, T, H, K, V = 1, 128, 1, 128, 32
   x, reset = variant_case(29, "random_with_resets", B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
-  outs, ref = (fwd.intra_forward(*x.values(), reset, variant=v, **kw) for v in ("v5", "v3"))
-  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv"), outs, ref):
-    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
-  w, u, _, _, _, _, kk, minv = ref
+  ref = fwd.intra_forward(*x.values(), reset, variant="v3", **kw)
+  for variant in ("v6", "v7"):
+    outs = fwd.intra_forward(*x.values(), reset, variant=variant, **kw)
+    for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
+      assert rel_err(a, b) <= 1e-5, (variant, name, rel_err(a, b))
+  w, u, _, _, _, _, kk, minv, loc = ref
   ks = jax.random.split(jax.random.PRNGKey(30), 7)
   vn, dvn, do = (jax.random.normal(ks[i], (B, T, H, V)) for i in range(3))
   dw, dqs, dkd = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3, 6))
   dd = jax.random.normal(ks[6], (B, T // 64, H, K))
-  run = lambda **v: bwd.intra_backward(*x.values(), reset, u, w, kk, minv, vn, dvn, do, dw, dqs, dkd, dd, **kw, **v)
+  run = lambda **v: bwd.intra_backward(*bwd_inputs(x, loc), reset, u, w, kk, minv, vn, dvn, do, dw, dqs, dkd, dd,
+                                       **kw, **v)
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), run(variant="v5", block_k=32), run(variant="v3")):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
@@ -188,13 +198,13 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
-  for name in ("kda_intra_fwd_v5_rows", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows",
+  for name in ("kda_intra_fwd_v6_rows", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows",
                "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
     for variant, names in (("v3", ["kda_intra_fwd"]),
-                           ("v5", ["kda_intra_fwd_v5_rows", "kda_intra_fwd_v5_inverse", "kda_intra_fwd_v5_apply"]),
-                           ("v6", ["kda_intra_fwd_v6_rows", "kda_intra_fwd_v5_inverse"])):
+                           ("v6", ["kda_intra_fwd_v6_rows", "kda_intra_fwd_v6_inverse", "kda_intra_fwd_v6_apply"]),
+                           ("v7", ["kda_intra_fwd_v6_rows", "kda_intra_fwd_v7_solve"])):
       f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
       f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
       text = cuda_module_text(monkeypatch, f, *f_args)

@@ -28,15 +28,16 @@ def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref
 
 
 def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None):
-  """Reverse pass over chunks. Returns dv_new `[B,T,H,V]` fp32, the gradient w.r.t. the state leaving each chunk
-  `[B,H,N·K,V]` (input dtype) and the gradient w.r.t. the initial state `[B,H,K,V]` fp32."""
+  """Reverse pass over chunks. Returns dv_new `[B,T,H,V]` and the gradient w.r.t. the state leaving each chunk
+  `[B,H,N·K,V]` in the input dtype (as FLA keeps them: at bf16 the intra backward's reads of these fp32 tensors were
+  its largest traffic), and the gradient w.r.t. the initial state `[B,H,K,V]` fp32."""
   B, T, H, K = w.shape
   V = do.shape[-1]
   N = T // CHUNK
   dt = w.dtype
   sp = StateSpecs(H, T, K, block_v)
   in_specs = [sp.vcols, sp.whole(CHUNK), sp.whole(K), sp.whole(K), sp.whole(K), sp.decay, sp.state]
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, V), F32), jax.ShapeDtypeStruct((B, H, N * K, V), dt),
+  out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, N * K, V), dt),
                jax.ShapeDtypeStruct((B, H, K, V), F32)]
   out_specs = [sp.vcols, sp.per_chunk_state, sp.state]
   kernel = functools.partial(_state_bwd_kernel, num_chunks=N, dtype=dt)
@@ -48,15 +49,15 @@ def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None):
 
 def _state_grad_kernel(h_ref, dh_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref, dkd_ref, dd_ref, *, dtype):
   S, dS = h_ref[...], dh_ref[...]                                   # [BK, V] rows of the state, and its gradient
-  dw_ref[...] = -mm_t(dvn_ref[...], S, dtype)
-  dqs_ref[...] = mm_t(do_ref[...], S, dtype)
-  dkd_ref[...] = mm_t(vn_ref[...], dS, dtype)
+  dw_ref[...] = (-mm_t(dvn_ref[...], S, dtype)).astype(dw_ref.dtype)
+  dqs_ref[...] = mm_t(do_ref[...], S, dtype).astype(dqs_ref.dtype)
+  dkd_ref[...] = mm_t(vn_ref[...], dS, dtype).astype(dkd_ref.dtype)
   dd_ref[...] = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
 
 
 def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
   """Gradients through v_new = U − W S, o = Qs S + …, S' = decay ⊙ S + Kdᵀ v_new w.r.t. W, Qs, Kd `[B,T,H,K]` and
-  the state decay `[B,N,H,K]` (all fp32), from the states entering each chunk and the gradients leaving it.
+  the state decay `[B,N,H,K]` (fp32; the others in the input dtype), from the states entering each chunk and the gradients leaving it.
   Parallel over chunks and blocks of K."""
   B, T, H, V = do.shape
   K = h.shape[2] // (T // CHUNK)
@@ -65,7 +66,7 @@ def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
   state = pl.BlockSpec((None, None, block_k, V), lambda n, bh, kb: (bh // H, bh % H, n * nk + kb, 0))
   row_v = pl.BlockSpec((None, CHUNK, None, V), lambda n, bh, kb: (bh // H, n, bh % H, 0))
   row_k = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
-  kdim = jax.ShapeDtypeStruct((B, T, H, K), F32)
+  kdim = jax.ShapeDtypeStruct((B, T, H, K), h.dtype)
   return triton_call(
       functools.partial(_state_grad_kernel, dtype=h.dtype), grid=(N, B * H, nk),
       in_specs=[state, state, row_v, row_v, row_v],
@@ -75,11 +76,11 @@ def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
       num_warps=4, num_stages=1)(h, dh, v_new, dv_new, do)
 
 
-def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref,
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref,
                       do_ref, dw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale, lower_bound, has_reset, dtype):
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dAqk_ref, dB_ref = refs
-  gates = Gates(g_ref, reset_ref, lower_bound)
+  gates = Gates(loc_ref, reset_ref, lower_bound)
   e_k = gates.e_k()
   rounded = lambda a: a.astype(dtype).astype(F32)
   exact = dtype == F32
@@ -180,7 +181,7 @@ def _col_pass_tile(j, at, e_q, e_k, gates, ins, outs, *, scale, dtype):
           - dkeys * rounded(k_j * e_k) - k_j * te * dkd)
 
 
-def _intra_bwd_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
+def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
                            dw_ref, *refs, scale, lower_bound, has_reset, dtype, per_tile):
   """The row pass: v4 walks the chunk's query tiles in one program; v5 (`per_tile`) runs a program per tile."""
   reset_ref, outs = (refs[0], refs[1:]) if has_reset else (None, refs)
@@ -188,23 +189,23 @@ def _intra_bwd_rows_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, kk_ref, 
   kw = dict(scale=scale, dtype=dtype)
   if per_tile:
     i = pl.program_id(2)
-    tg = TileGates(g_ref, reset_ref, i, lower_bound)
+    tg = TileGates(loc_ref, reset_ref, i, lower_bound)
     _row_pass_tile(i, None, (tg.gamma, tg.row_mask), ins, outs, **kw)
     return
-  gates = Gates(g_ref, reset_ref, lower_bound)
+  gates = Gates(loc_ref, reset_ref, lower_bound)
   for i in range(NT):
     _row_pass_tile(i, i, (lambda: gates.gamma_tile(i, gates.e_q(i)), lambda strict: gates.row_mask(i, strict)),
                    ins, outs, **kw)
 
 
-def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale,
+def _intra_bwd_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale,
                            lower_bound, has_reset, dtype):
   """v4, second pass over a block of K columns (every term is column-separable): tile after tile, last first, so
   dg's sum over later rows is carried from one tile to the next."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dg_ref = refs
   ins = (q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref)
-  gates = Gates(g_ref, reset_ref, lower_bound)
+  gates = Gates(loc_ref, reset_ref, lower_bound)
   te_dkd = lambda j: load(k_ref, j) * gates.to_end_tile(j, gates.e_k(j)) * load(dkd_ref, j)
   later = gates.decay() * dd_ref[...].reshape(1, -1)
   for j in range(NT):
@@ -220,33 +221,33 @@ def _intra_bwd_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_r
     later = later + tot
 
 
-def _intra_bwd_tile_cols_kernel(q_ref, k_ref, g_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
+def _intra_bwd_tile_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
                                 lower_bound, has_reset, dtype):
   """v5, second pass: the column pass with one program per tile J; dg's sum over later rows, the only thing v4
   carries between tiles, is left to `_dg_suffix_kernel` (this writes each row's own term dG)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dG_ref = refs
   j = pl.program_id(3)
-  tg = TileGates(g_ref, reset_ref, j, lower_bound)
+  tg = TileGates(loc_ref, reset_ref, j, lower_bound)
   tile_gates = (tg.gamma, lambda: load(k_ref) * tg.keys_factor(), tg.queries_factor, tg.to_end)
   store(dG_ref, None, _col_pass_tile(j, None, tg.e_q(), tg.e_k(), tile_gates,
                                      (q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref), (dq_ref, dk_ref),
                                      scale=scale, dtype=dtype))
 
 
-def _dg_suffix_kernel(k_ref, g_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_bound, has_reset):
+def _dg_suffix_kernel(k_ref, loc_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_bound, has_reset):
   """v5, third pass: dg of row r = Σ_{rows r' >= r of the chunk} dG[r'] + what the chunk's state decay and the
   keys decayed to its end contribute to every row."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dg_ref, = refs
-  gates = Gates(g_ref, reset_ref, lower_bound)
+  gates = Gates(loc_ref, reset_ref, lower_bound)
   base = gates.decay() * dd_ref[...].reshape(1, -1) + jnp.sum(
       load(k_ref) * gates.to_end(gates.e_k()) * load(dkd_ref), axis=0, keepdims=True)
   dG = load(dG_ref)
   store(dg_ref, None, jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + base)
 
 
-def _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *,
+def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *,
                            scale, lower_bound, num_warps, block_k, tile_rows=False):
   """Two launches: the row pass (grid chunks × heads) and the column pass (grid chunks × heads × K blocks). With
   `tile_rows` (v5) both run a program per tile and a third launch sums dg over later rows."""
@@ -270,9 +271,9 @@ def _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_ne
       functools.partial(_intra_bwd_rows_kernel, per_tile=tile_rows, **flags), grid=grid,
       in_specs=[row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V), row(K)]
       + res, out_specs=[out(V), out_tok, out(CHUNK), out(CHUNK), out(K)],
-      out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, F32), shape(CHUNK, F32),
+      out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, q.dtype), shape(CHUNK, q.dtype),
                  shape(K, F32)], name=name, num_warps=num_warps, num_stages=1)(
-                     k, v, g, beta, u, w, kk, minv, v_new, dv_new, do, dw, *opt)
+                     k, v, loc, beta, u, w, kk, minv, v_new, dv_new, do, dw, *opt)
   col = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb, *_: (bh // H, n, bh % H, kb))
   full = pl.BlockSpec((None, CHUNK, None, CHUNK), lambda n, bh, *_: (bh // H, n, bh % H, 0))
   dd_spec = pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
@@ -282,23 +283,24 @@ def _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_ne
         functools.partial(_intra_bwd_tile_cols_kernel, **flags), grid=(N, B * H, K // block_k, NT),
         in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
         out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
-        num_warps=num_warps, num_stages=1)(q, k, g, dAqk, dB, dkw, dqs, dkd, *opt)
+        num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
     dg = triton_call(
         functools.partial(_dg_suffix_kernel, lower_bound=lower_bound, has_reset=reset is not None),
         grid=(N, B * H, K // block_k), in_specs=[col, col, col, dd_spec, col] + res, out_specs=col,
-        out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", num_warps=4, num_stages=1)(k, g, dkd, dd, dG, *opt)
+        out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", num_warps=4, num_stages=1)(k, loc, dkd, dd, dG, *opt)
     return dq, dk, dv, dg, dbeta
   dq, dk, dg = triton_call(
       functools.partial(_intra_bwd_cols_kernel, **flags), grid=(N, B * H, K // block_k),
       in_specs=[col, col, col, full, full, col, col, col, dd_spec] + res, out_specs=[col, col, col],
       out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v4_cols",
-      num_warps=num_warps, num_stages=1)(q, k, g, dAqk, dB, dkw, dqs, dkd, dd, *opt)
+      num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, dd, *opt)
   return dq, dk, dv, dg, dbeta
 
 
-def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
+def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
                    lower_bound, num_warps=4, variant="v5", block_k=None):
-  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's U, W, B and M, the state pass's v_new and
+  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W,
+  B and M, the state pass's v_new and
   its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v4" (a row pass and a
   column pass over `block_k` columns, `_intra_backward_passes`), "v5" (v4's passes with a program per tile, and
   dg's sum over later rows in a third launch) or "v3" (one kernel); same outputs. The default is the fastest setting
@@ -308,7 +310,7 @@ def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, d
     raise ValueError(f"intra_backward: variant must be 'v3', 'v4' or 'v5', got {variant!r}")
   block_k = block_k or {"v3": None, "v4": 32, "v5": 64}[variant]
   if variant in ("v4", "v5"):
-    return _intra_backward_passes(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
+    return _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
                                   scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k,
                                   tile_rows=variant == "v5")
   B, T, H, K = q.shape
@@ -318,7 +320,7 @@ def intra_backward(q, k, v, g, beta, reset, u, w, kk, minv, v_new, dv_new, do, d
   tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
   in_specs = [row(K), row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V),
               row(K), row(K), row(K), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
-  args = [q, k, v, g, beta, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd]
+  args = [q, k, v, loc, beta, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd]
   if reset is not None:
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
     args.append(reset)

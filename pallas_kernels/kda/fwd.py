@@ -8,15 +8,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileGates, iota, load,
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load,
                                       masked, mm, mm_t, store, store_block_diagonal, t_mm, tile_of_row,
-                                      unit_lower_inverse_16)
+                                      unit_lower_inverse, unit_lower_inverse_16, write_tile_cumsum)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref = refs
-  gates = Gates(g_ref, reset_ref, lower_bound)
+  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref, loc_ref = refs
+  gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
   kek = load(k_ref) * gates.e_k()                                        # keys, each against its own tile's anchor
   exact = dtype == F32
 
@@ -56,29 +56,14 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
 
 
 def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v5, first launch, one program per query tile: its rows of A_qk and B against the chunk's keys for its anchor,
-  and its rows of the scaled decayed queries and of the keys decayed to the chunk end."""
+  """First launch, one program per chunk: the gates' cumulative sums per tile (which the later launches and the
+  backward read), the rows of A_qk and B, the scaled decayed queries and the keys decayed to the chunk end. Each
+  anchor's product takes all 64 rows (a 64-row GEMM, not a 16-row one) and keeps its own tile's: the other rows'
+  factors also stay within e^{±8|γ_min|}, and a row that overflows anyway (unnormalised q, k) is discarded whole, as
+  each output element is its own sum."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qs_ref, kd_ref = refs
-  i = pl.program_id(2)
-  tg = TileGates(g_ref, reset_ref, i, lower_bound)
-  keys = load(k_ref) * tg.keys_factor()
-  q_i, k_i = load(q_ref, i), load(k_ref, i)
-  e_q = tg.e_q()
-  store(aqk_ref, None, jnp.where(tg.row_mask(False), scale * mm_t(q_i * e_q, keys, dtype), 0.0))
-  store(kk_ref, None, jnp.where(tg.row_mask(True), mm_t(k_i * e_q, keys, dtype), 0.0))
-  store(qs_ref, None, scale * q_i * tg.gamma())
-  store(kd_ref, None, k_i * tg.to_end())
-
-
-def _rows_chunk_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v6, first launch, one program per chunk: v5's rows for all four query tiles, the gates loaded and summed once.
-  Each anchor's product takes all 64 rows (a 64-row GEMM, not a 16-row one) and keeps its own tile's: the other
-  rows' factors also stay within e^{±8|γ_min|}, and a row that overflows anyway (unnormalised q, k) is discarded
-  whole, as each output element is its own sum."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qs_ref, kd_ref = refs
-  gates = Gates(g_ref, reset_ref, lower_bound)
+  aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
+  gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
   e_k = gates.e_k()
   store(qs_ref, None, scale * load(q_ref) * gates.gamma())     # first: fewer values live through the products
   store(kd_ref, None, load(k_ref) * gates.to_end(e_k))
@@ -94,67 +79,104 @@ def _rows_chunk_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset
   store(kk_ref, None, jnp.where(gates.chunk_mask(True), kk, 0.0))
 
 
-def _inverse_kernel(g_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exact):
-  """v5, second launch, one program per chunk: M = (I + βB)⁻¹ and the chunk's state decay. Exact diagonal blocks by
-  substitution, through memory as v3's (a batched 64-row substitution took XLA's Triton pipeline 70 s to compile on
-  the H200, BUILD_NOTES KDA run 7); then the off-diagonal blocks by two doubling steps X ← X − X L X, with L the
-  blocks of βB between the 16-row halves of each 32-row half, then between the 32-row halves."""
+def _rows_by_key_tile_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v8, first launch: v6's outputs by key tile instead of by anchor. Column block J of A_qk and B is the chunk's
+  queries (keys), scaled for anchor R_J and zero above tile J, times key tile J (a 64x16xK product, a quarter of
+  v6's 64x64xK per anchor, nothing discarded): e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j}, the
+  middle factor at most 1 and the outer two within e^{±8|γ_min|}."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
+  gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
+  store(qs_ref, None, scale * load(q_ref) * gates.gamma())
+  store(kd_ref, None, load(k_ref) * gates.to_end(gates.e_k()))
+  e_q = gates.e_q()
+  q_e, k_e = load(q_ref) * e_q, load(k_ref) * e_q
+  for j in range(NT):
+    key_tile = (load(k_ref, j) * gates.e_k(j)).astype(dtype)
+    s = gates.anchor_scale_t(j)
+    cols = (slice(None), pl.ds(j * SUB, SUB))
+    aqk_ref[cols] = jnp.where(gates.column_mask(j, False), scale * mm_t(q_e * s, key_tile, dtype),
+                              0.0).astype(aqk_ref.dtype)
+    kk_ref[cols] = jnp.where(gates.column_mask(j, True), mm_t(k_e * s, key_tile, dtype), 0.0).astype(kk_ref.dtype)
+
+
+def _inverse_kernel(loc_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exact):
+  """v6, second launch, one program per chunk: M = (I + βB)⁻¹ (`unit_lower_inverse`) and the chunk's state decay."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   minv_ref, decay_ref = refs
-  diag = lambda i: kk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)].astype(F32)
-  store_block_diagonal(minv_ref, [unit_lower_inverse_16(load(beta_ref, i)[:, None] * diag(i)) for i in range(NT)])
-  barrier()
-  a = load(beta_ref)[:, None] * load(kk_ref)
-  tr, tc = tile_of_row(), iota((1, CHUNK), 1) // SUB
-  x = load(minv_ref)
-  for outside in ((tr // 2 == tc // 2) & (tr != tc), tr // 2 != tc // 2):
-    x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
-  store(minv_ref, None, x)
-  decay_ref[...] = Gates(g_ref, reset_ref, lower_bound).decay().reshape(decay_ref.shape)
+  store(minv_ref, None, unit_lower_inverse(load(beta_ref)[:, None] * load(kk_ref), exact))
+  decay_ref[...] = Gates(loc_ref, reset_ref, lower_bound).decay().reshape(decay_ref.shape)
 
 
 def _apply_kernel(minv_ref, beta_ref, x_ref, *refs, lower_bound, has_gamma, has_reset, exact):
-  """v5, third launch (twice), one program per chunk and column block: U = M βV, or W = M βΓK with Γ = e^{G} of
+  """v6, third launch (twice), one program per chunk and column block: U = M βV, or W = M βΓK with Γ = e^{G} of
   the block's columns; M unrounded, as v3."""
   refs = list(refs)
-  g_ref = refs.pop(0) if has_gamma else None
+  loc_ref = refs.pop(0) if has_gamma else None
   reset_ref = refs.pop(0) if has_reset and has_gamma else None
   out_ref, = refs
   x = load(beta_ref)[:, None] * load(x_ref)
   if has_gamma:
-    x = x * Gates(g_ref, reset_ref, lower_bound).gamma(scan=True)
+    x = x * Gates(loc_ref, reset_ref, lower_bound).gamma()
   store(out_ref, None, mm(load(minv_ref), x, F32, exact))
 
 
-def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64, chunk_rows=False):
-  """Four lighter launches instead of one kernel at the register limit: rows of A_qk / B per query tile (grid
-  chunks × heads × 4; with `chunk_rows`, v6, per chunk), the inverse per chunk, then U and W per chunk and block of
-  `block_cols` columns."""
+def _solve_kernel(loc_ref, beta_ref, kk_ref, k_ref, v_ref, *refs, lower_bound, has_reset, exact, block_cols):
+  """v7, second and last launch, one program per chunk: v6's inverse, then U = M βV and W = M βΓK from M in
+  registers, `block_cols` columns at a time (v6's two apply launches read M back from memory)."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  minv_ref, decay_ref, w_ref, u_ref = refs
+  x = unit_lower_inverse(load(beta_ref)[:, None] * load(kk_ref), exact)
+  store(minv_ref, None, x)
+  beta = load(beta_ref)[:, None]
+  for c in range(v_ref.shape[-1] // block_cols):
+    cols = pl.ds(c * block_cols, block_cols)
+    u_ref[:, cols] = mm(x, beta * v_ref[:, cols].astype(F32), F32, exact).astype(u_ref.dtype)
+  for c in range(k_ref.shape[-1] // block_cols):
+    cols = pl.ds(c * block_cols, block_cols)
+    gamma = Gates(loc_ref, reset_ref, lower_bound, cols).gamma()
+    w_ref[:, cols] = mm(x, beta * gamma * k_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
+  decay_ref[...] = Gates(loc_ref, reset_ref, lower_bound).decay().reshape(decay_ref.shape)
+
+
+def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64,
+                            fused_solve=False, by_key_tile=False):
+  """v6: four lighter launches instead of one kernel at the register limit: the rows (`_rows_kernel`), the inverse
+  per chunk, then U and W per chunk and block of `block_cols` columns. v7 (`fused_solve`): the last three in one
+  launch (`_solve_kernel`)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
   dt = q.dtype
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh, *_: (bh // H, n, bh % H, 0))
-  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh, i: (bh // H, n * NT + i, bh % H, 0))
   tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh, *_: (bh // H, n, bh % H))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
   reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh, *_: (bh // H, n))] * len(resets)
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
   exact = dt == F32
-  rows_kernel, grid, out_block, name = ((_rows_chunk_kernel, (N, B * H), row, "kda_intra_fwd_v6_rows") if chunk_rows
-                                       else (_rows_kernel, (N, B * H, NT), tile, "kda_intra_fwd_v5_rows"))
-  aqk, kk, qs, kd = triton_call(
-      functools.partial(rows_kernel, scale=scale, dtype=dt, **flags), grid=grid,
-      in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[out_block(d) for d in (CHUNK, CHUNK, K, K)],
-      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K)], name=name,
+  aqk, kk, qs, kd, loc = triton_call(
+      functools.partial(_rows_by_key_tile_kernel if by_key_tile else _rows_kernel, scale=scale, dtype=dt, **flags),
+      grid=(N, B * H),
+      in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[row(d) for d in (CHUNK, CHUNK, K, K, K)],
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K, F32)], name="kda_intra_fwd_v6_rows",
       num_warps=num_warps, num_stages=1)(q, k, g, *resets)
+  decay_spec = pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))
+  decay_shape = jax.ShapeDtypeStruct((B, N, H, K), F32)
+  if fused_solve:
+    bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
+    minv, decay, w, u = triton_call(
+        functools.partial(_solve_kernel, exact=exact, block_cols=bc, **flags), grid=(N, B * H),
+        in_specs=[row(K), tok, row(CHUNK), row(K), row(V)] + reset_specs,
+        out_specs=[row(CHUNK), decay_spec, row(K), row(V)],
+        out_shape=[shape(CHUNK, F32), decay_shape, shape(K), shape(V)], name="kda_intra_fwd_v7_solve",
+        num_warps=4, num_stages=1)(loc, beta, kk, k, v, *resets)
+    return w, u, qs, kd, aqk, decay, kk, minv, loc
   minv, decay = triton_call(
       functools.partial(_inverse_kernel, exact=exact, **flags), grid=(N, B * H),
       in_specs=[row(K), tok, row(CHUNK)] + reset_specs,
-      out_specs=[row(CHUNK), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))],
-      out_shape=[shape(CHUNK, F32), jax.ShapeDtypeStruct((B, N, H, K), F32)], name="kda_intra_fwd_v5_inverse",
-      num_warps=4, num_stages=1)(g, beta, kk, *resets)
+      out_specs=[row(CHUNK), decay_spec], out_shape=[shape(CHUNK, F32), decay_shape], name="kda_intra_fwd_v6_inverse",
+      num_warps=4, num_stages=1)(loc, beta, kk, *resets)
 
   def apply(x, *gates):
     d = x.shape[-1]
@@ -164,28 +186,29 @@ def _intra_forward_v5(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps,
         functools.partial(_apply_kernel, has_gamma=bool(gates), exact=exact, **flags),
         grid=(N, B * H, d // bc),
         in_specs=[row(CHUNK), tok, cols] + ([cols] + reset_specs if gates else []), out_specs=cols,
-        out_shape=shape(x.shape[-1]), name="kda_intra_fwd_v5_apply", num_warps=4, num_stages=1)(minv, beta, x, *gates)
-  return apply(k, g, *resets), apply(v), qs, kd, aqk, decay, kk, minv
+        out_shape=shape(x.shape[-1]), name="kda_intra_fwd_v6_apply", num_warps=4, num_stages=1)(minv, beta, x, *gates)
+  return apply(k, loc, *resets), apply(v), qs, kd, aqk, decay, kk, minv, loc
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v5"):
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v7"):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
-  and B = A_kk/β and M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix), which the
-  backward reads.
+  and for the backward B = A_kk/β, M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix)
+  and the gates' cumulative sums per 16-token tile (`loc`, fp32 `[B,T,H,K]`), which every later kernel reads
+  instead of g.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
-  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv. `variant`: "v5" (four launches,
-  `_intra_forward_v5`; checked on the H200 and the fastest, BUILD_NOTES KDA runs 6-7: 3.0 ms at 8×4096), "v6" (v5
-  with its first launch per chunk, `_rows_chunk_kernel`; not yet timed on a GPU) or "v3" (one kernel, M through
-  memory row by row: the reference the tests hold the others to; 4.4 ms); same outputs. `num_warps`: the variant's
-  fastest measured setting when None (v6: a guess).
+  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv, loc. `variant`: "v7" (two launches,
+  `_intra_forward_launches`; the fastest on the H200, BUILD_NOTES KDA run 8), "v6" (v7 with its second launch split
+  in three), "v8" (v7 with its first launch by key tile) or "v3" (one kernel, M through memory row by row: the
+  reference the tests hold the others to); same outputs. `num_warps` (of the first launch): 8 when None, the only
+  setting without spills offline.
   """
-  if variant not in ("v3", "v5", "v6"):
-    raise ValueError(f"intra_forward: variant must be 'v3', 'v5' or 'v6', got {variant!r}")
-  num_warps = num_warps or {"v3": 8, "v5": 4, "v6": 8}[variant]
-  if variant in ("v5", "v6"):
-    return _intra_forward_v5(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound, num_warps=num_warps,
-                             chunk_rows=variant == "v6")
+  if variant not in ("v3", "v6", "v7", "v8"):
+    raise ValueError(f"intra_forward: variant must be 'v3', 'v6', 'v7' or 'v8', got {variant!r}")
+  num_warps = num_warps or 8
+  if variant in ("v6", "v7", "v8"):
+    return _intra_forward_launches(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
+                                   num_warps=num_warps, fused_solve=variant == "v7", by_key_tile=variant == "v8")
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
@@ -198,9 +221,10 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
     args.append(reset)
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   out_shape = [shape(K), shape(V), shape(K), shape(K), shape(CHUNK), jax.ShapeDtypeStruct((B, N, H, K), F32),
-               shape(CHUNK, F32), shape(CHUNK, F32)]
+               shape(CHUNK, F32), shape(CHUNK, F32), shape(K, F32)]
   out_specs = [row(K), row(V), row(K), row(K), row(CHUNK),
-               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK)]
+               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK),
+               row(K)]
   kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=dt)
   return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                      name="kda_intra_fwd", num_warps=num_warps,
@@ -208,21 +232,18 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
 
 
 def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out_refs, num_chunks, save, dtype):
-  if save:
-    sT_ref, h_ref, vn_ref = out_refs
-  else:
-    o_ref, sT_ref = out_refs
+  o_ref, sT_ref, *saved = out_refs
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
     S_in = S_KV.astype(dtype)
     v_new = u_ref[rows, :].astype(F32) - mm(w_ref[rows, :], S_in, dtype)
     if save:
+      h_ref, vn_ref = saved
       h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    else:
-      o = mm(qs_ref[rows, :], S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
-      o_ref[rows, :] = o.astype(o_ref.dtype)
+    o = mm(qs_ref[rows, :], S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
+    o_ref[rows, :] = o.astype(o_ref.dtype)
     decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
     return decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
 
@@ -245,8 +266,8 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently.
-  Returns (o, final state); with `save=True` (None, final state, the states entering each chunk `[B,H,N·K,V]`
-  in the input dtype, v_new `[B,T,H,V]`) for the backward pass, and no o.
+  Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
+  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -255,14 +276,13 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   sp = StateSpecs(H, T, K, block_v)
   in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.state]
   final = jax.ShapeDtypeStruct((B, H, K, V), F32)
+  out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [sp.vcols, sp.state]
   if save:
-    out_shape = [final, jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
-    out_specs = [sp.state, sp.per_chunk_state, sp.vcols]
-  else:
-    out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [sp.vcols, sp.state]
+    out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
+    out_specs += [sp.per_chunk_state, sp.vcols]
   kernel = functools.partial(_state_kernel, num_chunks=N, save=save, dtype=dt)
   num_warps = num_warps or (8 if block_v > 64 else 4)
   outs = triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps, num_stages=2)(
                          w, u, qs, kd, aqk, decay, S0)
-  return (None, *outs) if save else tuple(outs)
+  return tuple(outs)

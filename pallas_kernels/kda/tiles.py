@@ -5,7 +5,8 @@ cumulative log-decay before the tile), shifted by the constant c = 8·γ_min: ca
 anchor), and with g >= γ_min >= -5.5 the query factor e^{G_i - R_I - c} and the key factor e^{R_I - G_j + c} of
 the diagonal tile both stay within e^{±8|γ_min|} (<= e^{44}), so the diagonal tile is a plain GEMM (SPEC.md §2)
 and neither factor underflows to a denormal (unshifted, the query side reaches e^{-80}). Off the diagonal the key
-factor is below e^{c}.
+factor is below e^{c}. The forward's first kernel writes each row's cumulative log-decay from its tile's start
+(`write_tile_cumsum`); every later kernel reads it instead of taking a cumulative sum.
 
 Products are 16-row blocks of the chunk against all 64 keys: query tile I (16 x K) times the chunk's keys scaled
 for anchor R_I (64 x K). Triton cannot slice register values, so tiles are loaded from refs where needed, and the
@@ -17,10 +18,27 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import barrier
+
 CHUNK = 64
 SUB = 16
 NT = CHUNK // SUB
 F32 = jnp.float32
+
+
+def write_tile_cumsum(g_ref, loc_ref):
+  """Stores the chunk's cumulative sums of g within each 16-token tile (fp32) in `loc_ref` and returns it, readable
+  by the whole CTA. Written once by the forward's first kernel for every later one: a cumulative sum costs a kernel
+  more than reading it (v6's first launch lost a third of its time to the sums it now writes, BUILD_NOTES KDA run 8;
+  as an XLA pass, 0.32 ms at 8×4096, more than all the kernels saved). Sums of same-sign terms only."""
+  store(loc_ref, None, jnp.cumsum(load(g_ref).reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1))
+  barrier()
+  return loc_ref
+
+
+def tile_totals(loc_ref, cols=slice(None)):
+  """[1,K] per tile (or of the columns `cols`): the tile's total log-decay, the last row of its cumulative sums."""
+  return [loc_ref[pl.ds(i * SUB + SUB - 1, 1), cols].astype(F32) for i in range(NT)]
 
 
 def load(ref, i=None, dtype=F32):
@@ -86,18 +104,18 @@ def per_tile(vectors):
 
 
 class Gates:
-  """Log-decay bookkeeping of one chunk, every sum taken over same-sign terms (a difference of cumulative sums
-  would be off by ε·|G|, up to 2e-5 in an exponent)."""
+  """Log-decay bookkeeping of one chunk (or of the columns `cols`, a `pl.ds`), every sum taken over same-sign terms
+  (a difference of cumulative sums would be off by ε·|G|, up to 2e-5 in an exponent)."""
 
-  def __init__(self, g_ref, reset_ref, lower_bound):
-    self.g_ref = g_ref
+  def __init__(self, loc_ref, reset_ref, lower_bound, cols=slice(None)):
+    self.loc_ref, self.cols = loc_ref, cols
     self.c = SUB / 2 * lower_bound
-    zero = jnp.zeros((1, g_ref.shape[-1]), F32)
-    self.tot = [jnp.sum(load(g_ref, i), axis=0, keepdims=True) for i in range(NT)]
+    self.tot = tile_totals(loc_ref, cols)
+    zero = jnp.zeros_like(self.tot[0])
     self.prefix = [sum(self.tot[:i], zero) for i in range(NT)]          # R_I: before tile I
     self.later = [sum(self.tot[i + 1:], zero) for i in range(NT)]       # after tile I
     self.G_C = sum(self.tot, zero)
-    self.loc = jnp.cumsum(load(g_ref).reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)   # tile start -> i
+    self.loc = self._loc()                                              # tile start -> i
     self.doc = self.doc_all = None
     if reset_ref is not None:
       resets = [load(reset_ref, i, jnp.int32) for i in range(NT)]
@@ -106,14 +124,18 @@ class Gates:
       self.doc_all = jnp.cumsum(load(reset_ref, None, jnp.int32), axis=0)
       self.last_doc = sum((jnp.sum(r) for r in resets), jnp.int32(0))
 
+  def _loc(self, i=None):
+    rows = slice(None) if i is None else pl.ds(i * SUB, SUB)
+    return self.loc_ref[rows, self.cols].astype(F32)
+
   def e_q(self, i=None):
     """Query factor e^{G - R - c} of tile i ([16,K], exact within the tile) or of the chunk ([64,K])."""
-    loc = self.loc if i is None else jnp.cumsum(load(self.g_ref, i), axis=0)
+    loc = self.loc if i is None else self._loc(i)
     return jnp.exp(loc - self.c)
 
   def e_k(self, i=None):
     """Key factor e^{c - (G - R)} of tile i ([16,K]) or of the chunk ([64,K]), each row against its tile's anchor."""
-    loc = self.loc if i is None else jnp.cumsum(load(self.g_ref, i), axis=0)
+    loc = self.loc if i is None else self._loc(i)
     return jnp.exp(self.c - loc)
 
   def anchor_scale(self, i):
@@ -126,10 +148,9 @@ class Gates:
     zero = jnp.zeros_like(self.tot[0])
     return per_tile([jnp.exp(sum(self.tot[j:i], zero)) if i >= j else None for i in range(NT)])
 
-  def gamma(self, scan=False):
-    """e^{G} ([64,K]), zero past a document start inside the chunk. G from the tile sums already held, or with
-    `scan` by one cumulative sum over the chunk (fewer instructions in a kernel that needs nothing else)."""
-    G = jnp.cumsum(load(self.g_ref), axis=0) if scan else per_tile(self.prefix) + self.loc
+  def gamma(self):
+    """e^{G} ([64,K]), zero past a document start inside the chunk."""
+    G = per_tile(self.prefix) + self.loc
     return masked(jnp.exp(G), None if self.doc_all is None else (self.doc_all == 0)[:, None])
 
   def gamma_tile(self, i, e_q):
@@ -163,6 +184,12 @@ class Gates:
     m = j < r if strict else j <= r
     return m if self.doc_all is None else m & (self.doc_all[:, None] == self.doc_all[None, :])
 
+  def column_mask(self, j, strict):
+    """[64,16] mask of the chunk's queries against key tile j: causal (strictly, for B), within one document."""
+    r, c = iota((CHUNK, SUB), 0), iota((CHUNK, SUB), 1) + j * SUB
+    m = c < r if strict else c <= r
+    return m if self.doc is None else m & (self.doc_all[:, None] == self.doc[j][None, :])
+
   def diag_mask(self, i):
     """[16,16] strictly causal mask of tile i with itself, within one document."""
     m = iota((SUB, SUB), 1) < iota((SUB, SUB), 0)
@@ -175,17 +202,17 @@ class TileGates:
   """What one query tile i (a traced index: a grid axis) needs of its chunk's gates, for kernels that run a program
   per tile; the same quantities as `Gates`, every sum over same-sign terms."""
 
-  def __init__(self, g_ref, reset_ref, i, lower_bound):
+  def __init__(self, loc_ref, reset_ref, i, lower_bound):
     self.c = SUB / 2 * lower_bound
-    tot = [jnp.sum(load(g_ref, j), axis=0, keepdims=True) for j in range(NT)]             # [1,K] per tile
+    tot = tile_totals(loc_ref)                                                            # [1,K] per tile
     zero = jnp.zeros_like(tot[0])
     # Rows of tile J against anchor R_i: keys (J <= i) take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1), queries
     # (J >= i) take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
     self.key_span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
     self.query_span = [sum((jnp.where(p >= i, tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
     self.i = i
-    self.loc_all = jnp.cumsum(load(g_ref).reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1)   # tile start -> row
-    self.loc = jnp.cumsum(load(g_ref, i), axis=0)                                          # [16,K], tile i
+    self.loc_all = load(loc_ref)                                                          # tile start -> row
+    self.loc = load(loc_ref, i)                                                           # [16,K], tile i
     self.prefix = self.key_span[0]                                                           # R_i
     self.rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)             # G_C - R_i
     self.causal = iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - i * SUB                  # key - query position
@@ -232,6 +259,24 @@ def store_block_diagonal(ref, blocks):
   for i, block in enumerate(blocks):
     for j in range(NT):
       ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block if i == j else jnp.zeros((SUB, SUB), F32)
+
+
+def unit_lower_inverse(a, exact):
+  """(I + a)⁻¹ of the chunk's strictly lower [64,64] a, from 64x64 products only (no substitution, so no row
+  reductions: 4 warps spent most of v6's inverse launch in them). The 4x4 diagonal blocks by their Neumann series
+  I − n + n² − n³ (n⁴ = 0; no term above 3·max|n|³, unlike a long series), then four doubling steps X ← X − X L X,
+  L the blocks of a between the halves of each 8-, 16-, 32- and 64-row block: the exact block inverse
+  [[A⁻¹, 0], [−D⁻¹CA⁻¹, D⁻¹]]. `exact`: fp32 products, else tf32."""
+  r, c = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
+  eye = jnp.where(r == c, 1.0, 0.0)
+  n = jnp.where(r // 4 == c // 4, a, 0.0)
+  x = eye - n
+  for _ in range(2):
+    x = eye - mm(n, x, F32, exact)
+  for b in (4, 8, 16, 32):
+    outside = (r // (2 * b) == c // (2 * b)) & (r // b != c // b)
+    x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
+  return x
 
 
 def unit_lower_inverse_16(n):
