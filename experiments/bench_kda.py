@@ -34,7 +34,7 @@ flags.DEFINE_bool("check", False, "After timing, check Pallas against the XLA pa
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
-flags.DEFINE_list("intra_variants", ["v3", "v6", "v7"], "With --per_kernel: the intra_fwd variants timed.")
+flags.DEFINE_list("intra_variants", ["v3", "v7", "v8"], "With --per_kernel: the intra_fwd variants timed.")
 flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
                   "JAX's for ours): where each program's time goes.")
 flags.DEFINE_list("bwd_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_bwd variants timed.")

@@ -35,8 +35,7 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v6"), (-5.0, "v6"), (None, "v7"),
-                                              (-5.0, "v7"), (-5.0, "v4_bwd"), (None, "v3_bwd"), (-5.0, "v5_bwd")])
+@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v8"), (-5.0, "v8"), (-5.0, "v4_bwd"), (None, "v3_bwd"), (-5.0, "v5_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
   if variant in ("v4_bwd", "v5_bwd"):   # K = 32 in two column blocks
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant=variant[:2], block_k=16))
@@ -95,11 +94,11 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
-@pytest.mark.parametrize("variant", ["v6", "v7", "v8"])
+@pytest.mark.parametrize("variant", ["v7", "v8"])
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
 def test_intra_forward_variants_agree(case, variant):
-  """v7 (two launches), v6 (v7's second launch in three) and v8 (v7's first launch by key tile) give v3's nine
-  outputs (one kernel) to fp32 rounding."""
+  """v7 (two launches) and v8 (v7's first launch by key tile) give v3's nine outputs (one kernel) to fp32
+  rounding."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
   run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
@@ -137,8 +136,8 @@ def test_intra_backward_variants_agree(case, variant):
     assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
 
-def test_v6_rows_of_other_anchors_may_overflow_without_reaching_the_outputs():
-  """v6 multiplies every row of the chunk by every anchor's keys and keeps one tile's rows per anchor. With large
+def test_v7_rows_of_other_anchors_may_overflow_without_reaching_the_outputs():
+  """v7 multiplies every row of the chunk by every anchor's keys and keeps one tile's rows per anchor. With large
   unnormalised q, k and every gate at the bound a discarded row overflows in fp32 (e^{80}·q·k); the kept rows, A_qk
   and B, still equal v3's."""
   x, _ = variant_case(31, "gates_at_bound", 1, 64, 1, 32, 32)
@@ -147,20 +146,20 @@ def test_v6_rows_of_other_anchors_may_overflow_without_reaching_the_outputs():
   discarded = (x["q"][0, 48:, 0] * jnp.exp(loc[48:] + 40.0)) @ (x["k"][0, :16, 0] * jnp.exp(-40.0 - loc[:16])).T
   assert not jnp.all(jnp.isfinite(discarded))          # tile 3's queries against anchor 0's keys
   run = lambda variant: fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant=variant)
-  (_, _, qs, kd, aqk, _, kk, _, _), ref = run("v6"), run("v3")
+  (_, _, qs, kd, aqk, _, kk, _, _), ref = run("v7"), run("v3")
   chex.assert_tree_all_finite((qs, kd, aqk, kk))
   for name, a, b in zip(("qs", "kd", "aqk", "kk"), (qs, kd, aqk, kk), (ref[2], ref[3], ref[4], ref[6])):
     assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
 
 
 def test_k_unlike_v_and_several_column_blocks_agree_with_v3():
-  """v6's U and W launches and v7's loops tile V and K separately (64-column blocks), and v5's column pass splits
-  K; K = 128 and V = 32 exercise all three."""
+  """The forward's U and W loops tile V and K separately (64-column blocks), and v5's column pass splits K; K = 128
+  and V = 32 exercise both."""
   B, T, H, K, V = 1, 128, 1, 128, 32
   x, reset = variant_case(29, "random_with_resets", B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
   ref = fwd.intra_forward(*x.values(), reset, variant="v3", **kw)
-  for variant in ("v6", "v7"):
+  for variant in ("v7", "v8"):
     outs = fwd.intra_forward(*x.values(), reset, variant=variant, **kw)
     for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
       assert rel_err(a, b) <= 1e-5, (variant, name, rel_err(a, b))
@@ -198,13 +197,13 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
-  for name in ("kda_intra_fwd_v6_rows", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows",
+  for name in ("kda_intra_fwd_rows", "kda_intra_fwd_solve", "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows",
                "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
     for variant, names in (("v3", ["kda_intra_fwd"]),
-                           ("v6", ["kda_intra_fwd_v6_rows", "kda_intra_fwd_v6_inverse", "kda_intra_fwd_v6_apply"]),
-                           ("v7", ["kda_intra_fwd_v6_rows", "kda_intra_fwd_v7_solve"])):
+                           ("v7", ["kda_intra_fwd_rows", "kda_intra_fwd_solve"]),
+                           ("v8", ["kda_intra_fwd_v8_rows", "kda_intra_fwd_solve"])):
       f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
       f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
       text = cuda_module_text(monkeypatch, f, *f_args)

@@ -80,9 +80,9 @@ def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtyp
 
 
 def _rows_by_key_tile_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v8, first launch: v6's outputs by key tile instead of by anchor. Column block J of A_qk and B is the chunk's
+  """v8, first launch: `_rows_kernel`'s outputs by key tile instead of by anchor. Column block J of A_qk and B is the chunk's
   queries (keys), scaled for anchor R_J and zero above tile J, times key tile J (a 64x16xK product, a quarter of
-  v6's 64x64xK per anchor, nothing discarded): e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j}, the
+  v7's 64x64xK per anchor, nothing discarded): e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j}, the
   middle factor at most 1 and the outer two within e^{±8|γ_min|}."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
@@ -100,30 +100,10 @@ def _rows_by_key_tile_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has
     kk_ref[cols] = jnp.where(gates.column_mask(j, True), mm_t(k_e * s, key_tile, dtype), 0.0).astype(kk_ref.dtype)
 
 
-def _inverse_kernel(loc_ref, beta_ref, kk_ref, *refs, lower_bound, has_reset, exact):
-  """v6, second launch, one program per chunk: M = (I + βB)⁻¹ (`unit_lower_inverse`) and the chunk's state decay."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  minv_ref, decay_ref = refs
-  store(minv_ref, None, unit_lower_inverse(load(beta_ref)[:, None] * load(kk_ref), exact))
-  decay_ref[...] = Gates(loc_ref, reset_ref, lower_bound).decay().reshape(decay_ref.shape)
-
-
-def _apply_kernel(minv_ref, beta_ref, x_ref, *refs, lower_bound, has_gamma, has_reset, exact):
-  """v6, third launch (twice), one program per chunk and column block: U = M βV, or W = M βΓK with Γ = e^{G} of
-  the block's columns; M unrounded, as v3."""
-  refs = list(refs)
-  loc_ref = refs.pop(0) if has_gamma else None
-  reset_ref = refs.pop(0) if has_reset and has_gamma else None
-  out_ref, = refs
-  x = load(beta_ref)[:, None] * load(x_ref)
-  if has_gamma:
-    x = x * Gates(loc_ref, reset_ref, lower_bound).gamma()
-  store(out_ref, None, mm(load(minv_ref), x, F32, exact))
-
-
 def _solve_kernel(loc_ref, beta_ref, kk_ref, k_ref, v_ref, *refs, lower_bound, has_reset, exact, block_cols):
-  """v7, second and last launch, one program per chunk: v6's inverse, then U = M βV and W = M βΓK from M in
-  registers, `block_cols` columns at a time (v6's two apply launches read M back from memory)."""
+  """Second and last launch, one program per chunk: M = (I + βB)⁻¹ (`unit_lower_inverse`), then U = M βV and
+  W = M βΓK from M in registers, `block_cols` columns at a time, M unrounded (tf32 on bf16 inputs, as v3); and the
+  chunk's state decay. (v6 split this in three launches, 0.79 ms against 0.72 at 8×4096, BUILD_NOTES KDA run 8.)"""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   minv_ref, decay_ref, w_ref, u_ref = refs
   x = unit_lower_inverse(load(beta_ref)[:, None] * load(kk_ref), exact)
@@ -139,55 +119,35 @@ def _solve_kernel(loc_ref, beta_ref, kk_ref, k_ref, v_ref, *refs, lower_bound, h
   decay_ref[...] = Gates(loc_ref, reset_ref, lower_bound).decay().reshape(decay_ref.shape)
 
 
-def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64,
-                            fused_solve=False, by_key_tile=False):
-  """v6: four lighter launches instead of one kernel at the register limit: the rows (`_rows_kernel`), the inverse
-  per chunk, then U and W per chunk and block of `block_cols` columns. v7 (`fused_solve`): the last three in one
-  launch (`_solve_kernel`)."""
+def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, by_key_tile, block_cols=64):
+  """v7 and v8: two launches instead of one kernel at the register limit: the rows (`_rows_kernel`, or with
+  `by_key_tile` `_rows_by_key_tile_kernel`), then the inverse with U and W (`_solve_kernel`)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
   dt = q.dtype
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh, *_: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh, *_: (bh // H, n, bh % H))
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
-  reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh, *_: (bh // H, n))] * len(resets)
+  reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n))] * len(resets)
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
-  exact = dt == F32
+  rows_kernel, rows_name = ((_rows_by_key_tile_kernel, "kda_intra_fwd_v8_rows") if by_key_tile
+                            else (_rows_kernel, "kda_intra_fwd_rows"))
   aqk, kk, qs, kd, loc = triton_call(
-      functools.partial(_rows_by_key_tile_kernel if by_key_tile else _rows_kernel, scale=scale, dtype=dt, **flags),
-      grid=(N, B * H),
+      functools.partial(rows_kernel, scale=scale, dtype=dt, **flags), grid=(N, B * H),
       in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[row(d) for d in (CHUNK, CHUNK, K, K, K)],
-      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K, F32)], name="kda_intra_fwd_v6_rows",
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K, F32)], name=rows_name,
       num_warps=num_warps, num_stages=1)(q, k, g, *resets)
-  decay_spec = pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))
-  decay_shape = jax.ShapeDtypeStruct((B, N, H, K), F32)
-  if fused_solve:
-    bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
-    minv, decay, w, u = triton_call(
-        functools.partial(_solve_kernel, exact=exact, block_cols=bc, **flags), grid=(N, B * H),
-        in_specs=[row(K), tok, row(CHUNK), row(K), row(V)] + reset_specs,
-        out_specs=[row(CHUNK), decay_spec, row(K), row(V)],
-        out_shape=[shape(CHUNK, F32), decay_shape, shape(K), shape(V)], name="kda_intra_fwd_v7_solve",
-        num_warps=4, num_stages=1)(loc, beta, kk, k, v, *resets)
-    return w, u, qs, kd, aqk, decay, kk, minv, loc
-  minv, decay = triton_call(
-      functools.partial(_inverse_kernel, exact=exact, **flags), grid=(N, B * H),
-      in_specs=[row(K), tok, row(CHUNK)] + reset_specs,
-      out_specs=[row(CHUNK), decay_spec], out_shape=[shape(CHUNK, F32), decay_shape], name="kda_intra_fwd_v6_inverse",
-      num_warps=4, num_stages=1)(loc, beta, kk, *resets)
-
-  def apply(x, *gates):
-    d = x.shape[-1]
-    bc = block_cols if d % block_cols == 0 else d
-    cols = pl.BlockSpec((None, CHUNK, None, bc), lambda n, bh, c: (bh // H, n, bh % H, c))
-    return triton_call(
-        functools.partial(_apply_kernel, has_gamma=bool(gates), exact=exact, **flags),
-        grid=(N, B * H, d // bc),
-        in_specs=[row(CHUNK), tok, cols] + ([cols] + reset_specs if gates else []), out_specs=cols,
-        out_shape=shape(x.shape[-1]), name="kda_intra_fwd_v6_apply", num_warps=4, num_stages=1)(minv, beta, x, *gates)
-  return apply(k, loc, *resets), apply(v), qs, kd, aqk, decay, kk, minv, loc
+  bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
+  minv, decay, w, u = triton_call(
+      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, **flags), grid=(N, B * H),
+      in_specs=[row(K), tok, row(CHUNK), row(K), row(V)] + reset_specs,
+      out_specs=[row(CHUNK), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(K),
+                 row(V)],
+      out_shape=[shape(CHUNK, F32), jax.ShapeDtypeStruct((B, N, H, K), F32), shape(K), shape(V)],
+      name="kda_intra_fwd_solve", num_warps=4, num_stages=1)(loc, beta, kk, k, v, *resets)
+  return w, u, qs, kd, aqk, decay, kk, minv, loc
 
 
 def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v7"):
@@ -198,17 +158,17 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
   Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv, loc. `variant`: "v7" (two launches,
-  `_intra_forward_launches`; the fastest on the H200, BUILD_NOTES KDA run 8), "v6" (v7 with its second launch split
-  in three), "v8" (v7 with its first launch by key tile) or "v3" (one kernel, M through memory row by row: the
+  `_intra_forward_launches`; checked and timed on the H200, BUILD_NOTES KDA run 8), "v8" (v7 with its first launch
+  by key tile: 8% faster there, not yet checked on the GPU) or "v3" (one kernel, M through memory row by row: the
   reference the tests hold the others to); same outputs. `num_warps` (of the first launch): 8 when None, the only
   setting without spills offline.
   """
-  if variant not in ("v3", "v6", "v7", "v8"):
-    raise ValueError(f"intra_forward: variant must be 'v3', 'v6', 'v7' or 'v8', got {variant!r}")
+  if variant not in ("v3", "v7", "v8"):
+    raise ValueError(f"intra_forward: variant must be 'v3', 'v7' or 'v8', got {variant!r}")
   num_warps = num_warps or 8
-  if variant in ("v6", "v7", "v8"):
+  if variant in ("v7", "v8"):
     return _intra_forward_launches(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
-                                   num_warps=num_warps, fused_solve=variant == "v7", by_key_tile=variant == "v8")
+                                   num_warps=num_warps, by_key_tile=variant == "v8")
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
