@@ -37,7 +37,7 @@ flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. 
 flags.DEFINE_list("intra_variants", ["v3", "v7", "v8"], "With --per_kernel: the intra_fwd variants timed.")
 flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
                   "JAX's for ours): where each program's time goes.")
-flags.DEFINE_list("bwd_variants", ["v3", "v4", "v5"], "With --per_kernel: the intra_bwd variants timed.")
+flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_fwd", None, "Run the whole op (pallas rows, --check) with this intra_fwd variant, not the "
                     "default (e.g. v7).")
 flags.DEFINE_string("intra_bwd", None, "Likewise for intra_bwd.")
@@ -316,7 +316,7 @@ def per_kernel_times(x, do, shape):
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
   split = (32, 64) if FLAGS.sweep else (32,)
-  bwd_blocks = {"v3": (None,), "v4": split, "v5": split}
+  bwd_blocks = {"v3": (None,), "v5": split}
   for variant, block_ks in ((v, bwd_blocks[v]) for v in FLAGS.bwd_variants):
     for nw in warps:
       for bk in block_ks:

@@ -56,9 +56,9 @@ def _state_grad_kernel(h_ref, dh_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref, 
 
 
 def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
-  """Gradients through v_new = U − W S, o = Qs S + …, S' = decay ⊙ S + Kdᵀ v_new w.r.t. W, Qs, Kd `[B,T,H,K]` and
-  the state decay `[B,N,H,K]` (fp32; the others in the input dtype), from the states entering each chunk and the gradients leaving it.
-  Parallel over chunks and blocks of K."""
+  """Gradients through v_new = U − W S, o = Qs S + …, S' = decay ⊙ S + Kdᵀ v_new w.r.t. W, Qs, Kd `[B,T,H,K]`
+  (input dtype) and the state decay `[B,N,H,K]` (fp32), from the states entering each chunk and the gradients
+  leaving it. Parallel over chunks and blocks of K."""
   B, T, H, V = do.shape
   K = h.shape[2] // (T // CHUNK)
   block_k = min(block_k, K)
@@ -135,10 +135,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_r
     later = later + tot
 
 
-def _row_pass_tile(i, at, gates, ins, outs, *, scale, dtype):
-  """The row pass for query tile i (a Python int or a grid index): everything that contracts over K or V (dv, dβ,
-  dA_qk, dB, and dKw = βΓ ⊙ dX_k for the column pass), stored at `at` (i, or None where the block is the tile).
-  `gates`: (Γ of the tile, row mask) as functions, called where they are used."""
+def _row_pass_tile(i, gates, ins, outs, *, scale, dtype):
+  """The row pass for query tile i (a grid index), whose output blocks are the tile: everything that contracts over
+  K or V (dv, dβ, dA_qk, dB, and dKw = βΓ ⊙ dX_k for the column pass). `gates`: (Γ of the tile, row mask) as
+  functions, called where they are used."""
   k_ref, v_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref, dw_ref = ins
   dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = outs
   gamma_of, mask_of = gates
@@ -148,16 +148,16 @@ def _row_pass_tile(i, at, gates, ins, outs, *, scale, dtype):
   m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
   dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
   dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), mask_of(True))
-  store(dv_ref, at, beta_i * dXv)
-  store(dbeta_ref, at, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
+  store(dv_ref, None, beta_i * dXv)
+  store(dbeta_ref, None, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
         + jnp.sum(dA * load(kk_ref, i), axis=1))
-  store(dB_ref, at, beta_i * dA)
-  store(dAqk_ref, at, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), mask_of(False)))
-  store(dkw_ref, at, beta_i * gamma * dXk)
+  store(dB_ref, None, beta_i * dA)
+  store(dAqk_ref, None, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), mask_of(False)))
+  store(dkw_ref, None, beta_i * gamma * dXk)
 
 
-def _col_pass_tile(j, at, e_q, e_k, gates, ins, outs, *, scale, dtype):
-  """The column pass for tile J: stores dq and dk of its rows at `at` (J, or None where the block is the tile) and
+def _col_pass_tile(j, e_q, e_k, gates, ins, outs, *, scale, dtype):
+  """The column pass for tile J (a grid index), whose output blocks are the tile: stores dq and dk of its rows and
   returns dG, each row's own term of dg (dg sums it over the chunk's later rows). `gates`: Γ of the tile, the
   chunk's keys scaled for anchor J, its queries scaled from J, and e^{G_C - G} of the tile, as functions called
   where they are used."""
@@ -170,67 +170,37 @@ def _col_pass_tile(j, at, e_q, e_k, gates, ins, outs, *, scale, dtype):
   keys = keys_of()
   dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
   dqs = load(dqs_ref, j)
-  store(dq_ref, at, dqh * e_q + scale * gamma * dqs)
+  store(dq_ref, None, dqh * e_q + scale * gamma * dqs)
   queries = queries_of()
   cols = (slice(None), pl.ds(j * SUB, SUB))
   dkeys = t_mm(dAqk_ref[cols], load(q_ref) * queries, dtype) + t_mm(dB_ref[cols], load(k_ref) * queries, dtype)
   te, dkd = to_end_of(), load(dkd_ref, j)
   dkw = load(dkw_ref, j)
-  store(dk_ref, at, dkh * e_q + dkw + dkeys * e_k + te * dkd)
+  store(dk_ref, None, dkh * e_q + dkw + dkeys * e_k + te * dkd)
   return (dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
           - dkeys * rounded(k_j * e_k) - k_j * te * dkd)
 
 
 def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
-                           dw_ref, *refs, scale, lower_bound, has_reset, dtype, per_tile):
-  """The row pass: v4 walks the chunk's query tiles in one program; v5 (`per_tile`) runs a program per tile."""
+                           dw_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v5, first pass: the row pass with one program per query tile (it carries nothing between tiles)."""
   reset_ref, outs = (refs[0], refs[1:]) if has_reset else (None, refs)
   ins = (k_ref, v_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref, dw_ref)
-  kw = dict(scale=scale, dtype=dtype)
-  if per_tile:
-    i = pl.program_id(2)
-    tg = TileGates(loc_ref, reset_ref, i, lower_bound)
-    _row_pass_tile(i, None, (tg.gamma, tg.row_mask), ins, outs, **kw)
-    return
-  gates = Gates(loc_ref, reset_ref, lower_bound)
-  for i in range(NT):
-    _row_pass_tile(i, i, (lambda: gates.gamma_tile(i, gates.e_q(i)), lambda strict: gates.row_mask(i, strict)),
-                   ins, outs, **kw)
-
-
-def _intra_bwd_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale,
-                           lower_bound, has_reset, dtype):
-  """v4, second pass over a block of K columns (every term is column-separable): tile after tile, last first, so
-  dg's sum over later rows is carried from one tile to the next."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  dq_ref, dk_ref, dg_ref = refs
-  ins = (q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref)
-  gates = Gates(loc_ref, reset_ref, lower_bound)
-  te_dkd = lambda j: load(k_ref, j) * gates.to_end_tile(j, gates.e_k(j)) * load(dkd_ref, j)
-  later = gates.decay() * dd_ref[...].reshape(1, -1)
-  for j in range(NT):
-    later += jnp.sum(te_dkd(j), axis=0, keepdims=True)
-  kek, e_q_all = load(k_ref) * gates.e_k(), gates.e_q()
-  for j in reversed(range(NT)):
-    e_q, e_k_j = gates.e_q(j), gates.e_k(j)
-    tile_gates = (lambda: gates.gamma_tile(j, e_q), lambda: kek * gates.anchor_scale(j),
-                  lambda: e_q_all * gates.anchor_scale_t(j), lambda: gates.to_end_tile(j, e_k_j))
-    dG = _col_pass_tile(j, j, e_q, e_k_j, tile_gates, ins, (dq_ref, dk_ref), scale=scale, dtype=dtype)
-    tot = jnp.sum(dG, axis=0, keepdims=True)
-    store(dg_ref, j, tot - jnp.cumsum(dG, axis=0) + dG + later)
-    later = later + tot
+  i = pl.program_id(2)
+  tg = TileGates(loc_ref, reset_ref, i, lower_bound)
+  _row_pass_tile(i, (tg.gamma, tg.row_mask), ins, outs, scale=scale, dtype=dtype)
 
 
 def _intra_bwd_tile_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
                                 lower_bound, has_reset, dtype):
-  """v5, second pass: the column pass with one program per tile J; dg's sum over later rows, the only thing v4
-  carries between tiles, is left to `_dg_suffix_kernel` (this writes each row's own term dG)."""
+  """v5, second pass: the column pass with one program per tile J and block of K; dg's sum over later rows is left
+  to `_dg_suffix_kernel` (this writes each row's own term dG)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dG_ref = refs
   j = pl.program_id(3)
   tg = TileGates(loc_ref, reset_ref, j, lower_bound)
   tile_gates = (tg.gamma, lambda: load(k_ref) * tg.keys_factor(), tg.queries_factor, tg.to_end)
-  store(dG_ref, None, _col_pass_tile(j, None, tg.e_q(), tg.e_k(), tile_gates,
+  store(dG_ref, None, _col_pass_tile(j, tg.e_q(), tg.e_k(), tile_gates,
                                      (q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref), (dq_ref, dk_ref),
                                      scale=scale, dtype=dtype))
 
@@ -248,9 +218,9 @@ def _dg_suffix_kernel(k_ref, loc_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_boun
 
 
 def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *,
-                           scale, lower_bound, num_warps, block_k, tile_rows=False):
-  """Two launches: the row pass (grid chunks × heads) and the column pass (grid chunks × heads × K blocks). With
-  `tile_rows` (v5) both run a program per tile and a third launch sums dg over later rows."""
+                           scale, lower_bound, num_warps, block_k):
+  """v5: three launches, each a program per tile: the row pass (grid chunks × heads × 4), the column pass (grid
+  chunks × heads × K blocks × 4), and dg's sum over later rows (grid chunks × heads × K blocks)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
@@ -261,39 +231,28 @@ def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_
   opt = [reset] if reset is not None else []
   flags = dict(scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=q.dtype)
   shape = lambda d, dtype: jax.ShapeDtypeStruct((B, T, H, d), dtype)
-  if tile_rows:
-    grid, name = (N, B * H, NT), "kda_intra_bwd_v5_rows"
-    out = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh, i: (bh // H, n * NT + i, bh % H, 0))
-    out_tok = pl.BlockSpec((None, SUB, None), lambda n, bh, i: (bh // H, n * NT + i, bh % H))
-  else:
-    grid, name, out, out_tok = (N, B * H), "kda_intra_bwd_v4_rows", row, tok
+  out = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh, i: (bh // H, n * NT + i, bh % H, 0))
+  out_tok = pl.BlockSpec((None, SUB, None), lambda n, bh, i: (bh // H, n * NT + i, bh % H))
   dv, dbeta, dAqk, dB, dkw = triton_call(
-      functools.partial(_intra_bwd_rows_kernel, per_tile=tile_rows, **flags), grid=grid,
+      functools.partial(_intra_bwd_rows_kernel, **flags), grid=(N, B * H, NT),
       in_specs=[row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V), row(K)]
       + res, out_specs=[out(V), out_tok, out(CHUNK), out(CHUNK), out(K)],
       out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, q.dtype), shape(CHUNK, q.dtype),
-                 shape(K, F32)], name=name, num_warps=num_warps, num_stages=1)(
+                 shape(K, F32)], name="kda_intra_bwd_v5_rows", num_warps=num_warps, num_stages=1)(
                      k, v, loc, beta, u, w, kk, minv, v_new, dv_new, do, dw, *opt)
   col = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb, *_: (bh // H, n, bh % H, kb))
   full = pl.BlockSpec((None, CHUNK, None, CHUNK), lambda n, bh, *_: (bh // H, n, bh % H, 0))
   dd_spec = pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
-  if tile_rows:
-    tile_col = pl.BlockSpec((None, SUB, None, block_k), lambda n, bh, kb, j: (bh // H, n * NT + j, bh % H, kb))
-    dq, dk, dG = triton_call(
-        functools.partial(_intra_bwd_tile_cols_kernel, **flags), grid=(N, B * H, K // block_k, NT),
-        in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
-        out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
-        num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
-    dg = triton_call(
-        functools.partial(_dg_suffix_kernel, lower_bound=lower_bound, has_reset=reset is not None),
-        grid=(N, B * H, K // block_k), in_specs=[col, col, col, dd_spec, col] + res, out_specs=col,
-        out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", num_warps=4, num_stages=1)(k, loc, dkd, dd, dG, *opt)
-    return dq, dk, dv, dg, dbeta
-  dq, dk, dg = triton_call(
-      functools.partial(_intra_bwd_cols_kernel, **flags), grid=(N, B * H, K // block_k),
-      in_specs=[col, col, col, full, full, col, col, col, dd_spec] + res, out_specs=[col, col, col],
-      out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v4_cols",
-      num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, dd, *opt)
+  tile_col = pl.BlockSpec((None, SUB, None, block_k), lambda n, bh, kb, j: (bh // H, n * NT + j, bh % H, kb))
+  dq, dk, dG = triton_call(
+      functools.partial(_intra_bwd_tile_cols_kernel, **flags), grid=(N, B * H, K // block_k, NT),
+      in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
+      out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
+      num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
+  dg = triton_call(
+      functools.partial(_dg_suffix_kernel, lower_bound=lower_bound, has_reset=reset is not None),
+      grid=(N, B * H, K // block_k), in_specs=[col, col, col, dd_spec, col] + res, out_specs=col,
+      out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", num_warps=4, num_stages=1)(k, loc, dkd, dd, dG, *opt)
   return dq, dk, dv, dg, dbeta
 
 
@@ -301,18 +260,17 @@ def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do,
                    lower_bound, num_warps=4, variant="v5", block_k=None):
   """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W,
   B and M, the state pass's v_new and
-  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v4" (a row pass and a
-  column pass over `block_k` columns, `_intra_backward_passes`), "v5" (v4's passes with a program per tile, and
-  dg's sum over later rows in a third launch) or "v3" (one kernel); same outputs. The default is the fastest setting
-  checked on the H200 (BUILD_NOTES KDA run 7: v5, 4 warps, 64 columns, 5.6 ms at 8×4096 against v4's 6.7).
-  `block_k`: the variant's fastest measured when None (v4 32, v5 64)."""
-  if variant not in ("v3", "v4", "v5"):
-    raise ValueError(f"intra_backward: variant must be 'v3', 'v4' or 'v5', got {variant!r}")
-  block_k = block_k or {"v3": None, "v4": 32, "v5": 64}[variant]
-  if variant in ("v4", "v5"):
+  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v5" (a row pass, a column
+  pass over `block_k` columns and dg's suffix sum, each a program per tile, `_intra_backward_passes`) or "v3" (one
+  kernel: the reference the tests hold v5 to); same outputs. The default is the fastest setting checked on the H200
+  (v5, 4 warps, 64 columns: 5.05 ms at 8×4096 against 6.30 for session 3's v4, a per-chunk row pass and a column
+  pass carrying dg, at its best setting; BUILD_NOTES KDA run 8). `block_k`: 64 when None.
+  """
+  if variant not in ("v3", "v5"):
+    raise ValueError(f"intra_backward: variant must be 'v3' or 'v5', got {variant!r}")
+  if variant == "v5":
     return _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
-                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k,
-                                  tile_rows=variant == "v5")
+                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k or 64)
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK

@@ -56,7 +56,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
 
 
 def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """First launch, one program per chunk: the gates' cumulative sums per tile (which the later launches and the
+  """v7, first launch, one program per chunk: the gates' cumulative sums per tile (which the later launches and the
   backward read), the rows of A_qk and B, the scaled decayed queries and the keys decayed to the chunk end. Each
   anchor's product takes all 64 rows (a 64-row GEMM, not a 16-row one) and keeps its own tile's: the other rows'
   factors also stay within e^{±8|γ_min|}, and a row that overflows anyway (unnormalised q, k) is discarded whole, as
@@ -80,10 +80,10 @@ def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtyp
 
 
 def _rows_by_key_tile_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v8, first launch: `_rows_kernel`'s outputs by key tile instead of by anchor. Column block J of A_qk and B is the chunk's
-  queries (keys), scaled for anchor R_J and zero above tile J, times key tile J (a 64x16xK product, a quarter of
-  v7's 64x64xK per anchor, nothing discarded): e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j}, the
-  middle factor at most 1 and the outer two within e^{±8|γ_min|}."""
+  """v8, first launch: `_rows_kernel`'s outputs by key tile instead of by anchor. Column block J of A_qk and B is
+  the chunk's queries (keys), scaled for anchor R_J and zero above tile J, times key tile J (a 64x16xK product, a
+  quarter of v7's 64x64xK per anchor, nothing discarded): e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j},
+  the middle factor at most 1 and the outer two within e^{±8|γ_min|}."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
   gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
