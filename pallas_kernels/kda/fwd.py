@@ -114,9 +114,9 @@ def _solve_kernel(loc_ref, beta_ref, kk_ref, k_ref, v_ref, *refs, lower_bound, h
     u_ref[:, cols] = mm(x, beta * v_ref[:, cols].astype(F32), F32, exact).astype(u_ref.dtype)
   for c in range(k_ref.shape[-1] // block_cols):
     cols = pl.ds(c * block_cols, block_cols)
-    gamma = Gates(loc_ref, reset_ref, lower_bound, cols).gamma()
-    w_ref[:, cols] = mm(x, beta * gamma * k_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
-  decay_ref[...] = Gates(loc_ref, reset_ref, lower_bound).decay().reshape(decay_ref.shape)
+    gates = Gates(loc_ref, reset_ref, lower_bound, cols)
+    w_ref[:, cols] = mm(x, beta * gates.gamma() * k_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
+    decay_ref[cols] = gates.decay().reshape(block_cols)
 
 
 def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, by_key_tile, block_cols=64):
