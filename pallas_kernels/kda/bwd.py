@@ -135,74 +135,52 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_r
     later = later + tot
 
 
-def _row_pass_tile(i, gates, ins, outs, *, scale, dtype):
-  """The row pass for query tile i (a grid index), whose output blocks are the tile: everything that contracts over
-  K or V (dv, dβ, dA_qk, dB, and dKw = βΓ ⊙ dX_k for the column pass). `gates`: (Γ of the tile, row mask) as
-  functions, called where they are used."""
-  k_ref, v_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref, dw_ref = ins
-  dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = outs
-  gamma_of, mask_of = gates
+def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
+                           dw_ref, *refs, scale, lower_bound, has_reset, dtype):
+  """v5, first pass, one program per query tile i (it carries nothing between tiles): everything that contracts
+  over K or V (dv, dβ, dA_qk, dB, and dKw = βΓ ⊙ dX_k for the column pass)."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = refs
+  i = pl.program_id(2)
+  tg = TileGates(loc_ref, reset_ref, i, lower_bound)
   exact = dtype == F32
   beta_i = load(beta_ref, i)[:, None]
-  gamma = gamma_of()
+  gamma = tg.gamma()
   m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
   dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
-  dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), mask_of(True))
+  dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), tg.row_mask(True))
   store(dv_ref, None, beta_i * dXv)
   store(dbeta_ref, None, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
         + jnp.sum(dA * load(kk_ref, i), axis=1))
   store(dB_ref, None, beta_i * dA)
-  store(dAqk_ref, None, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), mask_of(False)))
+  store(dAqk_ref, None, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), tg.row_mask(False)))
   store(dkw_ref, None, beta_i * gamma * dXk)
 
 
-def _col_pass_tile(j, e_q, e_k, gates, ins, outs, *, scale, dtype):
-  """The column pass for tile J (a grid index), whose output blocks are the tile: stores dq and dk of its rows and
-  returns dG, each row's own term of dg (dg sums it over the chunk's later rows). `gates`: Γ of the tile, the
-  chunk's keys scaled for anchor J, its queries scaled from J, and e^{G_C - G} of the tile, as functions called
-  where they are used."""
-  q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref = ins
-  dq_ref, dk_ref = outs
-  gamma_of, keys_of, queries_of, to_end_of = gates
-  rounded = lambda a: a.astype(dtype).astype(F32)
-  q_j, k_j = load(q_ref, j), load(k_ref, j)
-  gamma = gamma_of()
-  keys = keys_of()
-  dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
-  dqs = load(dqs_ref, j)
-  store(dq_ref, None, dqh * e_q + scale * gamma * dqs)
-  queries = queries_of()
-  cols = (slice(None), pl.ds(j * SUB, SUB))
-  dkeys = t_mm(dAqk_ref[cols], load(q_ref) * queries, dtype) + t_mm(dB_ref[cols], load(k_ref) * queries, dtype)
-  te, dkd = to_end_of(), load(dkd_ref, j)
-  dkw = load(dkw_ref, j)
-  store(dk_ref, None, dkh * e_q + dkw + dkeys * e_k + te * dkd)
-  return (dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
-          - dkeys * rounded(k_j * e_k) - k_j * te * dkd)
-
-
-def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
-                           dw_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v5, first pass: the row pass with one program per query tile (it carries nothing between tiles)."""
-  reset_ref, outs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  ins = (k_ref, v_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref, dw_ref)
-  i = pl.program_id(2)
-  tg = TileGates(loc_ref, reset_ref, i, lower_bound)
-  _row_pass_tile(i, (tg.gamma, tg.row_mask), ins, outs, scale=scale, dtype=dtype)
-
-
-def _intra_bwd_tile_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
-                                lower_bound, has_reset, dtype):
-  """v5, second pass: the column pass with one program per tile J and block of K; dg's sum over later rows is left
-  to `_dg_suffix_kernel` (this writes each row's own term dG)."""
+def _intra_bwd_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
+                           lower_bound, has_reset, dtype):
+  """v5, second pass, one program per tile J and block of K: dq and dk of the tile's rows, and dG, each row's own
+  term of dg (`_dg_suffix_kernel` sums it over the chunk's later rows)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dG_ref = refs
   j = pl.program_id(3)
   tg = TileGates(loc_ref, reset_ref, j, lower_bound)
-  tile_gates = (tg.gamma, lambda: load(k_ref) * tg.keys_factor(), tg.queries_factor, tg.to_end)
-  store(dG_ref, None, _col_pass_tile(j, tg.e_q(), tg.e_k(), tile_gates,
-                                     (q_ref, k_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref), (dq_ref, dk_ref),
-                                     scale=scale, dtype=dtype))
+  e_q, e_k = tg.e_q(), tg.e_k()
+  rounded = lambda a: a.astype(dtype).astype(F32)
+  q_j, k_j = load(q_ref, j), load(k_ref, j)
+  gamma = tg.gamma()
+  keys = load(k_ref) * tg.keys_factor()                       # the chunk's keys scaled for anchor J
+  dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
+  dqs = load(dqs_ref, j)
+  store(dq_ref, None, dqh * e_q + scale * gamma * dqs)
+  queries = tg.queries_factor()                               # the chunk's queries scaled from anchor J
+  cols = (slice(None), pl.ds(j * SUB, SUB))
+  dkeys = t_mm(dAqk_ref[cols], load(q_ref) * queries, dtype) + t_mm(dB_ref[cols], load(k_ref) * queries, dtype)
+  te, dkd = tg.to_end(), load(dkd_ref, j)
+  dkw = load(dkw_ref, j)
+  store(dk_ref, None, dkh * e_q + dkw + dkeys * e_k + te * dkd)
+  store(dG_ref, None, dqh * rounded(q_j * e_q) + dkh * rounded(k_j * e_q) + k_j * dkw + scale * q_j * gamma * dqs
+        - dkeys * rounded(k_j * e_k) - k_j * te * dkd)
 
 
 def _dg_suffix_kernel(k_ref, loc_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_bound, has_reset):
@@ -245,7 +223,7 @@ def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_
   dd_spec = pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
   tile_col = pl.BlockSpec((None, SUB, None, block_k), lambda n, bh, kb, j: (bh // H, n * NT + j, bh % H, kb))
   dq, dk, dG = triton_call(
-      functools.partial(_intra_bwd_tile_cols_kernel, **flags), grid=(N, B * H, K // block_k, NT),
+      functools.partial(_intra_bwd_cols_kernel, **flags), grid=(N, B * H, K // block_k, NT),
       in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
       out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
       num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
@@ -257,20 +235,18 @@ def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_
 
 
 def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
-                   lower_bound, num_warps=4, variant="v5", block_k=None):
-  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W,
-  B and M, the state pass's v_new and
-  its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v5" (a row pass, a column
+                   lower_bound, num_warps=4, variant="v5", block_k=64):
+  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W, B and M, the
+  state pass's v_new and its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v5" (a row pass, a column
   pass over `block_k` columns and dg's suffix sum, each a program per tile, `_intra_backward_passes`) or "v3" (one
   kernel: the reference the tests hold v5 to); same outputs. The default is the fastest setting checked on the H200
   (v5, 4 warps, 64 columns: 5.05 ms at 8×4096 against 6.30 for session 3's v4, a per-chunk row pass and a column
-  pass carrying dg, at its best setting; BUILD_NOTES KDA run 8). `block_k`: 64 when None.
-  """
+  pass carrying dg, at its best setting; BUILD_NOTES KDA run 8)."""
   if variant not in ("v3", "v5"):
     raise ValueError(f"intra_backward: variant must be 'v3' or 'v5', got {variant!r}")
   if variant == "v5":
     return _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
-                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k or 64)
+                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k)
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
