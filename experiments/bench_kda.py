@@ -212,9 +212,7 @@ def main(argv):
               row["mem_bytes"] = fla["fwdbwd_mem"]()
           else:
             fn, args = (fns[0], (x,)) if mode == "fwd" else (fns[1], (x, do))
-            start = time.perf_counter()  # compile apart from the calls, so a slow compile and a hang read apart
-            compiled = fn.lower(*args).compile()
-            row["compile_s"] = time.perf_counter() - start
+            compiled, row["compile_s"] = compile_timed(fn, args)
             print(f"[bench_kda] {shape} {impl} {mode}: compiled in {row['compile_s']:.1f} s", flush=True)
             row["ms"] = 1e3 * harness.median_seconds(compiled, *args, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
             if mode == "fwdbwd":
@@ -328,12 +326,18 @@ def per_kernel_times(x, do, shape):
   return rows + [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
 
 
+def compile_timed(jitted, args):
+  """(compiled program, seconds to compile): compiling apart from the timed calls, so a slow compile (a kernel XLA's
+  Triton pipeline is slow on) and a hang read apart."""
+  start = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
 def run_case(shape, name, params, fn, args):
   """Compiles and times one kernel case; a failure is reported in its row, not raised."""
   try:
-    start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()  # a kernel XLA's Triton pipeline is slow on shows here
-    compile_s = time.perf_counter() - start
+    compiled, compile_s = compile_timed(jax.jit(fn), args)
     ms = 1e3 * harness.median_seconds(compiled, *args, repeats=FLAGS.repeats, warmup=FLAGS.warmup)
     row = dict(kind="kernel", shape=shape, kernel=name, ms=ms, compile_s=compile_s, **params)
   except Exception as e:
