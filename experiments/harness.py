@@ -1,4 +1,4 @@
-"""What the experiment scripts share: their argv check and the benchmarks' host timer."""
+"""What the experiment scripts share: their argv check and the benchmarks' timers."""
 import collections
 import glob
 import json
@@ -30,6 +30,22 @@ def median_seconds(fn, *args, repeats: int, warmup: int = 2) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def pipelined_seconds(fn, *args, repeats: int, calls: int = 10, warmup: int = 2) -> float:
+  """Median over `repeats` of the wall time of `calls` back-to-back calls of `fn(*args)`, divided by `calls`: the
+  host enqueues ahead of the device, so this is device time per call, as CUDA events time PyTorch's anchors
+  (`triton.testing.do_bench`), without `median_seconds`' per-call launch and synchronisation."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)  # one stream: the last call finishes after all the others
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls)
   return statistics.median(times)
 
 
