@@ -36,15 +36,16 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v8"), (-5.0, "v8"), (None, "v3_bwd"),
-                                              (-5.0, "v5_bwd")])
+@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v8"), (-5.0, "v8"), (None, "v9"),
+                                              (-5.0, "v9"), (None, "v3_bwd"), (-5.0, "v5_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
   if variant == "v5_bwd":   # K = 32 in two column blocks
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v5", block_k=16))
   elif variant == "v3_bwd":
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v3"))
   else:
-    monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant))
+    extra = dict(block_k=16) if variant == "v9" else {}
+    monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant, **extra))
   x, S0, _ = random_inputs(22, *SHAPE, dtype=jnp.bfloat16, saturate=saturate)
   _compare(x, S0, None, BF16_TOL.get)
 
@@ -96,15 +97,16 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
-@pytest.mark.parametrize("variant", ["v7", "v8"])
+@pytest.mark.parametrize("variant", ["v7", "v8", "v9"])
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
 def test_intra_forward_variants_agree(case, variant):
-  """v7 (two launches) and v8 (v7's first launch by key tile) give v3's nine outputs (one kernel) to fp32
-  rounding."""
+  """v7 (two launches), v8 (v7's first launch by key tile) and v9 (one launch, here two 16-column blocks of K) give
+  v3's nine outputs (one kernel) to fp32 rounding."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
-  run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
-  outs, ref = run(variant), run("v3")
+  run = lambda variant, **kw: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0,
+                                                variant=variant, **kw)
+  outs, ref = run(variant, **(dict(block_k=16) if variant == "v9" else {})), run("v3")
   chex.assert_tree_all_finite(outs)
   for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
@@ -160,7 +162,7 @@ def test_k_unlike_v_and_several_column_blocks_agree_with_v3():
   x, reset = variant_case(29, "random_with_resets", B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
   ref = fwd.intra_forward(*x.values(), reset, variant="v3", **kw)
-  for variant in ("v7", "v8"):
+  for variant in ("v7", "v8", "v9"):
     outs = fwd.intra_forward(*x.values(), reset, variant=variant, **kw)
     for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
       assert rel_err(a, b) <= 1e-5, (variant, name, rel_err(a, b))
@@ -204,7 +206,8 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
     for variant, names in (("v3", ["kda_intra_fwd"]),
                            ("v7", ["kda_intra_fwd_rows", "kda_intra_fwd_solve"]),
-                           ("v8", ["kda_intra_fwd_v8_rows", "kda_intra_fwd_solve"])):
+                           ("v8", ["kda_intra_fwd_v8_rows", "kda_intra_fwd_solve"]),
+                           ("v9", ["kda_intra_fwd_v9"])):
       f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
       f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
       text = cuda_module_text(monkeypatch, f, *f_args)
@@ -232,6 +235,6 @@ def test_unit_lower_inverse_is_the_inverse(case):
 def test_unknown_kernel_variant_is_refused_before_any_work():
   x, _, _ = random_inputs(31, *SHAPE)
   with pytest.raises(ValueError, match="variant"):
-    fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant="v9")
+    fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant="v0")
   with pytest.raises(ValueError, match="variant"):
     bwd.intra_backward(*([None] * 17), scale=1.0, lower_bound=-5.0, variant="v9")

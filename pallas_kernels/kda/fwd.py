@@ -119,6 +119,84 @@ def _solve_kernel(loc_ref, beta_ref, kk_ref, k_ref, v_ref, *refs, lower_bound, h
     decay_ref[cols] = gates.decay().reshape(block_cols)
 
 
+def _k_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype, block_k):
+  """v9, the whole intra pass in one launch: v8's rows and the solve, every [64,K] quantity taken `block_k` columns
+  at a time in a loop (the gates' sums are per column; only A_qk and B sum over K, in eight [64,16] accumulators).
+  v7/v8 hold whole [64,K] tiles and need 240-255 registers at 8 warps, one program per SM with nothing to hide
+  its loads and stores behind."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref, loc_ref = refs
+  K, V = k_ref.shape[-1], v_ref.shape[-1]
+  exact = dtype == F32
+
+  def rows(c, acc):
+    cols = pl.ds(c * block_k, block_k)
+    g = g_ref[:, cols].astype(F32).reshape(NT, SUB, block_k)
+    loc_ref[:, cols] = jnp.cumsum(g, axis=1).reshape(CHUNK, block_k)
+    barrier()
+    gates = Gates(loc_ref, reset_ref, lower_bound, cols)
+    q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
+    qs_ref[:, cols] = (scale * q * gates.gamma()).astype(qs_ref.dtype)
+    kd_ref[:, cols] = (k * gates.to_end(gates.e_k())).astype(kd_ref.dtype)
+    decay_ref[cols] = gates.decay().reshape(block_k)
+    e_q = gates.e_q()
+    q_e, k_e = q * e_q, k * e_q
+    out = []
+    for j in range(NT):   # key tile J against every row, scaled for anchor R_J (as v8)
+      key_tile = (k_ref[pl.ds(j * SUB, SUB), cols].astype(F32) * gates.e_k(j)).astype(dtype)
+      s = gates.anchor_scale_t(j)
+      out += [acc[2 * j] + mm_t(q_e * s, key_tile, dtype), acc[2 * j + 1] + mm_t(k_e * s, key_tile, dtype)]
+    return tuple(out)
+
+  acc = jax.lax.fori_loop(0, K // block_k, rows, (jnp.zeros((CHUNK, SUB), F32),) * (2 * NT))
+  masks = Gates(loc_ref, reset_ref, lower_bound, pl.ds(0, 1))
+  for j in range(NT):
+    cols = (slice(None), pl.ds(j * SUB, SUB))
+    aqk_ref[cols] = jnp.where(masks.column_mask(j, False), scale * acc[2 * j], 0.0).astype(aqk_ref.dtype)
+    kk_ref[cols] = jnp.where(masks.column_mask(j, True), acc[2 * j + 1], 0.0).astype(kk_ref.dtype)
+  barrier()
+  beta = load(beta_ref)[:, None]
+  x = unit_lower_inverse(beta * load(kk_ref), exact)
+  store(minv_ref, None, x)
+
+  def apply_u(c, carry):
+    cols = pl.ds(c * block_k, block_k)
+    u_ref[:, cols] = mm(x, beta * v_ref[:, cols].astype(F32), F32, exact).astype(u_ref.dtype)
+    return carry
+
+  def apply_w(c, carry):
+    cols = pl.ds(c * block_k, block_k)
+    gamma = Gates(loc_ref, reset_ref, lower_bound, cols).gamma()
+    w_ref[:, cols] = mm(x, beta * gamma * k_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, V // block_k, apply_u, 0)
+  jax.lax.fori_loop(0, K // block_k, apply_w, 0)
+
+
+def _intra_forward_k_blocked(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_k):
+  """v9's launch (`_k_blocked_kernel`), grid chunks x (batch, head)."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  N = T // CHUNK
+  dt = q.dtype
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
+  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  resets = [] if reset is None else [reset]
+  reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n))] * len(resets)
+  kernel = functools.partial(_k_blocked_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
+                             dtype=dt, block_k=block_k)
+  return tuple(triton_call(
+      kernel, grid=(N, B * H), in_specs=[row(K), row(K), row(V), row(K), tok] + reset_specs,
+      out_specs=[row(K), row(V), row(K), row(K), row(CHUNK),
+                 pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK),
+                 row(K)],
+      out_shape=[shape(K), shape(V), shape(K), shape(K), shape(CHUNK), jax.ShapeDtypeStruct((B, N, H, K), F32),
+                 shape(CHUNK, F32), shape(CHUNK, F32), shape(K, F32)],
+      name="kda_intra_fwd_v9", num_warps=num_warps, num_stages=2)(q, k, v, g, beta, *resets))
+
+
 def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, by_key_tile, block_cols=64):
   """v7 and v8: two launches instead of one kernel at the register limit: the rows (`_rows_kernel`, or with
   `by_key_tile` `_rows_by_key_tile_kernel`), then the inverse with U and W (`_solve_kernel`)."""
@@ -150,7 +228,7 @@ def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_
   return w, u, qs, kd, aqk, decay, kk, minv, loc
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v7"):
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v7", block_k=32):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
   and for the backward B = A_kk/β, M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix)
   and the gates' cumulative sums per 16-token tile (`loc`, fp32 `[B,T,H,K]`), which every later kernel reads
@@ -159,13 +237,19 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
   Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv, loc. `variant`: "v7" (two launches,
   `_intra_forward_launches`; checked and timed on the H200, BUILD_NOTES KDA run 8), "v8" (v7 with its first launch
-  by key tile: 8% faster there, not yet checked on the GPU) or "v3" (one kernel, M through memory row by row: the
-  reference the tests hold the others to); same outputs. `num_warps` (of the first launch): 8 when None, the only
-  setting without spills offline.
+  by key tile: 8% faster there, not yet checked on the GPU), "v9" (one launch, `block_k` columns of K at a time:
+  `_k_blocked_kernel`) or "v3" (one kernel, M through memory row by row: the reference the tests hold the others
+  to); same outputs. `num_warps` (of the first launch): 8 when None, the only setting without spills offline.
   """
-  if variant not in ("v3", "v7", "v8"):
-    raise ValueError(f"intra_forward: variant must be 'v3', 'v7' or 'v8', got {variant!r}")
+  if variant not in ("v3", "v7", "v8", "v9"):
+    raise ValueError(f"intra_forward: variant must be 'v3', 'v7', 'v8' or 'v9', got {variant!r}")
   num_warps = num_warps or 8
+  if variant == "v9":
+    K, V = q.shape[-1], v.shape[-1]
+    if K % block_k or V % block_k or block_k % SUB:
+      raise ValueError(f"intra_forward v9: block_k={block_k} must be a multiple of {SUB} dividing K={K} and V={V}")
+    return _intra_forward_k_blocked(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
+                                    num_warps=num_warps, block_k=block_k)
   if variant in ("v7", "v8"):
     return _intra_forward_launches(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
                                    num_warps=num_warps, by_key_tile=variant == "v8")
