@@ -36,14 +36,13 @@ flags.DEFINE_bool("check", False, "After timing, check Pallas against the XLA pa
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
-flags.DEFINE_list("intra_variants", ["v3", "v7", "v8", "v9"], "With --per_kernel: the intra_fwd variants timed.")
+flags.DEFINE_list("intra_variants", ["v3", "v8"], "With --per_kernel: the intra_fwd variants timed.")
 flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
                   "JAX's for ours): where each program's time goes.")
 flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_fwd", None, "Run the whole op (pallas rows, --check) with this intra_fwd variant, not the "
-                    "default (e.g. v7).")
+                    "default (e.g. v3).")
 flags.DEFINE_string("intra_bwd", None, "Likewise for intra_bwd.")
-flags.DEFINE_integer("intra_block_k", None, "With --intra_fwd=v9: its column block (default the op's).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -197,7 +196,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_fwd, FLAGS.intra_bwd, FLAGS.intra_block_k)
+  use_variants(FLAGS.intra_fwd, FLAGS.intra_bwd)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -266,13 +265,12 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_fwd, intra_bwd, intra_block_k=None):
+def use_variants(intra_fwd, intra_bwd):
   """Makes the whole op (`chunk_kda(..., backend="pallas")`) use these kernel variants in this process: candidates
   are timed end to end before they become defaults."""
   from pallas_kernels.kda import bwd, fwd
   if intra_fwd:
-    extra = dict(block_k=intra_block_k) if intra_block_k else {}
-    fwd.intra_forward = functools.partial(fwd.intra_forward, variant=intra_fwd, **extra)
+    fwd.intra_forward = functools.partial(fwd.intra_forward, variant=intra_fwd)
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if intra_fwd or intra_bwd:
@@ -293,11 +291,10 @@ def per_kernel_times(x, do, shape):
   warps = (4, 8, 16) if FLAGS.sweep else (8,)
   for variant in FLAGS.intra_variants:
     for nw in warps:
-      for extra in [dict(block_k=b) for b in ((16, 32, 64) if FLAGS.sweep else (32,))] if variant == "v9" else [{}]:
-        cases.append(("intra_fwd", dict(variant=variant, num_warps=nw, **extra),
-                      lambda *a, nw=nw, variant=variant, extra=extra: fwd.intra_forward(
-                          *a, None, scale=scale, lower_bound=lb, num_warps=nw, variant=variant, **extra),
-                      (q, k, v, g, beta)))
+      cases.append(("intra_fwd", dict(variant=variant, num_warps=nw),
+                    lambda *a, nw=nw, variant=variant: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb,
+                                                                         num_warps=nw, variant=variant),
+                    (q, k, v, g, beta)))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "intra_fwd"}:
     return rows
@@ -316,6 +313,13 @@ def per_kernel_times(x, do, shape):
         cases.append(("state_bwd", dict(block_v=b, num_warps=nw),
                       lambda *a, b=b, nw=nw: bwd.state_backward(*a, block_v=b, num_warps=nw),
                       (do, aqk, kd, qs, w, decay, S0)))
+  N = T // 64
+  for segments in (2, 4, 8, 16, 32) if FLAGS.sweep else ():
+    for b in sorted({default_block_v(B * segments, H, D), 64}):
+      if N % segments == 0 and N // segments >= 4:
+        cases.append(("state_fwd", dict(block_v=b, segments=segments),
+                      lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
+                      (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))

@@ -36,16 +36,42 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v8"), (-5.0, "v8"), (None, "v9"),
-                                              (-5.0, "v9"), (None, "v3_bwd"), (-5.0, "v5_bwd")])
+@pytest.mark.parametrize("dtype,packed", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_state_pass_in_segments_matches_the_recurrence(dtype, packed, monkeypatch):
+  """The forward's state pass cut into 3 segments of 2 chunks (each from the state its map composes) gives the
+  recurrence's outputs and gradients: T = 380 (not a chunk multiple), an initial state, packed documents in fp32."""
+  from pallas_kernels.kda import chunk
+  monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: 3)
+  x, S0, seg = random_inputs(23, 1, 380, 2, 32, 32, dtype=dtype, segments=packed)
+  _compare(x, S0, seg, (lambda n: 1e-5 if n in ("o", "S") else 1e-4) if dtype == jnp.float32 else BF16_TOL.get)
+
+
+@pytest.mark.parametrize("case", ["slow_decay", "gates_at_bound"])
+def test_segment_starts_are_the_states_the_one_pass_reaches(case):
+  """`segment_starts` (each segment's affine map from one parallel pass, composed by an associative scan) against
+  the states the one sequential pass enters those chunks with, fp32. Slow decay (gates / 20) carries the initial
+  state through every segment; gates at the bound forget it within a chunk (each segment's start is its map's F)."""
+  B, T, H, K, V = 1, 512, 2, 32, 32
+  x, _ = variant_case(33, "gates_at_bound" if case == "gates_at_bound" else "random", B, T, H, K, V)
+  if case == "slow_decay":
+    x["g"] = x["g"] / 20
+  w, u, qs, kd, aqk, decay, *_ = fwd.intra_forward(*x.values(), None, scale=K ** -0.5, lower_bound=-5.0)
+  S0 = jax.random.normal(jax.random.PRNGKey(34), (B, H, K, V))
+  h = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, save=True)[2].reshape(B, H, T // 64, K, V)
+  starts = fwd.segment_starts(w, u, kd, decay, S0, segments=4, block_v=16)
+  chex.assert_shape(starts, (B, H, 4, K, V))
+  assert rel_err(starts[:, :, 1:], h[:, :, 2::2]) <= 1e-5
+
+
+@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v8"), (-5.0, "v8"), (None, "v3_bwd"),
+                                              (-5.0, "v5_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
   if variant == "v5_bwd":   # K = 32 in two column blocks
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v5", block_k=16))
   elif variant == "v3_bwd":
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v3"))
   else:
-    extra = dict(block_k=16) if variant == "v9" else {}
-    monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant, **extra))
+    monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant))
   x, S0, _ = random_inputs(22, *SHAPE, dtype=jnp.bfloat16, saturate=saturate)
   _compare(x, S0, None, BF16_TOL.get)
 
@@ -97,16 +123,13 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
-@pytest.mark.parametrize("variant", ["v7", "v8", "v9"])
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
-def test_intra_forward_variants_agree(case, variant):
-  """v7 (two launches), v8 (v7's first launch by key tile) and v9 (one launch, here two 16-column blocks of K) give
-  v3's nine outputs (one kernel) to fp32 rounding."""
+def test_intra_forward_variants_agree(case):
+  """v8 (two launches) gives v3's nine outputs (one kernel) to fp32 rounding."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
-  run = lambda variant, **kw: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0,
-                                                variant=variant, **kw)
-  outs, ref = run(variant, **(dict(block_k=16) if variant == "v9" else {})), run("v3")
+  run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
+  outs, ref = run("v8"), run("v3")
   chex.assert_tree_all_finite(outs)
   for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
@@ -139,17 +162,17 @@ def test_intra_backward_variants_agree(case):
     assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
 
-def test_v7_rows_of_other_anchors_may_overflow_without_reaching_the_outputs():
-  """v7 multiplies every row of the chunk by every anchor's keys and keeps one tile's rows per anchor. With large
-  unnormalised q, k and every gate at the bound a discarded row overflows in fp32 (e^{80}·q·k); the kept rows, A_qk
-  and B, still equal v3's."""
+def test_rows_stay_finite_on_large_unnormalised_inputs_with_gates_at_the_bound():
+  """v8 scales every row of tile I >= J for key tile J's anchor. With large unnormalised q, k and every gate at the
+  bound, a product of one anchor's factors over the whole chunk overflows in fp32 (e^{80}·q·k, as v7's discarded
+  rows did); v8's rows stay finite and equal v3's."""
   x, _ = variant_case(31, "gates_at_bound", 1, 64, 1, 32, 32)
   x["q"], x["k"] = 1e4 * x["q"], 1e4 * x["k"]
   loc = jnp.cumsum(x["g"][0, :, 0].reshape(4, 16, -1), axis=1).reshape(64, -1)   # the kernel's factors, c = -40
-  discarded = (x["q"][0, 48:, 0] * jnp.exp(loc[48:] + 40.0)) @ (x["k"][0, :16, 0] * jnp.exp(-40.0 - loc[:16])).T
-  assert not jnp.all(jnp.isfinite(discarded))          # tile 3's queries against anchor 0's keys
+  unanchored = (x["q"][0, 48:, 0] * jnp.exp(loc[48:] + 40.0)) @ (x["k"][0, :16, 0] * jnp.exp(-40.0 - loc[:16])).T
+  assert not jnp.all(jnp.isfinite(unanchored))          # tile 3's queries against anchor 0's keys, unscaled
   run = lambda variant: fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant=variant)
-  (_, _, qs, kd, aqk, _, kk, _, _), ref = run("v7"), run("v3")
+  (_, _, qs, kd, aqk, _, kk, _, _), ref = run("v8"), run("v3")
   chex.assert_tree_all_finite((qs, kd, aqk, kk))
   for name, a, b in zip(("qs", "kd", "aqk", "kk"), (qs, kd, aqk, kk), (ref[2], ref[3], ref[4], ref[6])):
     assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
@@ -162,10 +185,9 @@ def test_k_unlike_v_and_several_column_blocks_agree_with_v3():
   x, reset = variant_case(29, "random_with_resets", B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
   ref = fwd.intra_forward(*x.values(), reset, variant="v3", **kw)
-  for variant in ("v7", "v8", "v9"):
-    outs = fwd.intra_forward(*x.values(), reset, variant=variant, **kw)
-    for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
-      assert rel_err(a, b) <= 1e-5, (variant, name, rel_err(a, b))
+  outs = fwd.intra_forward(*x.values(), reset, variant="v8", **kw)
+  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
+    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
   w, u, _, _, _, _, kk, minv, loc = ref
   ks = jax.random.split(jax.random.PRNGKey(30), 7)
   vn, dvn, do = (jax.random.normal(ks[i], (B, T, H, V)) for i in range(3))
@@ -205,9 +227,7 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
     for variant, names in (("v3", ["kda_intra_fwd"]),
-                           ("v7", ["kda_intra_fwd_rows", "kda_intra_fwd_solve"]),
-                           ("v8", ["kda_intra_fwd_v8_rows", "kda_intra_fwd_solve"]),
-                           ("v9", ["kda_intra_fwd_v9"])):
+                           ("v8", ["kda_intra_fwd_rows", "kda_intra_fwd_solve"])):
       f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
       f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
       text = cuda_module_text(monkeypatch, f, *f_args)
@@ -235,6 +255,6 @@ def test_unit_lower_inverse_is_the_inverse(case):
 def test_unknown_kernel_variant_is_refused_before_any_work():
   x, _, _ = random_inputs(31, *SHAPE)
   with pytest.raises(ValueError, match="variant"):
-    fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant="v0")
+    fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant="v7")
   with pytest.raises(ValueError, match="variant"):
     bwd.intra_backward(*([None] * 17), scale=1.0, lower_bound=-5.0, variant="v9")

@@ -26,6 +26,15 @@ def default_block_v(B, H, V, target_programs=256):
   return bv
 
 
+def default_segments(B, H, N, target_rows=128, min_chunks=16):
+  """Segments of the forward's state pass (`fwd.state_forward`): enough (batch, head, segment) rows to fill the GPU
+  as B·H = 128 does at 8x4096, each segment at least `min_chunks` chunks, their count dividing the N chunks."""
+  s = max(1, min(target_rows // (B * H), N // min_chunks))
+  while N % s:
+    s -= 1
+  return s
+
+
 def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids, lower_bound,
                      block_v=None):
   """Inputs as `k3jax.ops.kda.chunk_kda` (already checked there); T is padded to a multiple of 64 here."""
@@ -41,8 +50,10 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     from k3jax.ops.kda import reset_mask
     reset = padt(reset_mask(segment_ids, B, T).astype(jnp.int32))
   S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-  block_fwd, block_bwd = (block_v, block_v) if block_v else (default_block_v(B, H, V), default_block_v(B, H, V, 128))
-  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd)
+  segments = default_segments(B, H, q.shape[1] // CHUNK)
+  block_fwd, block_bwd = ((block_v, block_v) if block_v else
+                          (default_block_v(B * segments, H, V), default_block_v(B, H, V, 128)))
+  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd, segments)
   o, S = _kda(cfg, q, k, v, g, beta, S0, reset)
   return o[:, :T], (S if output_final_state else None)
 
@@ -53,10 +64,10 @@ def _kda(cfg, q, k, v, g, beta, S0, reset):
 
 
 def _forward(cfg, q, k, v, g, beta, S0, reset, *, save):
-  scale, lower_bound, block_v, _ = cfg
+  scale, lower_bound, block_v, _, segments = cfg
   intra = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
   w, u, qs, kd, aqk, decay, _, _, _ = intra
-  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save)
+  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments)
   return (o, S), (q, k, v, beta, reset, intra, saved)
 
 
@@ -65,7 +76,7 @@ def _kda_fwd(cfg, q, k, v, g, beta, S0, reset):
 
 
 def _kda_bwd(cfg, res, cotangents):
-  scale, lower_bound, _, block_v_bwd = cfg
+  scale, lower_bound, _, block_v_bwd, _ = cfg
   q, k, v, beta, reset, (w, u, qs, kd, aqk, decay, kk, minv, loc), (h, v_new) = res
   do, dS_T = cotangents
   do = do.astype(q.dtype)

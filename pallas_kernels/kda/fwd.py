@@ -55,35 +55,13 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
   store(w_ref, None, mm(M, beta * gamma * load(k_ref), F32, exact))
 
 
-def _rows_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v7, first launch, one program per chunk: the gates' cumulative sums per tile (which the later launches and the
-  backward read), the rows of A_qk and B, the scaled decayed queries and the keys decayed to the chunk end. Each
-  anchor's product takes all 64 rows (a 64-row GEMM, not a 16-row one) and keeps its own tile's: the other rows'
-  factors also stay within e^{±8|γ_min|}, and a row that overflows anyway (unnormalised q, k) is discarded whole, as
-  each output element is its own sum."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
-  gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
-  e_k = gates.e_k()
-  store(qs_ref, None, scale * load(q_ref) * gates.gamma())     # first: fewer values live through the products
-  store(kd_ref, None, load(k_ref) * gates.to_end(e_k))
-  e_q = gates.e_q()
-  q_e, k_e, kek = (load(q_ref) * e_q).astype(dtype), (load(k_ref) * e_q).astype(dtype), load(k_ref) * e_k
-  t = tile_of_row()
-  aqk = kk = jnp.zeros((CHUNK, CHUNK), F32)
-  for i in range(NT):
-    keys = kek * gates.anchor_scale(i)
-    aqk = jnp.where(t == i, mm_t(q_e, keys, dtype), aqk)
-    kk = jnp.where(t == i, mm_t(k_e, keys, dtype), kk)
-  store(aqk_ref, None, jnp.where(gates.chunk_mask(False), scale * aqk, 0.0))
-  store(kk_ref, None, jnp.where(gates.chunk_mask(True), kk, 0.0))
-
-
 def _rows_by_key_tile_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v8, first launch: `_rows_kernel`'s outputs by key tile instead of by anchor. Column block J of A_qk and B is
-  the chunk's queries (keys), scaled for anchor R_J and zero above tile J, times key tile J (a 64x16xK product, a
-  quarter of v7's 64x64xK per anchor, nothing discarded): e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j},
-  the middle factor at most 1 and the outer two within e^{±8|γ_min|}."""
+  """v8, first launch, one program per chunk: the gates' cumulative sums per tile (which the later launches and the
+  backward read), the rows of A_qk and B, the scaled decayed queries and the keys decayed to the chunk end. Column
+  block J of A_qk and B is the chunk's queries (keys), scaled for anchor R_J and zero above tile J, times key tile J
+  (a 64x16xK product; v7 took 64x64xK per anchor and kept a quarter, 8% slower, BUILD_NOTES KDA run 8):
+  e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j}, the middle factor at most 1 and the outer two within
+  e^{±8|γ_min|}."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
   gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
@@ -119,87 +97,9 @@ def _solve_kernel(loc_ref, beta_ref, kk_ref, k_ref, v_ref, *refs, lower_bound, h
     decay_ref[cols] = gates.decay().reshape(block_cols)
 
 
-def _k_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype, block_k):
-  """v9, the whole intra pass in one launch: v8's rows and the solve, every [64,K] quantity taken `block_k` columns
-  at a time in a loop (the gates' sums are per column; only A_qk and B sum over K, in eight [64,16] accumulators).
-  v7/v8 hold whole [64,K] tiles and need 240-255 registers at 8 warps, one program per SM with nothing to hide
-  its loads and stores behind."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref, loc_ref = refs
-  K, V = k_ref.shape[-1], v_ref.shape[-1]
-  exact = dtype == F32
-
-  def rows(c, acc):
-    cols = pl.ds(c * block_k, block_k)
-    g = g_ref[:, cols].astype(F32).reshape(NT, SUB, block_k)
-    loc_ref[:, cols] = jnp.cumsum(g, axis=1).reshape(CHUNK, block_k)
-    barrier()
-    gates = Gates(loc_ref, reset_ref, lower_bound, cols)
-    q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
-    qs_ref[:, cols] = (scale * q * gates.gamma()).astype(qs_ref.dtype)
-    kd_ref[:, cols] = (k * gates.to_end(gates.e_k())).astype(kd_ref.dtype)
-    decay_ref[cols] = gates.decay().reshape(block_k)
-    e_q = gates.e_q()
-    q_e, k_e = q * e_q, k * e_q
-    out = []
-    for j in range(NT):   # key tile J against every row, scaled for anchor R_J (as v8)
-      key_tile = (k_ref[pl.ds(j * SUB, SUB), cols].astype(F32) * gates.e_k(j)).astype(dtype)
-      s = gates.anchor_scale_t(j)
-      out += [acc[2 * j] + mm_t(q_e * s, key_tile, dtype), acc[2 * j + 1] + mm_t(k_e * s, key_tile, dtype)]
-    return tuple(out)
-
-  acc = jax.lax.fori_loop(0, K // block_k, rows, (jnp.zeros((CHUNK, SUB), F32),) * (2 * NT))
-  masks = Gates(loc_ref, reset_ref, lower_bound, pl.ds(0, 1))
-  for j in range(NT):
-    cols = (slice(None), pl.ds(j * SUB, SUB))
-    aqk_ref[cols] = jnp.where(masks.column_mask(j, False), scale * acc[2 * j], 0.0).astype(aqk_ref.dtype)
-    kk_ref[cols] = jnp.where(masks.column_mask(j, True), acc[2 * j + 1], 0.0).astype(kk_ref.dtype)
-  barrier()
-  beta = load(beta_ref)[:, None]
-  x = unit_lower_inverse(beta * load(kk_ref), exact)
-  store(minv_ref, None, x)
-
-  def apply_u(c, carry):
-    cols = pl.ds(c * block_k, block_k)
-    u_ref[:, cols] = mm(x, beta * v_ref[:, cols].astype(F32), F32, exact).astype(u_ref.dtype)
-    return carry
-
-  def apply_w(c, carry):
-    cols = pl.ds(c * block_k, block_k)
-    gamma = Gates(loc_ref, reset_ref, lower_bound, cols).gamma()
-    w_ref[:, cols] = mm(x, beta * gamma * k_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
-    return carry
-
-  jax.lax.fori_loop(0, V // block_k, apply_u, 0)
-  jax.lax.fori_loop(0, K // block_k, apply_w, 0)
-
-
-def _intra_forward_k_blocked(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_k):
-  """v9's launch (`_k_blocked_kernel`), grid chunks x (batch, head)."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  N = T // CHUNK
-  dt = q.dtype
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
-  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
-  resets = [] if reset is None else [reset]
-  reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n))] * len(resets)
-  kernel = functools.partial(_k_blocked_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                             dtype=dt, block_k=block_k)
-  return tuple(triton_call(
-      kernel, grid=(N, B * H), in_specs=[row(K), row(K), row(V), row(K), tok] + reset_specs,
-      out_specs=[row(K), row(V), row(K), row(K), row(CHUNK),
-                 pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK),
-                 row(K)],
-      out_shape=[shape(K), shape(V), shape(K), shape(K), shape(CHUNK), jax.ShapeDtypeStruct((B, N, H, K), F32),
-                 shape(CHUNK, F32), shape(CHUNK, F32), shape(K, F32)],
-      name="kda_intra_fwd_v9", num_warps=num_warps, num_stages=2)(q, k, v, g, beta, *resets))
-
-
-def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, by_key_tile, block_cols=64):
-  """v7 and v8: two launches instead of one kernel at the register limit: the rows (`_rows_kernel`, or with
-  `by_key_tile` `_rows_by_key_tile_kernel`), then the inverse with U and W (`_solve_kernel`)."""
+def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64):
+  """v8: two launches instead of one kernel at the register limit: the rows (`_rows_by_key_tile_kernel`), then the
+  inverse with U and W (`_solve_kernel`)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
@@ -210,12 +110,10 @@ def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_
   resets = [] if reset is None else [reset]
   reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n))] * len(resets)
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
-  rows_kernel, rows_name = ((_rows_by_key_tile_kernel, "kda_intra_fwd_v8_rows") if by_key_tile
-                            else (_rows_kernel, "kda_intra_fwd_rows"))
   aqk, kk, qs, kd, loc = triton_call(
-      functools.partial(rows_kernel, scale=scale, dtype=dt, **flags), grid=(N, B * H),
+      functools.partial(_rows_by_key_tile_kernel, scale=scale, dtype=dt, **flags), grid=(N, B * H),
       in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[row(d) for d in (CHUNK, CHUNK, K, K, K)],
-      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K, F32)], name=rows_name,
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K, F32)], name="kda_intra_fwd_rows",
       num_warps=num_warps, num_stages=1)(q, k, g, *resets)
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   minv, decay, w, u = triton_call(
@@ -228,31 +126,24 @@ def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_
   return w, u, qs, kd, aqk, decay, kk, minv, loc
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v7", block_k=32):
+def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v8"):
   """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
   and for the backward B = A_kk/β, M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix)
   and the gates' cumulative sums per 16-token tile (`loc`, fp32 `[B,T,H,K]`), which every later kernel reads
   instead of g.
 
   Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
-  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv, loc. `variant`: "v7" (two launches,
-  `_intra_forward_launches`; checked and timed on the H200, BUILD_NOTES KDA run 8), "v8" (v7 with its first launch
-  by key tile: 8% faster there, not yet checked on the GPU), "v9" (one launch, `block_k` columns of K at a time:
-  `_k_blocked_kernel`) or "v3" (one kernel, M through memory row by row: the reference the tests hold the others
-  to); same outputs. `num_warps` (of the first launch): 8 when None, the only setting without spills offline.
+  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv, loc. `variant`: "v8" (two launches,
+  `_intra_forward_launches`; checked and timed on the H200, BUILD_NOTES KDA run 9) or "v3" (one kernel, M through
+  memory row by row: the reference the tests hold v8 to); same outputs. `num_warps` (of the first launch): 8 when
+  None, the fastest on the H200 (run 9: 1.58 ms at 8x4096 against 1.95 with 4 and 1.78 with 16).
   """
-  if variant not in ("v3", "v7", "v8", "v9"):
-    raise ValueError(f"intra_forward: variant must be 'v3', 'v7', 'v8' or 'v9', got {variant!r}")
+  if variant not in ("v3", "v8"):
+    raise ValueError(f"intra_forward: variant must be 'v3' or 'v8', got {variant!r}")
   num_warps = num_warps or 8
-  if variant == "v9":
-    K, V = q.shape[-1], v.shape[-1]
-    if K % block_k or V % block_k or block_k % SUB:
-      raise ValueError(f"intra_forward v9: block_k={block_k} must be a multiple of {SUB} dividing K={K} and V={V}")
-    return _intra_forward_k_blocked(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
-                                    num_warps=num_warps, block_k=block_k)
-  if variant in ("v7", "v8"):
+  if variant == "v8":
     return _intra_forward_launches(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
-                                   num_warps=num_warps, by_key_tile=variant == "v8")
+                                   num_warps=num_warps)
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
@@ -275,58 +166,125 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
                      num_stages=1)(*args)
 
 
+def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype):
+  """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after)."""
+  rows = pl.ds(n * CHUNK, CHUNK)
+  S_in = S_KV.astype(dtype)
+  v_new = u_ref[rows, :].astype(F32) - mm(w_ref[rows, :], S_in, dtype)
+  decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
+  return S_in, v_new, decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
+
+
 def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out_refs, num_chunks, save, dtype):
   o_ref, sT_ref, *saved = out_refs
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
-    S_in = S_KV.astype(dtype)
-    v_new = u_ref[rows, :].astype(F32) - mm(w_ref[rows, :], S_in, dtype)
+    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype)
     if save:
       h_ref, vn_ref = saved
       h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
     o = mm(qs_ref[rows, :], S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
     o_ref[rows, :] = o.astype(o_ref.dtype)
-    decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
-    return decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
+    return S_next
 
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
 
 
+def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks, value_blocks, dtype):
+  """The state at a segment's end as an affine map of its start, S -> A S + F: column blocks below `value_blocks`
+  run the recurrence on u from zero (F), the others on zero values from the identity's columns (A = the product of
+  the chunks' diag(decay) - Kdᵀ W)."""
+  K, block_v = ends_ref.shape
+  vb = pl.program_id(0)
+  is_value = vb < value_blocks
+  eye = iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v
+  S0 = jnp.where(is_value, 0.0, jnp.where(eye, 1.0, 0.0)).astype(F32)
+  keep = jnp.where(is_value, 1.0, 0.0)
+
+  def body(n, S_KV):
+    rows = pl.ds(n * CHUNK, CHUNK)
+    S_in = S_KV.astype(dtype)
+    v_new = keep * u_ref[rows, :].astype(F32) - mm(w_ref[rows, :], S_in, dtype)
+    decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
+    return decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
+
+  ends_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S0)
+
+
 class StateSpecs:
-  """Blocks of the sequential passes, grid (V/block_v, B·H): one program per (column block, batch·head) walks every
-  chunk, so it sees the whole sequence of its head."""
+  """Blocks of the sequential passes, grid (V/block_v, B·H) or (V/block_v, B·H, segments): one program per (column
+  block, batch·head, segment) walks every chunk of its segment (of the whole sequence with one segment)."""
 
-  def __init__(self, H, T, K, block_v):
-    self.whole = lambda d: pl.BlockSpec((None, T, None, d), lambda vb, bh: (bh // H, 0, bh % H, 0))
-    self.vcols = pl.BlockSpec((None, T, None, block_v), lambda vb, bh: (bh // H, 0, bh % H, vb))
+  def __init__(self, H, T, K, block_v, segments=1):
+    Ts = T // segments
+    self.whole = lambda d: pl.BlockSpec((None, Ts, None, d), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
+    self.vcols = pl.BlockSpec((None, Ts, None, block_v), lambda vb, bh, s=0: (bh // H, s, bh % H, vb))
     self.state = pl.BlockSpec((None, None, K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb))
-    self.per_chunk_state = pl.BlockSpec((None, None, T // CHUNK * K, block_v), lambda vb, bh: (bh // H, bh % H, 0, vb))
-    self.decay = pl.BlockSpec((None, T // CHUNK, None, K), lambda vb, bh: (bh // H, 0, bh % H, 0))
+    self.segment_state = pl.BlockSpec((None, None, None, K, block_v),
+                                      lambda vb, bh, s: (bh // H, bh % H, s, 0, vb))
+    self.per_chunk_state = pl.BlockSpec((None, None, Ts // CHUNK * K, block_v),
+                                        lambda vb, bh, s=0: (bh // H, bh % H, s, vb))
+    self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
-  Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently.
+  Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
+  `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
+  state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
   Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
   `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
   N = T // CHUNK
+  if N % segments:
+    raise ValueError(f"state_forward: segments={segments} must divide the {N} chunks")
   dt = w.dtype
-  sp = StateSpecs(H, T, K, block_v)
-  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.state]
-  final = jax.ShapeDtypeStruct((B, H, K, V), F32)
-  out_shape, out_specs = [jax.ShapeDtypeStruct((B, T, H, V), dt), final], [sp.vcols, sp.state]
+  starts = (S0[:, :, None] if segments == 1 else
+            segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v))
+  sp = StateSpecs(H, T, K, block_v, segments)
+  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.segment_state]
+  out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
+  out_specs = [sp.vcols, sp.segment_state]
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N, save=save, dtype=dt)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt)
   num_warps = num_warps or (8 if block_v > 64 else 4)
-  outs = triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps, num_stages=2)(
-                         w, u, qs, kd, aqk, decay, S0)
-  return tuple(outs)
+  o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
+                                out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
+                                num_stages=2)(w, u, qs, kd, aqk, decay, starts)
+  return (o, ends[:, :, -1], *saved)
+
+
+def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
+  """[B,H,segments,K,V] fp32: the state entering each segment. One parallel pass gives each segment's map
+  S -> A S + F (`_segment_map_kernel`); an associative scan over segments then composes them (log2(segments)
+  rounds of batched K x K products, fp32)."""
+  B, T, H, K = w.shape
+  V = u.shape[-1]
+  sp = StateSpecs(H, T, K, block_v, segments)
+  value_blocks = V // block_v
+  u_spec = pl.BlockSpec((None, T // segments, None, block_v),
+                        lambda vb, bh, s: (bh // H, s, bh % H, jnp.minimum(vb, value_blocks - 1)))
+  kernel = functools.partial(_segment_map_kernel, num_chunks=T // CHUNK // segments, value_blocks=value_blocks,
+                             dtype=w.dtype)
+  ends = triton_call(kernel, grid=((V + K) // block_v, B * H, segments),
+                     in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay], out_specs=sp.segment_state,
+                     out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
+                     num_warps=8 if block_v > 64 else 4, num_stages=2)(w, u, kd, decay)
+  F, A = ends[..., :V], ends[..., V:]
+  hi = jax.lax.Precision.HIGHEST
+
+  def compose(first, then):   # S -> A2 (A1 S + F1) + F2
+    (A1, F1), (A2, F2) = first, then
+    return jnp.matmul(A2, A1, precision=hi), jnp.matmul(A2, F1, precision=hi) + F2
+
+  A_to, F_to = jax.lax.associative_scan(compose, (A, F), axis=2)
+  S0 = S0.astype(F32)[:, :, None]
+  after = jnp.matmul(A_to[:, :, :-1], S0, precision=hi) + F_to[:, :, :-1]
+  return jnp.concatenate([S0, after], axis=2)
