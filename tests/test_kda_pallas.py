@@ -213,7 +213,9 @@ def test_saturated_gate_gradients_of_every_backward_variant_are_within_fp32_tole
 
 def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   """Forward and backward lower through Pallas's Triton lowering here (interpret mode would not catch an op the
-  lowering lacks); the GPU is described as an H200."""
+  lowering lacks); the GPU is described as an H200. The forward's state pass runs in 2 segments."""
+  from pallas_kernels.kda import chunk
+  monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: 2)
   B, T, H, K, V = 1, 128, 2, 64, 64
   shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H)]
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
@@ -222,8 +224,8 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
-  for name in ("kda_intra_fwd_rows", "kda_intra_fwd_solve", "kda_state_fwd", "kda_state_bwd", "kda_state_grads",
-               "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"):
+  for name in ("kda_intra_fwd_rows", "kda_intra_fwd_solve", "kda_state_segment_maps", "kda_state_fwd",
+               "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
     for variant, names in (("v3", ["kda_intra_fwd"]),

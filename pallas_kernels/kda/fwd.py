@@ -198,10 +198,9 @@ def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks
   the chunks' diag(decay) - Kdᵀ W)."""
   K, block_v = ends_ref.shape
   vb = pl.program_id(0)
-  is_value = vb < value_blocks
-  eye = iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v
-  S0 = jnp.where(is_value, 0.0, jnp.where(eye, 1.0, 0.0)).astype(F32)
-  keep = jnp.where(is_value, 1.0, 0.0)
+  keep = (vb < value_blocks).astype(F32)
+  # The identity's columns (vb - value_blocks) * block_v onwards; none in the value blocks (negative offsets).
+  S0 = jnp.where(iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v, 1.0, 0.0)
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
