@@ -17,9 +17,10 @@ from pallas_kernels.kda import bwd, fwd
 from pallas_kernels.kda.tiles import CHUNK
 
 
-def default_block_v(B, H, V, target_programs=256):
-  """Columns of the state per program in the sequential passes: enough programs to fill the GPU (132 SMs).
-  Measured on the H200 at B·H = 128 (BUILD_NOTES.md): 64 columns best forward, 128 (8 warps) best backward."""
+def default_block_v(B, H, V, target_programs=128):
+  """Columns of the state per program in the sequential passes: the widest giving `target_programs` programs.
+  Measured on the H200 (BUILD_NOTES KDA run 9, forward, 4 warps): 128 columns best at B·H = 128, 32 at 32, 16 at
+  16; the backward 128 columns (8 warps) at B·H = 128."""
   bv = V
   while bv > 16 and (V // bv) * B * H < target_programs:
     bv //= 2
@@ -52,7 +53,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
   S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
   segments = default_segments(B, H, q.shape[1] // CHUNK)
   block_fwd, block_bwd = ((block_v, block_v) if block_v else
-                          (default_block_v(B * segments, H, V), default_block_v(B, H, V, 128)))
+                          (default_block_v(B * segments, H, V), default_block_v(B, H, V)))
   cfg = (float(scale), float(lower_bound), block_fwd, block_bwd, segments)
   o, S = _kda(cfg, q, k, v, g, beta, S0, reset)
   return o[:, :T], (S if output_final_state else None)
