@@ -102,26 +102,24 @@ def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_
   inverse with U and W (`_solve_kernel`)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
-  # Grid (B·H, N), heads fastest: the programs resident together read whole [H,K] rows of the [B,T,H,K] inputs
-  # (chunk-fastest, at B·H = 16 they read one head's 256 bytes of every 4 KB row; run 9).
   N = T // CHUNK
   dt = q.dtype
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda bh, n: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda bh, n: (bh // H, n, bh % H))
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
-  reset_specs = [pl.BlockSpec((None, CHUNK), lambda bh, n: (bh // H, n))] * len(resets)
+  reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n))] * len(resets)
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
   aqk, kk, qs, kd, loc = triton_call(
-      functools.partial(_rows_by_key_tile_kernel, scale=scale, dtype=dt, **flags), grid=(B * H, N),
+      functools.partial(_rows_by_key_tile_kernel, scale=scale, dtype=dt, **flags), grid=(N, B * H),
       in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[row(d) for d in (CHUNK, CHUNK, K, K, K)],
       out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K, F32)], name="kda_intra_fwd_rows",
       num_warps=num_warps, num_stages=1)(q, k, g, *resets)
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   minv, decay, w, u = triton_call(
-      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, **flags), grid=(B * H, N),
+      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, **flags), grid=(N, B * H),
       in_specs=[row(K), tok, row(CHUNK), row(K), row(V)] + reset_specs,
-      out_specs=[row(CHUNK), pl.BlockSpec((None, None, None, K), lambda bh, n: (bh // H, n, bh % H, 0)), row(K),
+      out_specs=[row(CHUNK), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(K),
                  row(V)],
       out_shape=[shape(CHUNK, F32), jax.ShapeDtypeStruct((B, N, H, K), F32), shape(K), shape(V)],
       name="kda_intra_fwd_solve", num_warps=4, num_stages=1)(loc, beta, kk, k, v, *resets)
