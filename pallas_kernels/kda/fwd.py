@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load,
-                                      masked, mm, mm_t, store, store_block_diagonal, t_mm, tile_of_row,
+                                      masked, mm, mm_t, store, store_block_diagonal, t_mm,
                                       unit_lower_inverse, unit_lower_inverse_16, write_tile_cumsum)
 
 
@@ -166,11 +166,13 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
                      num_stages=1)(*args)
 
 
-def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype):
-  """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after)."""
+def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):
+  """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after).
+  `u_scale` (a traced 0 or 1) multiplies U, for the segment maps' identity columns."""
   rows = pl.ds(n * CHUNK, CHUNK)
   S_in = S_KV.astype(dtype)
-  v_new = u_ref[rows, :].astype(F32) - mm(w_ref[rows, :], S_in, dtype)
+  u = u_ref[rows, :].astype(F32)
+  v_new = (u if u_scale is None else u_scale * u) - mm(w_ref[rows, :], S_in, dtype)
   decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
   return S_in, v_new, decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
 
@@ -202,13 +204,7 @@ def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks
   # The identity's columns (vb - value_blocks) * block_v onwards; none in the value blocks (negative offsets).
   S0 = jnp.where(iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v, 1.0, 0.0)
 
-  def body(n, S_KV):
-    rows = pl.ds(n * CHUNK, CHUNK)
-    S_in = S_KV.astype(dtype)
-    v_new = keep * u_ref[rows, :].astype(F32) - mm(w_ref[rows, :], S_in, dtype)
-    decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
-    return decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
-
+  body = lambda n, S_KV: _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=keep)[2]
   ends_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S0)
 
 

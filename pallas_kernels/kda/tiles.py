@@ -178,12 +178,6 @@ class Gates:
       m = m & (self.doc[i][:, None] == self.doc_all[None, :])
     return m
 
-  def chunk_mask(self, strict):
-    """[64,64] mask of the chunk's queries against its keys: causal (strictly, for B), within one document."""
-    r, j = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
-    m = j < r if strict else j <= r
-    return m if self.doc_all is None else m & (self.doc_all[:, None] == self.doc_all[None, :])
-
   def column_mask(self, j, strict):
     """[64,16] mask of the chunk's queries against key tile j: causal (strictly, for B), within one document."""
     r, c = iota((CHUNK, SUB), 0), iota((CHUNK, SUB), 1) + j * SUB
