@@ -1,8 +1,10 @@
 """The experiment scripts' shared pieces: the compilation cache switch (the environment variable wins, an empty
-path turns it off) and the JSON writer."""
+path turns it off), the JSON writer and the timers."""
 import json
+import time
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from experiments import harness
@@ -51,3 +53,11 @@ def test_device_kernel_times_is_empty_without_a_gpu():
   f = jax.jit(lambda x: x * 2)
   f(jax.numpy.ones(4))
   assert harness.device_kernel_times(f, jax.numpy.ones(4), calls=2) == []
+
+
+def test_pipelined_seconds_calls_back_to_back_and_divides_by_the_calls():
+  count = []
+  fn = lambda x: (count.append(1), time.sleep(0.01), x)[-1]
+  per_call = harness.pipelined_seconds(fn, jnp.ones(2), repeats=3, calls=4, warmup=2)
+  assert len(count) == 2 + 3 * 4
+  assert 0.01 <= per_call < 0.05
