@@ -47,7 +47,8 @@ flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if 
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
 LOWER_BOUND = -5.0
-CHECK_TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
+CHECK_TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2,
+             "g_raw": 2e-2, "beta_logits": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
 ARG_NAMES = ("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias")
 
 
@@ -142,8 +143,8 @@ def fla_runner(x, do):
               kernels={"fwd": lambda: kernel_times(fwd, True), "fwdbwd": lambda: kernel_times(fwdbwd, False)})
 
 
-CHECK_CASES = ("random", "gates_at_bound", "repeated_keys")
-GATED_CASES = ("random", "gates_at_bound")  # SPEC.md §8 tolerances are for random inputs; repeated keys: reported
+CHECK_CASES = ("random", "gates_at_bound", "fused", "repeated_keys")
+GATED_CASES = ("random", "gates_at_bound", "fused")  # SPEC.md §8 tolerances are for random inputs; repeated keys: reported
 
 
 def fused_inputs(x):
@@ -155,8 +156,19 @@ def fused_inputs(x):
 def check_pallas(x, case):
   """The Pallas kernels in the input dtype against the XLA path in fp32 on the same (upcast) inputs: o, the final
   state and every gradient (SPEC.md §8). The q/k L2 norm, gate and β sigmoid are applied first, as the layer does.
-  Cases: random gates; every gate at the bound; one key repeated through the sequence with β ≈ 1 and no decay
-  (I + A_kk is then as far from the identity as it gets)."""
+  Cases: random gates; every gate at the bound; the fused entry on the raw projections (the kernels' own norm, gate
+  and sigmoid, and the gradients through them to A_log and dt_bias); one key repeated through the sequence with
+  β ≈ 1 and no decay (I + A_kk is then as far from the identity as it gets)."""
+  B, _, H, K = x["q"].shape
+  S0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, x["v"].shape[-1]), jnp.float32)
+  if case == "fused":
+    inputs = {n: x[n] for n in ARG_NAMES}
+    run = lambda backend: lambda **kw: kda.fused_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
+    o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
+    o_ref, S_ref, grads_ref = kda_outputs_and_grads(
+        run("xla"), {n: a.astype(jnp.float32) for n, a in inputs.items()}, S0)
+    errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
+    return errs, all(e <= CHECK_TOL[n] for n, e in errs.items())
   q, k, g, beta = fused_inputs(x)
   v = x["v"]
   if case == "gates_at_bound":
@@ -165,8 +177,6 @@ def check_pallas(x, case):
     k = jnp.broadcast_to(k[:, :1], k.shape)
     g, beta = jnp.full_like(g, -1e-3), jnp.full_like(beta, 0.99)
   inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-  B, _, H, K = q.shape
-  S0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, v.shape[-1]), jnp.float32)
   run = lambda backend: lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
   o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
   f32 = {n: a.astype(jnp.float32) for n, a in inputs.items()}
@@ -295,8 +305,21 @@ def per_kernel_times(x, do, shape):
                     lambda *a, nw=nw, variant=variant: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb,
                                                                          num_warps=nw, variant=variant),
                     (q, k, v, g, beta)))
+  gate = (x["A_log"], x["dt_bias"])
+  cases.append(("prepare", {}, lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb),
+                (x["q"], x["k"], x["g_raw"], x["beta_logits"])))
+  _, _, loc, _, beta_f = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(
+      x["q"], x["k"], x["g_raw"], x["beta_logits"])
+  for bk in (32, 64, 128) if FLAGS.sweep else (None,):
+    for nw in (4, 8) if FLAGS.sweep else (None,):
+      for save in (False, True):
+        if bk is None or bk <= D:
+          cases.append(("intra_fwd_v10", dict(block_k=bk, num_warps=nw, save=save),
+                        lambda *a, bk=bk, nw=nw, save=save: fwd.intra_forward_v10(
+                            *a, None, scale=scale, lower_bound=lb, save=save, block_k=bk, num_warps=nw),
+                        (q, k, v, loc, beta_f)))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
-  if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "intra_fwd"}:
+  if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd", "intra_fwd_v10"}:
     return rows
   w, u, qs, kd, aqk, decay, kk, minv, loc = jax.jit(
       lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(q, k, v, g, beta)

@@ -224,7 +224,7 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
-  for name in ("kda_intra_fwd_rows", "kda_intra_fwd_solve", "kda_state_segment_maps", "kda_state_fwd",
+  for name in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_v10", "kda_state_segment_maps", "kda_state_fwd",
                "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
   for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products

@@ -121,7 +121,15 @@ def fused_kda(q, k, v, g_raw, beta_logits, A_log, dt_bias, *, lower_bound: float
               initial_state=None, output_final_state=False, segment_ids=None, backend: str = "auto"):
   """KDA from the layer's raw projections: L2-normalises q and k, applies the gate and β = σ(beta_logits), then
   runs `chunk_kda`. Differentiable w.r.t. everything, A_log and dt_bias included."""
-  check_inputs(q, k, v, g_raw, beta_logits, initial_state, segment_ids)
+  B, T, H, K, V = check_inputs(q, k, v, g_raw, beta_logits, initial_state, segment_ids)
+  _check_shape("A_log", A_log, (H,))
+  _check_shape("dt_bias", dt_bias, (H, K))
+  _check_lower_bound(lower_bound)
+  if _pick_backend(backend, lower_bound, K, V) == "pallas":   # the pre-pass runs inside the kernels' first launch
+    from pallas_kernels.kda import chunk_kda_pallas
+    return chunk_kda_pallas(q, k, v, g_raw, beta_logits, scale=K ** -0.5 if scale is None else float(scale),
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            segment_ids=segment_ids, lower_bound=lower_bound, gate=(A_log, dt_bias))
   q, k, g, beta = fused_inputs(q, k, g_raw, beta_logits, A_log, dt_bias, lower_bound=lower_bound)
   return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                    output_final_state=output_final_state, segment_ids=segment_ids, lower_bound=lower_bound,

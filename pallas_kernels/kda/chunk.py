@@ -37,15 +37,19 @@ def default_segments(B, H, N, target_rows=128, min_chunks=16):
 
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids, lower_bound,
-                     block_v=None):
-  """Inputs as `k3jax.ops.kda.chunk_kda` (already checked there); T is padded to a multiple of 64 here."""
+                     block_v=None, gate=None):
+  """Inputs as `k3jax.ops.kda.chunk_kda` (already checked there); T is padded to a multiple of 64 here. With `gate`
+  = (A_log, dt_bias), g and beta are the layer's raw gate and β projections and q, k are L2-normalised in the kernels
+  (`k3jax.ops.kda.fused_kda`); the gradients flow to all of them."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   pad = -T % CHUNK
   padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
   dt = q.dtype
   q, k, v = (padt(x.astype(dt)) for x in (q, k, v))
-  g, beta = (padt(x.astype(jnp.float32)) for x in (g, beta))
+  if gate is None:
+    g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
+  g, beta = padt(g), padt(beta)
   reset = None
   if segment_ids is not None:
     from k3jax.ops.kda import reset_mask
@@ -54,38 +58,52 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
   segments = default_segments(B, H, q.shape[1] // CHUNK)
   block_fwd, block_bwd = ((block_v, block_v) if block_v else
                           (default_block_v(B * segments, H, V), default_block_v(B, H, V)))
-  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd, segments)
-  o, S = _kda(cfg, q, k, v, g, beta, S0, reset)
+  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd, segments, T if pad else None)
+  o, S = _kda(cfg, q, k, v, g, beta, gate, S0, reset)
   return o[:, :T], (S if output_final_state else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kda(cfg, q, k, v, g, beta, S0, reset):
-  return _forward(cfg, q, k, v, g, beta, S0, reset, save=False)[0]
+def _kda(cfg, q, k, v, g, beta, gate, S0, reset):
+  return _forward(cfg, q, k, v, g, beta, gate, S0, reset, save=False)[0]
 
 
-def _forward(cfg, q, k, v, g, beta, S0, reset, *, save):
-  scale, lower_bound, block_v, _, segments = cfg
-  intra = fwd.intra_forward(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound)
-  w, u, qs, kd, aqk, decay, _, _, _ = intra
+def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
+  scale, lower_bound, block_v, _, segments, valid_len = cfg
+  q_n, k_n, loc, decay, beta_f = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound,
+                                             valid_len=valid_len)
+  w, u, qs, kd, aqk, kk, minv = fwd.intra_forward_v10(q_n, k_n, v, loc, beta_f, reset, scale=scale,
+                                                      lower_bound=lower_bound, save=save)
   o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments)
-  return (o, S), (q, k, v, beta, reset, intra, saved)
+  intra = (q_n, k_n, beta_f, w, u, qs, kd, aqk, decay, kk, minv, loc)
+  return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
 
 
-def _kda_fwd(cfg, q, k, v, g, beta, S0, reset):
-  return _forward(cfg, q, k, v, g, beta, S0, reset, save=True)
+def _kda_fwd(cfg, q, k, v, g, beta, gate, S0, reset):
+  return _forward(cfg, q, k, v, g, beta, gate, S0, reset, save=True)
 
 
 def _kda_bwd(cfg, res, cotangents):
-  scale, lower_bound, _, block_v_bwd, _ = cfg
-  q, k, v, beta, reset, (w, u, qs, kd, aqk, decay, kk, minv, loc), (h, v_new) = res
+  scale, lower_bound, _, block_v_bwd, _, valid_len = cfg
+  raw, v, reset, (q, k, beta, w, u, qs, kd, aqk, decay, kk, minv, loc), (h, v_new) = res
   do, dS_T = cotangents
   do = do.astype(q.dtype)
   dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v_bwd)
   dw, dqs, dkd, dd = bwd.state_grad_products(h, dh, v_new, dv_new, do)
   dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs,
                                              dkd, dd, scale=scale, lower_bound=lower_bound)
-  return dq, dk, dv, dg, dbeta, dS0, None
+  if raw is None:
+    return dq, dk, dv, dg, dbeta, None, dS0, None
+  # The fused pre-pass: its gradient by XLA from the raw inputs (elementwise and row norms, recomputed here).
+  from k3jax.ops.kda import fused_inputs
+  q_raw, k_raw, g_raw, beta_logits, gate = raw
+  if valid_len is not None:   # the padding's gate is held at zero, so A_log and dt_bias get nothing from it
+    dg = dg.at[:, valid_len:].set(0.0)
+  prepass = functools.partial(fused_inputs, lower_bound=lower_bound)
+  _, pullback = jax.vjp(prepass, q_raw, k_raw, g_raw, beta_logits, *gate)
+  dq, dk, dg, dbeta, dA_log, ddt_bias = pullback((dq.astype(q.dtype), dk.astype(k.dtype), dg.astype(jnp.float32),
+                                                   dbeta.astype(jnp.float32)))
+  return dq, dk, dv, dg, dbeta, (dA_log, ddt_bias), dS0, None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

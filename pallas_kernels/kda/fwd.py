@@ -8,15 +8,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load,
-                                      masked, mm, mm_t, store, store_block_diagonal, t_mm,
-                                      unit_lower_inverse, unit_lower_inverse_16, write_tile_cumsum)
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load, masked, mm, mm_t, per_tile, store,
+                                      store_block_diagonal, t_mm, tile_totals, unit_lower_inverse,
+                                      unit_lower_inverse_16, write_tile_cumsum)
+
+L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref, loc_ref = refs
-  gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
+  gates = Gates(write_tile_cumsum(load(g_ref), loc_ref), reset_ref, lower_bound)
   kek = load(k_ref) * gates.e_k()                                        # keys, each against its own tile's anchor
   exact = dtype == F32
 
@@ -64,7 +66,7 @@ def _rows_by_key_tile_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has
   e^{±8|γ_min|}."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
-  gates = Gates(write_tile_cumsum(g_ref, loc_ref), reset_ref, lower_bound)
+  gates = Gates(write_tile_cumsum(load(g_ref), loc_ref), reset_ref, lower_bound)
   store(qs_ref, None, scale * load(q_ref) * gates.gamma())
   store(kd_ref, None, load(k_ref) * gates.to_end(gates.e_k()))
   e_q = gates.e_q()
@@ -164,6 +166,163 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
   return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                      name="kda_intra_fwd", num_warps=num_warps,
                      num_stages=1)(*args)
+
+
+def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len):
+  """v10's first launch, one program per chunk: the gates' cumulative sums per tile and the chunk's state decay;
+  with `fused`, from the gate projection (`k3jax.ops.kda.kda_gate`), and also the L2-normalised q, k and β = σ(logits).
+  One streaming pass in place of XLA's pre-pass, so no kernel after it takes a cumulative sum."""
+  refs = list(refs)
+  q_ref, k_ref = (refs.pop(0), refs.pop(0)) if fused else (None, None)
+  g_ref, b_ref = refs.pop(0), refs.pop(0)
+  a_ref, dt_ref = (refs.pop(0), refs.pop(0)) if fused else (None, None)
+  reset_ref = refs.pop(0) if has_reset else None
+  qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if fused else (None, None)
+  loc_ref, decay_ref, beta_ref = refs
+  g = load(g_ref)
+  b = load(b_ref)
+  if fused:
+    for x_ref, xn_ref in ((q_ref, qn_ref), (k_ref, kn_ref)):
+      x = load(x_ref)
+      store(xn_ref, None, x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS))
+    z = jnp.maximum(load(a_ref)[None, :] * (g + load(dt_ref)[None, :]), -80.0)   # as kda_gate: no subnormal g
+    g = lower_bound / (1.0 + jnp.exp(-z))
+    b = 1.0 / (1.0 + jnp.exp(-b))
+  if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
+    g = jnp.where(pl.program_id(0) * CHUNK + iota((CHUNK, 1), 0) < valid_len, g, 0.0)
+  store(beta_ref, None, b)
+  gates = Gates(write_tile_cumsum(g, loc_ref), reset_ref, lower_bound)
+  decay_ref[...] = gates.decay().reshape(decay_ref.shape)
+
+
+def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None):
+  """v10's first launch (`_prepare_kernel`). `gate` None: g is the log-decay and β given, q and k are returned as
+  they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), and q, k come back
+  L2-normalised. Rows from `valid_len` on (T's padding) get g = 0. Returns q, k, loc (fp32 [B,T,H,K]), the chunks' state decay (fp32 [B,N,H,K]) and β (fp32 [B,T,H])."""
+  B, T, H, K = g.shape
+  N = T // CHUNK
+  fused = gate is not None
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
+  head = pl.BlockSpec((None, K), lambda n, bh: (bh % H, 0))
+  args, in_specs = [g, beta], [row(K), tok]
+  if fused:
+    A_log, dt_bias = gate
+    a = jnp.broadcast_to(jnp.exp(A_log.astype(F32))[:, None], (H, K))
+    args, in_specs = [q, k] + args + [a, dt_bias.astype(F32)], [row(K), row(K)] + in_specs + [head, head]
+  if reset is not None:
+    args.append(reset)
+    in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
+  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, N, H, K), F32),
+               jax.ShapeDtypeStruct((B, T, H), F32)]
+  out_specs = [row(K), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), tok]
+  if fused:
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)] + out_shape
+    out_specs = [row(K), row(K)] + out_specs
+  kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, has_reset=reset is not None,
+                             valid_len=valid_len)
+  outs = triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                     name="kda_prepare", num_warps=4, num_stages=1)(*args)
+  return tuple(outs) if fused else (q, k, *outs)
+
+
+def _key_tile_kernel(q_ref, k_ref, loc_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype, block_k):
+  """v10's second launch, one program per (key tile J, chunk): column block J of A_qk and B (every row of the chunk
+  scaled for anchor R_J, times key tile J: v8's product), and tile J's rows of the scaled decayed queries, of the
+  keys decayed to the chunk end and of βΓK, `block_k` columns of K at a time. Two [64,16] accumulators and
+  [64,block_k] tiles, where v8 held the chunk's [64,K] tiles at 239 registers, one program per SM."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
+  j = pl.program_id(0)
+  c = SUB / 2 * lower_bound
+  keys = pl.ds(j * SUB, SUB)
+  first = last = doc_ok = None
+  if has_reset:
+    reset = load(reset_ref, None, jnp.int32)
+    doc = jnp.cumsum(reset, axis=0)                                          # resets up to each row
+    doc_j = jnp.sum(jnp.where(iota((CHUNK,), 0) < j * SUB, reset, 0)) + jnp.cumsum(reset_ref[keys])
+    doc_ok = doc[:, None] == doc_j[None, :]
+    first, last = (doc_j == 0)[:, None], (doc_j == jnp.sum(reset))[:, None]
+  beta_j = beta_ref[keys].astype(F32)[:, None]
+
+  def columns(cb, acc):
+    cols = pl.ds(cb * block_k, block_k)
+    tot = tile_totals(loc_ref, cols)
+    zero = jnp.zeros_like(tot[0])
+    # Rows of tile I >= J against anchor R_J: e^{G - R_J - c} = e^{loc - c + Σ_{J<=P<I} tot_P} (0 sums before J).
+    span = per_tile([sum((tot[p] * (p >= j).astype(F32) for p in range(i)), zero) for i in range(NT)])
+    e_rows = jnp.exp(loc_ref[:, cols].astype(F32) - c + span)
+    loc_j, k_j = loc_ref[keys, cols].astype(F32), k_ref[keys, cols].astype(F32)
+    key_tile = (k_j * jnp.exp(c - loc_j)).astype(dtype)
+    acc_qk = acc[0] + mm_t(q_ref[:, cols].astype(F32) * e_rows, key_tile, dtype)
+    acc_kk = acc[1] + mm_t(k_ref[:, cols].astype(F32) * e_rows, key_tile, dtype)
+    before = sum((tot[p] * (p < j).astype(F32) for p in range(NT)), zero)                          # R_J
+    after = sum((tot[p] * (p >= j).astype(F32) for p in range(NT)), zero)                          # G_C - R_J
+    gamma = masked(jnp.exp(before + loc_j), first)
+    qs_ref[:, cols] = (scale * q_ref[keys, cols].astype(F32) * gamma).astype(qs_ref.dtype)
+    kd_ref[:, cols] = masked(k_j * jnp.exp(after - loc_j), last).astype(kd_ref.dtype)
+    kgb_ref[:, cols] = (beta_j * gamma * k_j).astype(kgb_ref.dtype)
+    return acc_qk, acc_kk
+
+  zeros = jnp.zeros((CHUNK, SUB), F32)
+  acc_qk, acc_kk = jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, columns, (zeros, zeros))
+  r, col = iota((CHUNK, SUB), 0), iota((CHUNK, SUB), 1) + j * SUB
+  aqk_ref[...] = masked(scale * acc_qk, (col <= r) if doc_ok is None else (col <= r) & doc_ok).astype(aqk_ref.dtype)
+  kk_ref[...] = masked(acc_kk, (col < r) if doc_ok is None else (col < r) & doc_ok).astype(kk_ref.dtype)
+
+
+def _solve_v10_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):
+  """v10's last launch, one program per chunk: M = (I + βB)⁻¹, U = M βV and W = M (βΓK), M unrounded (tf32 on bf16
+  inputs); M itself is written only for the backward (`save`). No gates: the key-tile launch wrote βΓK."""
+  w_ref, u_ref, *minv_ref = refs
+  beta = load(beta_ref)[:, None]
+  x = unit_lower_inverse(beta * load(kk_ref), exact)
+  if save:
+    store(minv_ref[0], None, x)
+  for c in range(v_ref.shape[-1] // block_cols):
+    cols = pl.ds(c * block_cols, block_cols)
+    u_ref[:, cols] = mm(x, beta * v_ref[:, cols].astype(F32), F32, exact).astype(u_ref.dtype)
+  for c in range(kgb_ref.shape[-1] // block_cols):
+    cols = pl.ds(c * block_cols, block_cols)
+    w_ref[:, cols] = mm(x, kgb_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
+
+
+def intra_forward_v10(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
+                      block_cols=64):
+  """v10's intra pass on `prepare`'s outputs: the key-tile launch (`_key_tile_kernel`), then the solve
+  (`_solve_v10_kernel`). Returns w, u, qs, kd, aqk, kk and M (None unless `save`), as `intra_forward`."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  N = T // CHUNK
+  dt = q.dtype
+  block_k = block_k or min(K, 32)
+  if K % block_k or block_k % SUB:
+    raise ValueError(f"intra_forward_v10: block_k={block_k} must be a multiple of {SUB} dividing K={K}")
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda j, n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, CHUNK, None), lambda j, n, bh: (bh // H, n, bh % H))
+  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda j, n, bh: (bh // H, n * NT + j, bh % H, 0))
+  col = pl.BlockSpec((None, CHUNK, None, SUB), lambda j, n, bh: (bh // H, n, bh % H, j))
+  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  resets = [] if reset is None else [reset]
+  flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
+  aqk, kk, qs, kd, kgb = triton_call(
+      functools.partial(_key_tile_kernel, scale=scale, dtype=dt, block_k=block_k, **flags), grid=(NT, N, B * H),
+      in_specs=[row(K), row(K), row(K), tok] + [pl.BlockSpec((None, CHUNK), lambda j, n, bh: (bh // H, n))] * len(resets),
+      out_specs=[col, col, tile(K), tile(K), tile(K)],
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
+      num_warps=num_warps or 4, num_stages=2)(q, k, loc, beta, *resets)
+  bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
+  row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  out_shape, out_specs = [shape(K), shape(V)], [row2(K), row2(V)]
+  if save:
+    out_shape, out_specs = out_shape + [shape(CHUNK, F32)], out_specs + [row2(CHUNK)]
+  w, u, *minv = triton_call(
+      functools.partial(_solve_v10_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(N, B * H),
+      in_specs=[pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H)), row2(CHUNK), row2(K),
+                row2(V)],
+      out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve_v10", num_warps=4,
+      num_stages=1)(beta, kk, kgb, v)
+  return w, u, qs, kd, aqk, kk, (minv[0] if save else None)
 
 
 def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):

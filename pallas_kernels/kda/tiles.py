@@ -26,12 +26,12 @@ NT = CHUNK // SUB
 F32 = jnp.float32
 
 
-def write_tile_cumsum(g_ref, loc_ref):
-  """Stores the chunk's cumulative sums of g within each 16-token tile (fp32) in `loc_ref` and returns it, readable
-  by the whole CTA. Written once by the forward's first kernel for every later one: a cumulative sum costs a kernel
+def write_tile_cumsum(g, loc_ref):
+  """Stores the chunk's cumulative sums of g ([64,K] fp32) within each 16-token tile in `loc_ref` and returns it,
+  readable by the whole CTA. Written once by the forward's first kernel for every later one: a cumulative sum costs a kernel
   more than reading it (v6's first launch lost a third of its time to the sums it now writes, BUILD_NOTES KDA run 8;
   as an XLA pass, 0.32 ms at 8×4096, more than all the kernels saved). Sums of same-sign terms only."""
-  store(loc_ref, None, jnp.cumsum(load(g_ref).reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1))
+  store(loc_ref, None, jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1))
   barrier()
   return loc_ref
 
