@@ -33,16 +33,15 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Input dtype.")
 flags.DEFINE_integer("repeats", 20, "Timed repetitions (median reported).")
 flags.DEFINE_integer("warmup", 3, "Untimed runs first.")
 flags.DEFINE_bool("check", False, "After timing, check Pallas against the XLA path in fp32 (see check_pallas).")
+flags.DEFINE_list("check_cases", None, "With --check: only these cases (default all of CHECK_CASES).")
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
-flags.DEFINE_list("intra_variants", ["v3", "v8"], "With --per_kernel: the intra_fwd variants timed.")
 flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
                   "JAX's for ours): where each program's time goes.")
 flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
-flags.DEFINE_string("intra_fwd", None, "Run the whole op (pallas rows, --check) with this intra_fwd variant, not the "
-                    "default (e.g. v3).")
-flags.DEFINE_string("intra_bwd", None, "Likewise for intra_bwd.")
+flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
+                    "the default (e.g. v3).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -168,7 +167,10 @@ def check_pallas(x, case):
     o_ref, S_ref, grads_ref = kda_outputs_and_grads(
         run("xla"), {n: a.astype(jnp.float32) for n, a in inputs.items()}, S0)
     errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
-    return errs, all(e <= CHECK_TOL[n] for n, e in errs.items())
+    # Undifferentiated, the forward runs without writing its residuals (`save=False`): its outputs too.
+    o_fwd, S_fwd = jax.jit(lambda x, S0: run("pallas")(**x, initial_state=S0, output_final_state=True))(inputs, S0)
+    errs.update(o_fwd=rel_err(o_fwd, o_ref), S_fwd=rel_err(S_fwd, S_ref))
+    return errs, all(e <= CHECK_TOL[n.removesuffix("_fwd")] for n, e in errs.items())
   q, k, g, beta = fused_inputs(x)
   v = x["v"]
   if case == "gates_at_bound":
@@ -206,7 +208,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_fwd, FLAGS.intra_bwd)
+  use_variants(FLAGS.intra_bwd)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -246,7 +248,7 @@ def main(argv):
     if "pallas" in FLAGS.impls and (FLAGS.check or FLAGS.per_kernel):
       try:
         if FLAGS.check:
-          for case in CHECK_CASES:
+          for case in FLAGS.check_cases or CHECK_CASES:
             errs, ok = check_pallas(x, case)
             verdict = ("PASS" if ok else "FAIL") if case in GATED_CASES else "info"
             print(f"[check] {shape} {case} pallas-{FLAGS.dtype} vs xla-fp32: {verdict} "
@@ -275,16 +277,13 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_fwd, intra_bwd):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use these kernel variants in this process: candidates
+def use_variants(intra_bwd):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant in this process: candidates
   are timed end to end before they become defaults."""
-  from pallas_kernels.kda import bwd, fwd
-  if intra_fwd:
-    fwd.intra_forward = functools.partial(fwd.intra_forward, variant=intra_fwd)
+  from pallas_kernels.kda import bwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
-  if intra_fwd or intra_bwd:
-    print(f"[bench_kda] pallas uses intra_fwd {intra_fwd or 'default'}, intra_bwd {intra_bwd or 'default'}", flush=True)
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -297,32 +296,21 @@ def per_kernel_times(x, do, shape):
   v = x["v"]
   S0 = jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
   bv = default_block_v(B, H, D)
-  cases = [("prepass", {}, fused_inputs, (x,))]
-  warps = (4, 8, 16) if FLAGS.sweep else (8,)
-  for variant in FLAGS.intra_variants:
-    for nw in warps:
-      cases.append(("intra_fwd", dict(variant=variant, num_warps=nw),
-                    lambda *a, nw=nw, variant=variant: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb,
-                                                                         num_warps=nw, variant=variant),
-                    (q, k, v, g, beta)))
   gate = (x["A_log"], x["dt_bias"])
-  cases.append(("prepare", {}, lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb),
-                (x["q"], x["k"], x["g_raw"], x["beta_logits"])))
-  _, _, loc, _, beta_f = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(
-      x["q"], x["k"], x["g_raw"], x["beta_logits"])
-  for bk in (32, 64, 128) if FLAGS.sweep else (None,):
+  raw = (x["q"], x["k"], x["g_raw"], x["beta_logits"])
+  cases = [("prepass", {}, fused_inputs, (x,)),
+           ("prepare", {}, lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb), raw)]
+  _, _, loc, decay, beta_f = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
+  for bk in (32, 64) if FLAGS.sweep else (None,):
     for nw in (4, 8) if FLAGS.sweep else (None,):
-      for save in (False, True):
-        if bk is None or bk <= D:
-          cases.append(("intra_fwd_v10", dict(block_k=bk, num_warps=nw, save=save),
-                        lambda *a, bk=bk, nw=nw, save=save: fwd.intra_forward_v10(
-                            *a, None, scale=scale, lower_bound=lb, save=save, block_k=bk, num_warps=nw),
-                        (q, k, v, loc, beta_f)))
+      if bk is None or bk <= D:
+        cases.append(("intra_fwd", dict(block_k=bk, num_warps=nw), lambda *a, bk=bk, nw=nw: fwd.intra_forward(
+            *a, None, scale=scale, lower_bound=lb, save=False, block_k=bk, num_warps=nw), (q, k, v, loc, beta_f)))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
-  if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd", "intra_fwd_v10"}:
+  if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
-  w, u, qs, kd, aqk, decay, kk, minv, loc = jax.jit(
-      lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(q, k, v, g, beta)
+  w, u, qs, kd, aqk, kk, minv = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
+      q, k, v, loc, beta_f)
   _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
   dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
   dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
@@ -349,7 +337,7 @@ def per_kernel_times(x, do, shape):
   split = (32, 64) if FLAGS.sweep else (32,)
   bwd_blocks = {"v3": (None,), "v5": split}
   for variant, block_ks in ((v, bwd_blocks[v]) for v in FLAGS.bwd_variants):
-    for nw in warps:
+    for nw in (4, 8, 16) if FLAGS.sweep else (8,):
       for bk in block_ks:
         extra = {} if bk is None else dict(block_k=bk)
         cases.append(("intra_bwd", dict(variant=variant, num_warps=nw, **extra),

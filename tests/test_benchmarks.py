@@ -22,7 +22,7 @@ def run_script(module, *flags, out_dir):
 def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
   done = run_script("experiments.bench_kda", "--impls=xla,pallas", "--shapes=1x128x2x32", "--repeats=1",
                     "--warmup=1", "--check", "--profile", "--per_kernel", "--sweep=false", "--kernels=intra_fwd",
-                    "--intra_variants=v8", out_dir=tmp_path)
+                    out_dir=tmp_path)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   rows = json.loads((tmp_path / "bench_kda.json").read_text())
   times = [r for r in rows if r["kind"] == "time"]
@@ -30,7 +30,7 @@ def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
   assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in times)
   assert not [r for r in rows if r["kind"] == "error"]  # the profile pass ran (it finds no GPU kernels here)
   kernels = [r for r in rows if r["kind"] == "kernel"]
-  assert [r["variant"] for r in kernels] == ["v8"] and kernels[0]["ms"] > 0 and kernels[0]["compile_s"] > 0
+  assert [r["kernel"] for r in kernels] == ["intra_fwd"] and kernels[0]["ms"] > 0 and kernels[0]["compile_s"] > 0
   checks = [r for r in rows if r["kind"] == "check"]
   assert checks and all(r["ok"] for r in checks if r["case"] != "repeated_keys")
 

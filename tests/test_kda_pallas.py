@@ -55,7 +55,7 @@ def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   x, _ = variant_case(33, "gates_at_bound" if case == "gates_at_bound" else "random", B, T, H, K, V)
   if case == "slow_decay":
     x["g"] = x["g"] / 20
-  w, u, qs, kd, aqk, decay, *_ = fwd.intra_forward(*x.values(), None, scale=K ** -0.5, lower_bound=-5.0)
+  w, u, qs, kd, aqk, decay, *_ = launches(x, None, scale=K ** -0.5, lower_bound=-5.0)
   S0 = jax.random.normal(jax.random.PRNGKey(34), (B, H, K, V))
   h = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, save=True)[2].reshape(B, H, T // 64, K, V)
   starts = fwd.segment_starts(w, u, kd, decay, S0, segments=4, block_v=16)
@@ -63,15 +63,12 @@ def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   assert rel_err(starts[:, :, 1:], h[:, :, 2::2]) <= 1e-5
 
 
-@pytest.mark.parametrize("saturate,variant", [(None, "v3"), (-5.0, "v3"), (None, "v8"), (-5.0, "v8"), (None, "v3_bwd"),
-                                              (-5.0, "v5_bwd")])
+@pytest.mark.parametrize("saturate,variant", [(None, None), (-5.0, None), (None, "v3_bwd"), (-5.0, "v5_bwd")])
 def test_bf16_outputs_and_grads_within_spec_tolerances(saturate, variant, monkeypatch):
   if variant == "v5_bwd":   # K = 32 in two column blocks
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v5", block_k=16))
   elif variant == "v3_bwd":
     monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v3"))
-  else:
-    monkeypatch.setattr(fwd, "intra_forward", functools.partial(fwd.intra_forward, variant=variant))
   x, S0, _ = random_inputs(22, *SHAPE, dtype=jnp.bfloat16, saturate=saturate)
   _compare(x, S0, None, BF16_TOL.get)
 
@@ -84,14 +81,19 @@ def test_gate_at_zero_is_exact_and_finite():
   assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
 
 
-def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
+def fused_args(seed):
+  """`fused_kda`'s raw inputs at SHAPE (q, k, v, g_raw, beta_logits, A_log, dt_bias), fp32, and a spare key."""
   B, T, H, K, V = SHAPE
-  ks = jax.random.split(jax.random.PRNGKey(24), 8)
-  args = (jax.random.normal(ks[0], (B, T, H, K)), jax.random.normal(ks[1], (B, T, H, K)),
+  ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+  return (jax.random.normal(ks[0], (B, T, H, K)), jax.random.normal(ks[1], (B, T, H, K)),
           jax.random.normal(ks[2], (B, T, H, V)), 3 * jax.random.normal(ks[3], (B, T, H, K)),
           jax.random.normal(ks[4], (B, T, H)), jnp.log(jax.random.uniform(ks[5], (H,), minval=1, maxval=16)),
-          jax.random.normal(ks[6], (H, K)))
-  cot = jax.random.normal(ks[7], (B, T, H, V))
+          jax.random.normal(ks[6], (H, K))), ks[7]
+
+
+def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
+  args, key = fused_args(24)
+  cot = jax.random.normal(key, args[2].shape)
 
   def loss(backend, *a):
     return jnp.sum(kda.fused_kda(*a, backend=backend)[0] * cot)
@@ -100,6 +102,20 @@ def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
   grads_ref = jax.grad(lambda *a: loss("xla", *a), argnums=tuple(range(7)))(*args)
   for name, d, d_ref in zip(("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias"), grads, grads_ref):
     assert rel_err(d, d_ref) < 1e-4, name
+
+
+def test_fused_entry_forward_matches_xla_with_padding_documents_and_states():
+  """Undifferentiated, the fused entry's kernels run without their residuals and take the gate, norms and sigmoid in
+  their pre-pass: o and the final state against the XLA path, T = 100 (the padding's gate must decay nothing, or the
+  final state is off by e^{-2.5·28}), two packed documents and an initial state, fp32."""
+  B, T, H, K, V = SHAPE
+  args, key = fused_args(32)
+  S0 = jax.random.normal(key, (B, H, K, V))
+  seg = jnp.zeros((B, T), jnp.int32).at[:, 40:].set(1)
+  run = lambda backend: kda.fused_kda(*args, backend=backend, initial_state=S0, output_final_state=True,
+                                      segment_ids=seg)
+  (o, S), (o_ref, S_ref) = run("pallas"), run("xla")
+  assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5, (rel_err(o, o_ref), rel_err(S, S_ref))
 
 
 def test_repeated_keys_with_no_decay_are_exact():
@@ -123,15 +139,27 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
+def launches(x, reset, **kw):
+  """The forward's pre-pass and intra launches on (q, k, v, g, β), their outputs in `intra_forward_reference`'s
+  order: w, u, qs, kd, aqk, decay, kk, minv, loc."""
+  q, k, loc, decay, beta = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=kw["lower_bound"])
+  w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(q, k, x["v"], loc, beta, reset, **kw)
+  return w, u, qs, kd, aqk, decay, kk, minv, loc
+
+
+OUTPUTS = ("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc")
+
+
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
-def test_intra_forward_variants_agree(case):
-  """v8 (two launches) gives v3's nine outputs (one kernel) to fp32 rounding."""
+def test_intra_launches_give_the_one_kernel_references_outputs(case):
+  """The pre-pass, key-tile and solve launches give v3's nine outputs (one kernel from g) to fp32 rounding, with
+  resets mid-tile, at a tile start and at a chunk start."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
-  run = lambda variant: fwd.intra_forward(*x.values(), reset, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
-  outs, ref = run("v8"), run("v3")
+  kw = dict(scale=K ** -0.5, lower_bound=-5.0)
+  outs, ref = launches(x, reset, **kw), fwd.intra_forward_reference(*x.values(), reset, **kw)
   chex.assert_tree_all_finite(outs)
-  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
+  for name, a, b in zip(OUTPUTS, outs, ref):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
@@ -148,7 +176,7 @@ def test_intra_backward_variants_agree(case):
   B, T, H, K, V = 1, 128, 1, 32, 32
   x, reset = variant_case(27, case, B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
-  w, u, _, _, _, _, kk, minv, loc = fwd.intra_forward(*x.values(), reset, **kw)
+  w, u, _, _, _, _, kk, minv, loc = fwd.intra_forward_reference(*x.values(), reset, **kw)
   ks = jax.random.split(jax.random.PRNGKey(28), 7)
   vn, dvn, do = (jax.random.normal(ks[i], (B, T, H, V)) for i in range(3))
   dw, dqs, dkd = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3, 6))
@@ -163,30 +191,30 @@ def test_intra_backward_variants_agree(case):
 
 
 def test_rows_stay_finite_on_large_unnormalised_inputs_with_gates_at_the_bound():
-  """v8 scales every row of tile I >= J for key tile J's anchor. With large unnormalised q, k and every gate at the
-  bound, a product of one anchor's factors over the whole chunk overflows in fp32 (e^{80}·q·k, as v7's discarded
-  rows did); v8's rows stay finite and equal v3's."""
+  """The key-tile launch scales every row of tile I >= J for key tile J's anchor. With large unnormalised q, k and
+  every gate at the bound, a product of one anchor's factors over the whole chunk overflows in fp32 (e^{80}·q·k, as
+  v7's discarded rows did); the launch's rows stay finite and equal v3's."""
   x, _ = variant_case(31, "gates_at_bound", 1, 64, 1, 32, 32)
   x["q"], x["k"] = 1e4 * x["q"], 1e4 * x["k"]
   loc = jnp.cumsum(x["g"][0, :, 0].reshape(4, 16, -1), axis=1).reshape(64, -1)   # the kernel's factors, c = -40
   unanchored = (x["q"][0, 48:, 0] * jnp.exp(loc[48:] + 40.0)) @ (x["k"][0, :16, 0] * jnp.exp(-40.0 - loc[:16])).T
   assert not jnp.all(jnp.isfinite(unanchored))          # tile 3's queries against anchor 0's keys, unscaled
-  run = lambda variant: fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant=variant)
-  (_, _, qs, kd, aqk, _, kk, _, _), ref = run("v8"), run("v3")
+  kw = dict(scale=1.0, lower_bound=-5.0)
+  (_, _, qs, kd, aqk, _, kk, _, _), ref = launches(x, None, **kw), fwd.intra_forward_reference(*x.values(), None, **kw)
   chex.assert_tree_all_finite((qs, kd, aqk, kk))
   for name, a, b in zip(("qs", "kd", "aqk", "kk"), (qs, kd, aqk, kk), (ref[2], ref[3], ref[4], ref[6])):
     assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
 
 
 def test_k_unlike_v_and_several_column_blocks_agree_with_v3():
-  """The forward's U and W loops tile V and K separately (64-column blocks), and v5's column pass splits K; K = 128
-  and V = 32 exercise both."""
+  """The key tiles loop over K in 32-column blocks, the solve's U and W loops tile V and K separately, and v5's
+  column pass splits K; K = 128 and V = 32 exercise all three."""
   B, T, H, K, V = 1, 128, 1, 128, 32
   x, reset = variant_case(29, "random_with_resets", B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
-  ref = fwd.intra_forward(*x.values(), reset, variant="v3", **kw)
-  outs = fwd.intra_forward(*x.values(), reset, variant="v8", **kw)
-  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc"), outs, ref):
+  ref = fwd.intra_forward_reference(*x.values(), reset, **kw)
+  outs = launches(x, reset, **kw)
+  for name, a, b in zip(OUTPUTS, outs, ref):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
   w, u, _, _, _, _, kk, minv, loc = ref
   ks = jax.random.split(jax.random.PRNGKey(30), 7)
@@ -224,16 +252,19 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
-  for name in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_v10", "kda_state_segment_maps", "kda_state_fwd",
-               "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"):
+  for name in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve", "kda_state_segment_maps",
+               "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols",
+               "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
-  for dtype in (jnp.bfloat16, jnp.float32):   # the forward variants, in both precisions of their products
-    for variant, names in (("v3", ["kda_intra_fwd"]),
-                           ("v8", ["kda_intra_fwd_rows", "kda_intra_fwd_solve"])):
-      f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, variant=variant)
-      f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes] + [jax.ShapeDtypeStruct((B, T), jnp.int32)]
-      text = cuda_module_text(monkeypatch, f, *f_args)
-      assert all(f'name = "{name}"' in text for name in names), variant
+  gate = [jax.ShapeDtypeStruct((H,), jnp.float32), jax.ShapeDtypeStruct((H, K), jnp.float32)]
+  for dtype in (jnp.bfloat16, jnp.float32):   # the fused forward and v3, in both precisions of their products
+    f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    fused = lambda *a: kda.fused_kda(*a, lower_bound=-5.0, backend="pallas")[0]
+    text = cuda_module_text(monkeypatch, fused, *f_args, *gate)
+    assert all(f'name = "{n}"' in text for n in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve")), dtype
+    reference = functools.partial(fwd.intra_forward_reference, scale=K ** -0.5, lower_bound=-5.0)
+    text = cuda_module_text(monkeypatch, reference, *f_args, jax.ShapeDtypeStruct((B, T), jnp.int32))
+    assert 'name = "kda_intra_fwd_reference"' in text, dtype
   monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v3"))
   grads = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3, 4))  # a new function: no trace cache
   assert 'name = "kda_intra_bwd"' in cuda_module_text(monkeypatch, grads, *args)
@@ -254,9 +285,9 @@ def test_unit_lower_inverse_is_the_inverse(case):
   assert err <= 1e-6, err
 
 
-def test_unknown_kernel_variant_is_refused_before_any_work():
+def test_bad_kernel_parameters_are_refused_before_any_work():
   x, _, _ = random_inputs(31, *SHAPE)
-  with pytest.raises(ValueError, match="variant"):
-    fwd.intra_forward(*x.values(), None, scale=1.0, lower_bound=-5.0, variant="v7")
+  with pytest.raises(ValueError, match="block_k"):
+    fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0, block_k=24)
   with pytest.raises(ValueError, match="variant"):
     bwd.intra_backward(*([None] * 17), scale=1.0, lower_bound=-5.0, variant="v9")

@@ -113,7 +113,7 @@ def test_kda_intra_kernel_runs_once_per_layer_and_once_more_under_remat(monkeypa
     model = nnx.eval_shape(lambda: K3Model(small_config(remat=remat, **changes), rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
-    counts.append(cuda_module_text(monkeypatch, jax.grad(loss), params).count('name = "kda_intra_fwd_rows"'))
+    counts.append(cuda_module_text(monkeypatch, jax.grad(loss), params).count('name = "kda_intra_fwd_key_tiles"'))
   assert counts == [2, 4], counts
 
 

@@ -1,4 +1,6 @@
-"""Forward kernels: the parallel intra-chunk pass and the sequential state pass that also writes the output."""
+"""Forward kernels: the pre-pass (gate, L2 norms, the gates' cumulative sums), the parallel intra-chunk pass, the
+sequential state pass that also writes the output; and v3, the intra pass in one kernel, which the tests hold the
+launches to."""
 from __future__ import annotations
 
 import functools
@@ -57,95 +59,12 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
   store(w_ref, None, mm(M, beta * gamma * load(k_ref), F32, exact))
 
 
-def _rows_by_key_tile_kernel(q_ref, k_ref, g_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v8, first launch, one program per chunk: the gates' cumulative sums per tile (which the later launches and the
-  backward read), the rows of A_qk and B, the scaled decayed queries and the keys decayed to the chunk end. Column
-  block J of A_qk and B is the chunk's queries (keys), scaled for anchor R_J and zero above tile J, times key tile J
-  (a 64x16xK product; v7 took 64x64xK per anchor and kept a quarter, 8% slower, BUILD_NOTES KDA run 8):
-  e^{G_i - G_j} = e^{loc_i - c} e^{R_I - R_J} e^{c - loc_j}, the middle factor at most 1 and the outer two within
-  e^{±8|γ_min|}."""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qs_ref, kd_ref, loc_ref = refs
-  gates = Gates(write_tile_cumsum(load(g_ref), loc_ref), reset_ref, lower_bound)
-  store(qs_ref, None, scale * load(q_ref) * gates.gamma())
-  store(kd_ref, None, load(k_ref) * gates.to_end(gates.e_k()))
-  e_q = gates.e_q()
-  q_e, k_e = load(q_ref) * e_q, load(k_ref) * e_q
-  for j in range(NT):
-    key_tile = (load(k_ref, j) * gates.e_k(j)).astype(dtype)
-    s = gates.anchor_scale_t(j)
-    cols = (slice(None), pl.ds(j * SUB, SUB))
-    aqk_ref[cols] = jnp.where(gates.column_mask(j, False), scale * mm_t(q_e * s, key_tile, dtype),
-                              0.0).astype(aqk_ref.dtype)
-    kk_ref[cols] = jnp.where(gates.column_mask(j, True), mm_t(k_e * s, key_tile, dtype), 0.0).astype(kk_ref.dtype)
-
-
-def _solve_kernel(loc_ref, beta_ref, kk_ref, k_ref, v_ref, *refs, lower_bound, has_reset, exact, block_cols):
-  """Second and last launch, one program per chunk: M = (I + βB)⁻¹ (`unit_lower_inverse`), then U = M βV and
-  W = M βΓK from M in registers, `block_cols` columns at a time, M unrounded (tf32 on bf16 inputs, as v3); and the
-  chunk's state decay. (v6 split this in three launches, 0.79 ms against 0.72 at 8×4096, BUILD_NOTES KDA run 8.)"""
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  minv_ref, decay_ref, w_ref, u_ref = refs
-  x = unit_lower_inverse(load(beta_ref)[:, None] * load(kk_ref), exact)
-  store(minv_ref, None, x)
-  beta = load(beta_ref)[:, None]
-  for c in range(v_ref.shape[-1] // block_cols):
-    cols = pl.ds(c * block_cols, block_cols)
-    u_ref[:, cols] = mm(x, beta * v_ref[:, cols].astype(F32), F32, exact).astype(u_ref.dtype)
-  for c in range(k_ref.shape[-1] // block_cols):
-    cols = pl.ds(c * block_cols, block_cols)
-    gates = Gates(loc_ref, reset_ref, lower_bound, cols)
-    w_ref[:, cols] = mm(x, beta * gates.gamma() * k_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
-    decay_ref[cols] = gates.decay().reshape(block_cols)
-
-
-def _intra_forward_launches(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps, block_cols=64):
-  """v8: two launches instead of one kernel at the register limit: the rows (`_rows_by_key_tile_kernel`), then the
-  inverse with U and W (`_solve_kernel`)."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  N = T // CHUNK
-  dt = q.dtype
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
-  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
-  resets = [] if reset is None else [reset]
-  reset_specs = [pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n))] * len(resets)
-  flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
-  aqk, kk, qs, kd, loc = triton_call(
-      functools.partial(_rows_by_key_tile_kernel, scale=scale, dtype=dt, **flags), grid=(N, B * H),
-      in_specs=[row(K), row(K), row(K)] + reset_specs, out_specs=[row(d) for d in (CHUNK, CHUNK, K, K, K)],
-      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K, F32)], name="kda_intra_fwd_rows",
-      num_warps=num_warps, num_stages=1)(q, k, g, *resets)
-  bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
-  minv, decay, w, u = triton_call(
-      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, **flags), grid=(N, B * H),
-      in_specs=[row(K), tok, row(CHUNK), row(K), row(V)] + reset_specs,
-      out_specs=[row(CHUNK), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(K),
-                 row(V)],
-      out_shape=[shape(CHUNK, F32), jax.ShapeDtypeStruct((B, N, H, K), F32), shape(K), shape(V)],
-      name="kda_intra_fwd_solve", num_warps=4, num_stages=1)(loc, beta, kk, k, v, *resets)
-  return w, u, qs, kd, aqk, decay, kk, minv, loc
-
-
-def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None, variant="v8"):
-  """Per chunk: W, U, scaled decayed queries, keys decayed to the chunk end, A_qk, and the chunk's state decay;
-  and for the backward B = A_kk/β, M = (I + A_kk)⁻¹ (fp32, `[B,T,H,64]`: row i holds row i of its chunk's matrix)
-  and the gates' cumulative sums per 16-token tile (`loc`, fp32 `[B,T,H,K]`), which every later kernel reads
-  instead of g.
-
-  Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64.
-  Returns w, u, qs, kd, aqk, decay `[B,N,H,K]` fp32, kk, minv, loc. `variant`: "v8" (two launches,
-  `_intra_forward_launches`; checked and timed on the H200, BUILD_NOTES KDA run 9) or "v3" (one kernel, M through
-  memory row by row: the reference the tests hold v8 to); same outputs. `num_warps` (of the first launch): 8 when
-  None, the fastest on the H200 (run 9: 1.58 ms at 8x4096 against 1.95 with 4 and 1.78 with 16).
-  """
-  if variant not in ("v3", "v8"):
-    raise ValueError(f"intra_forward: variant must be 'v3' or 'v8', got {variant!r}")
-  num_warps = num_warps or 8
-  if variant == "v8":
-    return _intra_forward_launches(q, k, v, g, beta, reset, scale=scale, lower_bound=lower_bound,
-                                   num_warps=num_warps)
+def intra_forward_reference(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
+  """v3, the intra pass as one kernel per chunk from g (`_intra_kernel`, M through memory row by row): the
+  independent implementation the tests hold `prepare` + `intra_forward` to. Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`,
+  beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns w, u, qs, kd, aqk, the chunks' state decay
+  `[B,N,H,K]` fp32, B = A_kk/β, M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`: row i holds row i of its chunk's matrix) and
+  the gates' cumulative sums per 16-token tile (`loc`, fp32 `[B,T,H,K]`)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
@@ -164,14 +83,14 @@ def intra_forward(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=None
                row(K)]
   kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=dt)
   return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="kda_intra_fwd", num_warps=num_warps,
-                     num_stages=1)(*args)
+                     name="kda_intra_fwd_reference",
+                     num_warps=num_warps, num_stages=1)(*args)
 
 
 def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len):
-  """v10's first launch, one program per chunk: the gates' cumulative sums per tile and the chunk's state decay;
-  with `fused`, from the gate projection (`k3jax.ops.kda.kda_gate`), and also the L2-normalised q, k and β = σ(logits).
-  One streaming pass in place of XLA's pre-pass, so no kernel after it takes a cumulative sum."""
+  """The forward's first launch, one program per chunk: the gates' cumulative sums per tile and the chunk's state
+  decay; with `fused`, from the gate projection (`k3jax.ops.kda.kda_gate`), and also the L2-normalised q, k and
+  β = σ(logits). One streaming pass in place of XLA's pre-pass, so no later kernel takes a cumulative sum."""
   refs = list(refs)
   q_ref, k_ref = (refs.pop(0), refs.pop(0)) if fused else (None, None)
   g_ref, b_ref = refs.pop(0), refs.pop(0)
@@ -196,9 +115,10 @@ def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len):
 
 
 def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None):
-  """v10's first launch (`_prepare_kernel`). `gate` None: g is the log-decay and β given, q and k are returned as
-  they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), and q, k come back
-  L2-normalised. Rows from `valid_len` on (T's padding) get g = 0. Returns q, k, loc (fp32 [B,T,H,K]), the chunks' state decay (fp32 [B,N,H,K]) and β (fp32 [B,T,H])."""
+  """The forward's first launch (`_prepare_kernel`). `gate` None: g is the log-decay and β given, q and k are
+  returned as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), and q, k
+  come back L2-normalised. Rows from `valid_len` on (T's padding) get g = 0. Returns q, k, loc (fp32 [B,T,H,K]), the
+  chunks' state decay (fp32 [B,N,H,K]) and β (fp32 [B,T,H])."""
   B, T, H, K = g.shape
   N = T // CHUNK
   fused = gate is not None
@@ -227,10 +147,11 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None):
 
 
 def _key_tile_kernel(q_ref, k_ref, loc_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype, block_k):
-  """v10's second launch, one program per (key tile J, chunk): column block J of A_qk and B (every row of the chunk
-  scaled for anchor R_J, times key tile J: v8's product), and tile J's rows of the scaled decayed queries, of the
-  keys decayed to the chunk end and of βΓK, `block_k` columns of K at a time. Two [64,16] accumulators and
-  [64,block_k] tiles, where v8 held the chunk's [64,K] tiles at 239 registers, one program per SM."""
+  """The forward's second launch, one program per (key tile J, chunk): column block J of A_qk and B (every row of
+  the chunk scaled for anchor R_J, times key tile J), and tile J's rows of the scaled decayed queries, of the keys
+  decayed to the chunk end and of βΓK, `block_k` columns of K at a time: two [64,16] accumulators and [64,block_k]
+  tiles, where v8 (one program per chunk) held [64,K] tiles at 239 registers, one program per SM. The rows above
+  tile J are computed and masked: a branch per J with only its rows took 1.16 ms against 0.77 (BUILD_NOTES run 10)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
   j = pl.program_id(0)
@@ -271,9 +192,9 @@ def _key_tile_kernel(q_ref, k_ref, loc_ref, beta_ref, *refs, scale, lower_bound,
   kk_ref[...] = masked(acc_kk, (col < r) if doc_ok is None else (col < r) & doc_ok).astype(kk_ref.dtype)
 
 
-def _solve_v10_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):
-  """v10's last launch, one program per chunk: M = (I + βB)⁻¹, U = M βV and W = M (βΓK), M unrounded (tf32 on bf16
-  inputs); M itself is written only for the backward (`save`). No gates: the key-tile launch wrote βΓK."""
+def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):
+  """The intra pass's last launch, one program per chunk: M = (I + βB)⁻¹, U = M βV and W = M (βΓK), M unrounded
+  (tf32 on bf16 inputs); M itself is written only for the backward (`save`). No gates: the key tiles wrote βΓK."""
   w_ref, u_ref, *minv_ref = refs
   beta = load(beta_ref)[:, None]
   x = unit_lower_inverse(beta * load(kk_ref), exact)
@@ -287,17 +208,20 @@ def _solve_v10_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols
     w_ref[:, cols] = mm(x, kgb_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
 
 
-def intra_forward_v10(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                      block_cols=64):
-  """v10's intra pass on `prepare`'s outputs: the key-tile launch (`_key_tile_kernel`), then the solve
-  (`_solve_v10_kernel`). Returns w, u, qs, kd, aqk, kk and M (None unless `save`), as `intra_forward`."""
+def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
+                  block_cols=64):
+  """The intra pass on `prepare`'s outputs (v10, BUILD_NOTES KDA run 10): the key-tile launch (`_key_tile_kernel`),
+  then the solve (`_solve_kernel`). q, k `[B,T,H,K]` (normalised), v `[B,T,H,V]`, loc and β from `prepare`, reset
+  `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed queries Qs, the keys decayed to the chunk
+  end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with `save` (for the backward), M = (I + A_kk)⁻¹
+  (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None otherwise)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
   dt = q.dtype
   block_k = block_k or min(K, 32)
   if K % block_k or block_k % SUB:
-    raise ValueError(f"intra_forward_v10: block_k={block_k} must be a multiple of {SUB} dividing K={K}")
+    raise ValueError(f"intra_forward: block_k={block_k} must be a multiple of {SUB} dividing K={K}")
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda j, n, bh: (bh // H, n, bh % H, 0))
   tok = pl.BlockSpec((None, CHUNK, None), lambda j, n, bh: (bh // H, n, bh % H))
   tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda j, n, bh: (bh // H, n * NT + j, bh % H, 0))
@@ -307,7 +231,8 @@ def intra_forward_v10(q, k, v, loc, beta, reset, *, scale, lower_bound, save=Tru
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
   aqk, kk, qs, kd, kgb = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, dtype=dt, block_k=block_k, **flags), grid=(NT, N, B * H),
-      in_specs=[row(K), row(K), row(K), tok] + [pl.BlockSpec((None, CHUNK), lambda j, n, bh: (bh // H, n))] * len(resets),
+      in_specs=[row(K), row(K), row(K), tok]
+      + [pl.BlockSpec((None, CHUNK), lambda j, n, bh: (bh // H, n))] * len(resets),
       out_specs=[col, col, tile(K), tile(K), tile(K)],
       out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 4, num_stages=2)(q, k, loc, beta, *resets)
@@ -317,10 +242,10 @@ def intra_forward_v10(q, k, v, loc, beta, reset, *, scale, lower_bound, save=Tru
   if save:
     out_shape, out_specs = out_shape + [shape(CHUNK, F32)], out_specs + [row2(CHUNK)]
   w, u, *minv = triton_call(
-      functools.partial(_solve_v10_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(N, B * H),
+      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(N, B * H),
       in_specs=[pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H)), row2(CHUNK), row2(K),
                 row2(V)],
-      out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve_v10", num_warps=4,
+      out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve", num_warps=4,
       num_stages=1)(beta, kk, kgb, v)
   return w, u, qs, kd, aqk, kk, (minv[0] if save else None)
 
