@@ -42,6 +42,7 @@ flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by 
 flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
+flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -208,7 +209,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -277,13 +278,16 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant in this process: candidates
-  are timed end to end before they become defaults."""
-  from pallas_kernels.kda import bwd
+def use_variants(intra_bwd, solve):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in
+  this process: candidates are timed end to end before they become defaults."""
+  from pallas_kernels.kda import bwd, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd}", flush=True)
+  if solve:
+    fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
+  if intra_bwd or solve:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -301,11 +305,10 @@ def per_kernel_times(x, do, shape):
   cases = [("prepass", {}, fused_inputs, (x,)),
            ("prepare", {}, lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb), raw)]
   _, _, loc, decay, beta_f = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
-  for bk in (32, 64) if FLAGS.sweep else (None,):
-    for nw in (4, 8) if FLAGS.sweep else (None,):
-      if bk is None or bk <= D:
-        cases.append(("intra_fwd", dict(block_k=bk, num_warps=nw), lambda *a, bk=bk, nw=nw: fwd.intra_forward(
-            *a, None, scale=scale, lower_bound=lb, save=False, block_k=bk, num_warps=nw), (q, k, v, loc, beta_f)))
+  sweep = [dict(block_k=bk, num_warps=nw) for bk in (32, 64) for nw in (4, 8) if bk <= D] + [dict(solve="mosaic")]
+  for params in sweep if FLAGS.sweep else [{}]:
+    cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
+        *a, None, scale=scale, lower_bound=lb, save=False, **p), (q, k, v, loc, beta_f)))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows

@@ -261,13 +261,45 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     fused = lambda *a: kda.fused_kda(*a, lower_bound=-5.0, backend="pallas")[0]
     text = cuda_module_text(monkeypatch, fused, *f_args, *gate)
-    assert all(f'name = "{n}"' in text for n in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve")), dtype
+    names = ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve")
+    assert all(f'name = "{n}"' in text for n in names), dtype
     reference = functools.partial(fwd.intra_forward_reference, scale=K ** -0.5, lower_bound=-5.0)
     text = cuda_module_text(monkeypatch, reference, *f_args, jax.ShapeDtypeStruct((B, T), jnp.int32))
     assert 'name = "kda_intra_fwd_reference"' in text, dtype
   monkeypatch.setattr(bwd, "intra_backward", functools.partial(bwd.intra_backward, variant="v3"))
   grads = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3, 4))  # a new function: no trace cache
   assert 'name = "kda_intra_bwd"' in cuda_module_text(monkeypatch, grads, *args)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_mosaic_solve_gives_the_triton_solves_outputs(save):
+  """The Mosaic GPU solve (products on bf16 halves, interpret mode) against the Triton one (fp32 here): W, U and M,
+  bf16 inputs with K unlike V and resets, with and without M written for the backward."""
+  B, T, H, K, V = 1, 128, 2, 64, 128
+  x, _, _ = random_inputs(40, B, T, H, K, V, dtype=jnp.bfloat16)
+  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
+  q, k, loc, _, beta = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0)
+  run = lambda solve: fwd.intra_forward(q, k, x["v"], loc, beta, reset, scale=K ** -0.5, lower_bound=-5.0,
+                                        save=save, solve=solve)
+  (w, u, *_, minv), (w_ref, u_ref, *_, minv_ref) = run("mosaic"), run("triton")
+  assert rel_err(w, w_ref) <= 1e-3 and rel_err(u, u_ref) <= 1e-3, (rel_err(w, w_ref), rel_err(u, u_ref))
+  assert (minv is None) == (not save)
+  if save:
+    assert rel_err(minv, minv_ref) <= 1e-5, rel_err(minv, minv_ref)
+
+
+def test_mosaic_solve_lowers_for_cuda_and_refuses_what_it_cannot_take(monkeypatch):
+  """Lowering checks the shared-memory layouts and transfers that interpret mode does not."""
+  B, T, H, K, V = 1, 128, 2, 128, 64
+  args = [jax.ShapeDtypeStruct((B, T, H, d), dt) for d, dt in ((K, jnp.bfloat16), (K, jnp.bfloat16),
+                                                                (V, jnp.bfloat16), (K, jnp.float32))]
+  f = functools.partial(fwd.intra_forward, reset=None, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic")
+  text = cuda_module_text(monkeypatch, f, *args, jax.ShapeDtypeStruct((B, T, H), jnp.float32))
+  assert "kda_intra_fwd_solve_mosaic" in text and 'name = "kda_intra_fwd_key_tiles"' in text
+  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
+  x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
+  with pytest.raises(ValueError, match="Mosaic GPU solve"):
+    fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0, solve="mosaic")
 
 
 @pytest.mark.parametrize("case", ["random", "repeated_keys"])

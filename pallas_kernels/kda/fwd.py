@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
+from pallas_kernels.kda import solve_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load, masked, mm, mm_t, per_tile, store,
                                       store_block_diagonal, t_mm, tile_totals, unit_lower_inverse,
                                       unit_lower_inverse_16, write_tile_cumsum)
@@ -209,13 +210,18 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 
 def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64):
+                  block_cols=64, solve="triton"):
   """The intra pass on `prepare`'s outputs (v10, BUILD_NOTES KDA run 10): the key-tile launch (`_key_tile_kernel`),
   then the solve (`_solve_kernel`). q, k `[B,T,H,K]` (normalised), v `[B,T,H,V]`, loc and β from `prepare`, reset
   `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed queries Qs, the keys decayed to the chunk
   end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with `save` (for the backward), M = (I + A_kk)⁻¹
-  (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None otherwise)."""
+  (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None otherwise). `solve`: "triton" (`_solve_kernel`)
+  or "mosaic" (`solve_mosaic.solve`, bf16 only; checked in interpret mode and lowered, not yet timed)."""
   B, T, H, K = q.shape
+  if solve not in ("triton", "mosaic"):
+    raise ValueError(f"intra_forward: solve must be 'triton' or 'mosaic', got {solve!r}")
+  if solve == "mosaic":
+    solve_mosaic.check_supported(q.dtype, K, v.shape[-1])
   V = v.shape[-1]
   N = T // CHUNK
   dt = q.dtype
@@ -236,6 +242,9 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
       out_specs=[col, col, tile(K), tile(K), tile(K)],
       out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 4, num_stages=2)(q, k, loc, beta, *resets)
+  if solve == "mosaic":
+    w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
+    return w, u, qs, kd, aqk, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
   out_shape, out_specs = [shape(K), shape(V)], [row2(K), row2(V)]

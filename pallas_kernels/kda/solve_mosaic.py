@@ -1,0 +1,119 @@
+"""The intra pass's solve as a Mosaic GPU kernel (wgmma, TMA), one warpgroup per chunk: an alternative to the
+Triton `fwd._solve_kernel`, which ncu found latency-bound at two programs per SM (BUILD_NOTES KDA run 10). Not yet
+timed.
+
+wgmma takes fp32 operands (as tf32) only from shared memory and untransposed, so the products here run on bf16
+halves instead: x ≈ hi + lo, x·y ≈ hi·hi + hi·lo + lo·hi with fp32 accumulation (≈ 16 bits of mantissa, more than
+tf32's 11). On the CPU the kernel runs in Mosaic GPU's interpret mode (tests only).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import interpret_mode
+
+CHUNK = 64
+BF16, F32 = jnp.bfloat16, jnp.float32
+WGMMA = plgpu.Layout.WGMMA
+
+
+def check_supported(dtype, K, V):
+  """Raises unless this kernel takes these inputs: bf16, K and V multiples of 64 up to 256 (wgmma's N)."""
+  if jnp.dtype(dtype) != BF16 or any(d % 64 or d > 256 for d in (K, V)):
+    raise ValueError(f"the Mosaic GPU solve takes bf16 with K, V in (64, 128, 192, 256); got {jnp.dtype(dtype).name}, "
+                     f"K={K}, V={V}")
+
+
+def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save):
+  """M = (I + βB)⁻¹ per chunk, U = M βV and W = M (βΓK), as `fwd._solve_kernel`: β `[B,H,T]` fp32 (heads before
+  time, so a chunk's β is contiguous for TMA), B fp32 `[B,T,H,64]`, βΓK and V bf16. Returns W, U (bf16) and M (fp32
+  `[B,T,H,64]`, or None unless `save`)."""
+  B, T, H, K = kgb_BTHK.shape
+  V = v_BTHV.shape[-1]
+  check_supported(kgb_BTHK.dtype, K, V)
+  out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
+  out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
+  interpret = {}
+  if interpret_mode():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name in jax 0.11
+    interpret = dict(interpret=InterpretGPUParams())
+  w, u, *m = plgpu.kernel(
+      functools.partial(_chunk, H=H), out_type=out, grid=(T // CHUNK, B * H), grid_names=("n", "bh"),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      kernel_name="kda_intra_fwd_solve_mosaic", **interpret)(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
+  return w, u, (m[0] if save else None)
+
+
+def _swizzled(dtype):
+  return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+
+
+def _halves(x):
+  hi = x.astype(BF16)
+  return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _product(shape, *pairs):
+  """Σ a·b over the (a, b) pairs of shared-memory operands, fp32, waited for."""
+  def scoped(acc):
+    for a, b in pairs:
+      plgpu.wgmma(acc, a, b)
+    plgpu.wgmma_wait(0)
+    return acc[...]
+  return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+
+
+def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
+  n, bh = lax.axis_index("n"), lax.axis_index("bh")
+  b, h, rows = bh // H, bh % H, pl.ds(n * CHUNK, CHUNK)
+  K, V = kgb_gmem.shape[-1], v_gmem.shape[-1]
+  square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=_swizzled(dtype))
+  wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=_swizzled(BF16))
+
+  def scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, m, w, u, loaded):
+    copies = ((kk_gmem.at[b, rows, h], kk), (beta_gmem.at[b, h, rows], beta), (kgb_gmem.at[b, rows, h], kgb),
+              (v_gmem.at[b, rows, h], v))
+    for i, (src, dst) in enumerate(copies):
+      plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
+    for i in range(len(copies)):
+      plgpu.barrier_wait(loaded.at[i])
+    per_row = lax.broadcast_in_dim(plgpu.load(beta, layout=WGMMA.reduce(1)), (CHUNK, CHUNK), [0])
+    per_col = lax.broadcast_in_dim(plgpu.load(beta, layout=WGMMA.reduce(0)), (CHUNK, CHUNK), [1])
+    a = plgpu.load(kk, layout=WGMMA) * per_row
+    r = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=WGMMA)
+    c = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=WGMMA)
+    eye = jnp.where(r == c, 1.0, 0.0).astype(F32)
+
+    def mm(x, y):
+      (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = _halves(x), _halves(y)
+      plgpu.commit_smem()
+      return _product((CHUNK, CHUNK), (a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
+
+    # As tiles.unit_lower_inverse: Neumann series on the 4x4 diagonal blocks, then four doubling steps.
+    n4 = jnp.where(r // 4 == c // 4, a, 0.0)
+    x = eye - n4
+    for _ in range(2):
+      x = eye - mm(n4, x)
+    for blk in (4, 8, 16, 32):
+      outside = (r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk)
+      x = x - mm(x, mm(jnp.where(outside, a, 0.0), x))
+    if m_gmem:
+      m[...] = x
+    # U = (M diag β) V and W = M (βΓK): V and βΓK are exact in bf16, so two products each.
+    (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = _halves(x * per_col), _halves(x)
+    plgpu.commit_smem()
+    u[...] = _product((CHUNK, V), (a_hi, v), (a_lo, v)).astype(BF16)
+    w[...] = _product((CHUNK, K), (b_hi, kgb), (b_lo, kgb)).astype(BF16)
+    plgpu.commit_smem()
+    for src, dst in ((u, u_gmem), (w, w_gmem)) + (((m, m_gmem[0]),) if m_gmem else ()):
+      plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(scoped, square(F32), plgpu.SMEM((CHUNK,), F32), wide(K), wide(V), *[square(BF16)] * 4, square(F32),
+                wide(K), wide(V), plgpu.Barrier(num_barriers=4))
