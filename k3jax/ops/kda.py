@@ -120,7 +120,8 @@ _chunk_xla = jax.jit(kda_chunk.chunk_kda_xla, static_argnames=("scale", "lower_b
 def fused_kda(q, k, v, g_raw, beta_logits, A_log, dt_bias, *, lower_bound: float | None = -5.0, scale=None,
               initial_state=None, output_final_state=False, segment_ids=None, backend: str = "auto"):
   """KDA from the layer's raw projections: L2-normalises q and k, applies the gate and β = σ(beta_logits), then
-  runs `chunk_kda`. Differentiable w.r.t. everything, A_log and dt_bias included."""
+  runs `chunk_kda`; on the Pallas backend all of it happens in the kernels' first launch. Differentiable w.r.t.
+  everything, A_log and dt_bias included."""
   B, T, H, K, V = check_inputs(q, k, v, g_raw, beta_logits, initial_state, segment_ids)
   _check_shape("A_log", A_log, (H,))
   _check_shape("dt_bias", dt_bias, (H, K))
