@@ -9,7 +9,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda.fwd import StateSpecs
-from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB, Gates, TileGates, load, masked, mm, mm_t, store, t_mm
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, load, masked, mm, mm_t,
+                                      store, t_mm)
 
 
 def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref, dvn_ref, dh_ref, ds0_ref, *,
@@ -142,18 +143,19 @@ def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = refs
   i = pl.program_id(2)
-  tg = TileGates(loc_ref, reset_ref, i, lower_bound)
+  docs = TileDocs(reset_ref, i)
+  tg = TileGates(loc_ref, docs, lower_bound)
   exact = dtype == F32
   beta_i = load(beta_ref, i)[:, None]
   gamma = tg.gamma()
   m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
   dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
-  dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), tg.row_mask(True))
+  dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), docs.row_mask(True))
   store(dv_ref, None, beta_i * dXv)
   store(dbeta_ref, None, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * load(k_ref, i), axis=1)
         + jnp.sum(dA * load(kk_ref, i), axis=1))
   store(dB_ref, None, beta_i * dA)
-  store(dAqk_ref, None, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), tg.row_mask(False)))
+  store(dAqk_ref, None, masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), docs.row_mask(False)))
   store(dkw_ref, None, beta_i * gamma * dXk)
 
 
@@ -164,7 +166,8 @@ def _intra_bwd_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dG_ref = refs
   j = pl.program_id(3)
-  tg = TileGates(loc_ref, reset_ref, j, lower_bound)
+  docs = TileDocs(reset_ref, j)
+  tg = TileGates(loc_ref, docs, lower_bound)
   e_q, e_k = tg.e_q(), tg.e_k()
   rounded = lambda a: a.astype(dtype).astype(F32)
   q_j, k_j = load(q_ref, j), load(k_ref, j)

@@ -11,9 +11,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda import solve_mosaic
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, iota, load, masked, mm, mm_t, per_tile, store,
-                                      store_block_diagonal, t_mm, tile_totals, unit_lower_inverse,
-                                      unit_lower_inverse_16, write_tile_cumsum)
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, iota, load, masked, mm, mm_t,
+                                      store, store_block_diagonal, t_mm, unit_lower_inverse, unit_lower_inverse_16,
+                                      write_tile_cumsum)
 
 L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
 
@@ -152,45 +152,31 @@ def _key_tile_kernel(q_ref, k_ref, loc_ref, beta_ref, *refs, scale, lower_bound,
   the chunk scaled for anchor R_J, times key tile J), and tile J's rows of the scaled decayed queries, of the keys
   decayed to the chunk end and of βΓK, `block_k` columns of K at a time: two [64,16] accumulators and [64,block_k]
   tiles, where v8 (one program per chunk) held [64,K] tiles at 239 registers, one program per SM. The rows above
-  tile J are computed and masked: a branch per J with only its rows took 1.16 ms against 0.77 (BUILD_NOTES run 10)."""
+  tile J are computed (scaled by zero) and masked: a branch per J with only its rows took 1.16 ms against 0.77 (BUILD_NOTES run 10)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
-  j = pl.program_id(0)
-  c = SUB / 2 * lower_bound
-  keys = pl.ds(j * SUB, SUB)
-  first = last = doc_ok = None
-  if has_reset:
-    reset = load(reset_ref, None, jnp.int32)
-    doc = jnp.cumsum(reset, axis=0)                                          # resets up to each row
-    doc_j = jnp.sum(jnp.where(iota((CHUNK,), 0) < j * SUB, reset, 0)) + jnp.cumsum(reset_ref[keys])
-    doc_ok = doc[:, None] == doc_j[None, :]
-    first, last = (doc_j == 0)[:, None], (doc_j == jnp.sum(reset))[:, None]
+  docs = TileDocs(reset_ref, pl.program_id(0))
+  keys = pl.ds(docs.i * SUB, SUB)
   beta_j = beta_ref[keys].astype(F32)[:, None]
 
   def columns(cb, acc):
     cols = pl.ds(cb * block_k, block_k)
-    tot = tile_totals(loc_ref, cols)
-    zero = jnp.zeros_like(tot[0])
-    # Rows of tile I >= J against anchor R_J: e^{G - R_J - c} = e^{loc - c + Σ_{J<=P<I} tot_P} (0 sums before J).
-    span = per_tile([sum((tot[p] * (p >= j).astype(F32) for p in range(i)), zero) for i in range(NT)])
-    e_rows = jnp.exp(loc_ref[:, cols].astype(F32) - c + span)
-    loc_j, k_j = loc_ref[keys, cols].astype(F32), k_ref[keys, cols].astype(F32)
-    key_tile = (k_j * jnp.exp(c - loc_j)).astype(dtype)
-    acc_qk = acc[0] + mm_t(q_ref[:, cols].astype(F32) * e_rows, key_tile, dtype)
-    acc_kk = acc[1] + mm_t(k_ref[:, cols].astype(F32) * e_rows, key_tile, dtype)
-    before = sum((tot[p] * (p < j).astype(F32) for p in range(NT)), zero)                          # R_J
-    after = sum((tot[p] * (p >= j).astype(F32) for p in range(NT)), zero)                          # G_C - R_J
-    gamma = masked(jnp.exp(before + loc_j), first)
+    tg = TileGates(loc_ref, docs, lower_bound, cols)
+    k_j = k_ref[keys, cols].astype(F32)
+    key_tile = (k_j * tg.e_k()).astype(dtype)
+    queries = tg.queries_factor()                    # every row of tiles I >= J, scaled for anchor R_J
+    acc_qk = acc[0] + mm_t(q_ref[:, cols].astype(F32) * queries, key_tile, dtype)
+    acc_kk = acc[1] + mm_t(k_ref[:, cols].astype(F32) * queries, key_tile, dtype)
+    gamma = tg.gamma()
     qs_ref[:, cols] = (scale * q_ref[keys, cols].astype(F32) * gamma).astype(qs_ref.dtype)
-    kd_ref[:, cols] = masked(k_j * jnp.exp(after - loc_j), last).astype(kd_ref.dtype)
+    kd_ref[:, cols] = (k_j * tg.to_end()).astype(kd_ref.dtype)
     kgb_ref[:, cols] = (beta_j * gamma * k_j).astype(kgb_ref.dtype)
     return acc_qk, acc_kk
 
   zeros = jnp.zeros((CHUNK, SUB), F32)
   acc_qk, acc_kk = jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, columns, (zeros, zeros))
-  r, col = iota((CHUNK, SUB), 0), iota((CHUNK, SUB), 1) + j * SUB
-  aqk_ref[...] = masked(scale * acc_qk, (col <= r) if doc_ok is None else (col <= r) & doc_ok).astype(aqk_ref.dtype)
-  kk_ref[...] = masked(acc_kk, (col < r) if doc_ok is None else (col < r) & doc_ok).astype(kk_ref.dtype)
+  aqk_ref[...] = masked(scale * acc_qk, docs.column_mask(False)).astype(aqk_ref.dtype)
+  kk_ref[...] = masked(acc_kk, docs.column_mask(True)).astype(kk_ref.dtype)
 
 
 def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):

@@ -178,12 +178,6 @@ class Gates:
       m = m & (self.doc[i][:, None] == self.doc_all[None, :])
     return m
 
-  def column_mask(self, j, strict):
-    """[64,16] mask of the chunk's queries against key tile j: causal (strictly, for B), within one document."""
-    r, c = iota((CHUNK, SUB), 0), iota((CHUNK, SUB), 1) + j * SUB
-    m = c < r if strict else c <= r
-    return m if self.doc is None else m & (self.doc_all[:, None] == self.doc[j][None, :])
-
   def diag_mask(self, i):
     """[16,16] strictly causal mask of tile i with itself, within one document."""
     m = iota((SUB, SUB), 1) < iota((SUB, SUB), 0)
@@ -192,31 +186,52 @@ class Gates:
     return m
 
 
-class TileGates:
-  """What one query tile i (a traced index: a grid axis) needs of its chunk's gates, for kernels that run a program
-  per tile; the same quantities as `Gates`, every sum over same-sign terms."""
+class TileDocs:
+  """Documents and causal masks of tile i (a traced index: a grid axis) against its chunk, apart from the gates so a
+  kernel that walks column blocks builds them once. Without resets the document fields are None (no mask)."""
 
-  def __init__(self, loc_ref, reset_ref, i, lower_bound):
+  def __init__(self, reset_ref, i):
+    self.i = i
+    self.doc_ok = self.doc_ok_t = self.first = self.last = None
+    if reset_ref is not None:
+      reset = load(reset_ref, None, jnp.int32)
+      doc_all = jnp.cumsum(reset, axis=0)                                                  # resets up to each row
+      doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
+      self.doc_ok = doc_i[:, None] == doc_all[None, :]                                     # [16,64]: tile vs chunk
+      self.doc_ok_t = doc_all[:, None] == doc_i[None, :]                                   # [64,16]: chunk vs tile
+      self.first, self.last = (doc_i == 0)[:, None], (doc_i == jnp.sum(reset))[:, None]
+
+  def row_mask(self, strict):
+    """[16,64]: tile i's queries against the chunk's keys, causal (strictly, for B), within one document."""
+    causal = iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - self.i * SUB                 # key - query position
+    m = causal < 0 if strict else causal <= 0
+    return m if self.doc_ok is None else m & self.doc_ok
+
+  def column_mask(self, strict):
+    """[64,16]: the chunk's queries against tile i's keys, causal (strictly, for B), within one document."""
+    causal = iota((CHUNK, SUB), 1) + self.i * SUB - iota((CHUNK, SUB), 0)                 # key - query position
+    m = causal < 0 if strict else causal <= 0
+    return m if self.doc_ok_t is None else m & self.doc_ok_t
+
+
+class TileGates:
+  """What one tile i (`docs.i`, a traced index) needs of its chunk's gates, for kernels that run a program per tile;
+  the same quantities as `Gates`, every sum over same-sign terms. Of the columns `cols` (a `pl.ds`) or all."""
+
+  def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
+    i = docs.i
     self.c = SUB / 2 * lower_bound
-    tot = tile_totals(loc_ref)                                                            # [1,K] per tile
+    tot = tile_totals(loc_ref, cols)                                                      # [1,K] per tile
     zero = jnp.zeros_like(tot[0])
     # Rows of tile J against anchor R_i: keys (J <= i) take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1), queries
     # (J >= i) take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
     self.key_span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
     self.query_span = [sum((jnp.where(p >= i, tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
-    self.i = i
-    self.loc_all = load(loc_ref)                                                          # tile start -> row
-    self.loc = load(loc_ref, i)                                                           # [16,K], tile i
+    self.i, self.docs = i, docs
+    self.loc_all = loc_ref[:, cols].astype(F32)                                           # tile start -> row
+    self.loc = loc_ref[pl.ds(i * SUB, SUB), cols].astype(F32)                             # [16,K], tile i
     self.prefix = self.key_span[0]                                                           # R_i
     self.rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)             # G_C - R_i
-    self.causal = iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - i * SUB                  # key - query position
-    self.doc_ok = self.first = self.last = None
-    if reset_ref is not None:
-      reset = load(reset_ref, None, jnp.int32)
-      doc_all = jnp.cumsum(reset, axis=0)                                                  # resets up to each row
-      doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
-      self.doc_ok = doc_i[:, None] == doc_all[None, :]
-      self.first, self.last = (doc_i == 0)[:, None], (doc_i == jnp.sum(reset))[:, None]
 
   def keys_factor(self):
     """[64,K]: e^{c - (G - R_J) + R_i - R_J} on rows of tiles J <= i, 0 after: the chunk's keys for anchor i."""
@@ -236,16 +251,11 @@ class TileGates:
 
   def gamma(self):
     """[16,K]: e^{G}, zero past a document start inside the chunk."""
-    return masked(jnp.exp(self.prefix + self.loc), self.first)
+    return masked(jnp.exp(self.prefix + self.loc), self.docs.first)
 
   def to_end(self):
     """[16,K]: e^{G_C - G}, zero unless the row is in the chunk's last document."""
-    return masked(jnp.exp(self.rest - self.loc), self.last)
-
-  def row_mask(self, strict):
-    """[16,64]: causal (strictly, for B), within one document."""
-    m = self.causal < 0 if strict else self.causal <= 0
-    return m if self.doc_ok is None else m & self.doc_ok
+    return masked(jnp.exp(self.rest - self.loc), self.docs.last)
 
 
 def store_block_diagonal(ref, blocks):
