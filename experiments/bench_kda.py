@@ -144,7 +144,8 @@ def fla_runner(x, do):
 
 
 CHECK_CASES = ("random", "gates_at_bound", "fused", "repeated_keys")
-GATED_CASES = ("random", "gates_at_bound", "fused")  # SPEC.md §8 tolerances are for random inputs; repeated keys: reported
+# SPEC.md §8 tolerances are for random inputs; repeated keys are reported, not held to them.
+GATED_CASES = ("random", "gates_at_bound", "fused")
 
 
 def fused_inputs(x):
@@ -164,28 +165,23 @@ def check_pallas(x, case):
   if case == "fused":
     inputs = {n: x[n] for n in ARG_NAMES}
     run = lambda backend: lambda **kw: kda.fused_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
-    o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
-    o_ref, S_ref, grads_ref = kda_outputs_and_grads(
-        run("xla"), {n: a.astype(jnp.float32) for n, a in inputs.items()}, S0)
-    errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
-    # Undifferentiated, the forward runs without writing its residuals (`save=False`): its outputs too.
+  else:
+    q, k, g, beta = fused_inputs(x)
+    if case == "gates_at_bound":
+      g = jnp.full_like(g, LOWER_BOUND)
+    elif case == "repeated_keys":
+      k = jnp.broadcast_to(k[:, :1], k.shape)
+      g, beta = jnp.full_like(g, -1e-3), jnp.full_like(beta, 0.99)
+    inputs = dict(q=q, k=k, v=x["v"], g=g, beta=beta)
+    run = lambda backend: lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
+  o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
+  o_ref, S_ref, grads_ref = kda_outputs_and_grads(run("xla"), {n: a.astype(jnp.float32) for n, a in inputs.items()},
+                                                  S0)
+  errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
+  if case == "fused":  # undifferentiated, the forward runs without writing its residuals (`save=False`): its outputs too
     o_fwd, S_fwd = jax.jit(lambda x, S0: run("pallas")(**x, initial_state=S0, output_final_state=True))(inputs, S0)
     errs.update(o_fwd=rel_err(o_fwd, o_ref), S_fwd=rel_err(S_fwd, S_ref))
-    return errs, all(e <= CHECK_TOL[n.removesuffix("_fwd")] for n, e in errs.items())
-  q, k, g, beta = fused_inputs(x)
-  v = x["v"]
-  if case == "gates_at_bound":
-    g = jnp.full_like(g, LOWER_BOUND)
-  elif case == "repeated_keys":
-    k = jnp.broadcast_to(k[:, :1], k.shape)
-    g, beta = jnp.full_like(g, -1e-3), jnp.full_like(beta, 0.99)
-  inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-  run = lambda backend: lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
-  o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
-  f32 = {n: a.astype(jnp.float32) for n, a in inputs.items()}
-  o_ref, S_ref, grads_ref = kda_outputs_and_grads(run("xla"), f32, S0)
-  errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
-  return errs, all(e <= CHECK_TOL[n] for n, e in errs.items())
+  return errs, all(e <= CHECK_TOL[n.removesuffix("_fwd")] for n, e in errs.items())
 
 
 def model_counts(B, T, H, D, mode):
