@@ -175,10 +175,10 @@ def check_pallas(x, case):
     inputs = dict(q=q, k=k, v=x["v"], g=g, beta=beta)
     run = lambda backend: lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
   o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
-  o_ref, S_ref, grads_ref = kda_outputs_and_grads(run("xla"), {n: a.astype(jnp.float32) for n, a in inputs.items()},
-                                                  S0)
+  f32 = {n: a.astype(jnp.float32) for n, a in inputs.items()}
+  o_ref, S_ref, grads_ref = kda_outputs_and_grads(run("xla"), f32, S0)
   errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
-  if case == "fused":  # undifferentiated, the forward runs without writing its residuals (`save=False`): its outputs too
+  if case == "fused":  # undifferentiated, the forward runs without writing its residuals (save=False): check it too
     o_fwd, S_fwd = jax.jit(lambda x, S0: run("pallas")(**x, initial_state=S0, output_final_state=True))(inputs, S0)
     errs.update(o_fwd=rel_err(o_fwd, o_ref), S_fwd=rel_err(S_fwd, S_ref))
   return errs, all(e <= CHECK_TOL[n.removesuffix("_fwd")] for n, e in errs.items())
