@@ -136,7 +136,7 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G, config: TileConfig, *, transpose_rhs:
       functools.partial(body, k=k, grid_n=n // _cta_n(config), config=config, transpose_rhs=transpose_rhs),
       out_type=jax.ShapeDtypeStruct((m, n), x_MK.dtype), grid=(_num_sms(interpret),), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=_interpret_params() if interpret else None, kernel_name="grouped_ragged_dot", **threads)
+      interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="grouped_ragged_dot", **threads)
   return kernel(schedule, num_items, x_MK, w_GKN)
 
 
@@ -239,11 +239,6 @@ def _store_rows(src_smem, dst_gmem, row0, start, size, cols):
 def _num_sms(interpret: bool) -> int:
   """One persistent CTA per SM (two when interpreting; an H100/H200's 132 when lowering for CUDA from a CPU)."""
   return 2 if interpret else getattr(jax.devices()[0], "core_count", 132)
-
-
-def _interpret_params():
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name in jax 0.11
-  return InterpretGPUParams()
 
 
 def transposed_ragged_dot(x_MK, dy_MN, group_sizes_G, config: TileConfig):

@@ -206,8 +206,6 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
   B, T, H, K = q.shape
   if solve not in ("triton", "mosaic"):
     raise ValueError(f"intra_forward: solve must be 'triton' or 'mosaic', got {solve!r}")
-  if solve == "mosaic":
-    solve_mosaic.check_supported(q.dtype, K, v.shape[-1])
   V = v.shape[-1]
   N = T // CHUNK
   dt = q.dtype

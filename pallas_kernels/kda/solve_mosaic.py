@@ -39,14 +39,11 @@ def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save):
   check_supported(kgb_BTHK.dtype, K, V)
   out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
   out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
-  interpret = {}
-  if interpret_mode():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name in jax 0.11
-    interpret = dict(interpret=InterpretGPUParams())
   w, u, *m = plgpu.kernel(
       functools.partial(_chunk, H=H), out_type=out, grid=(T // CHUNK, B * H), grid_names=("n", "bh"),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      kernel_name="kda_intra_fwd_solve_mosaic", **interpret)(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
+      kernel_name="kda_intra_fwd_solve_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
+  )(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
   return w, u, (m[0] if save else None)
 
 
