@@ -92,59 +92,57 @@ def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len):
   """The forward's first launch, one program per chunk: the gates' cumulative sums per tile and the chunk's state
   decay; with `fused`, from the gate projection (`k3jax.ops.kda.kda_gate`), and also the L2-normalised q, k and
   β = σ(logits). One streaming pass in place of XLA's pre-pass, so no later kernel takes a cumulative sum."""
-  refs = list(refs)
-  q_ref, k_ref = (refs.pop(0), refs.pop(0)) if fused else (None, None)
-  g_ref, b_ref = refs.pop(0), refs.pop(0)
-  a_ref, dt_ref = (refs.pop(0), refs.pop(0)) if fused else (None, None)
-  reset_ref = refs.pop(0) if has_reset else None
-  qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if fused else (None, None)
-  loc_ref, decay_ref, beta_ref = refs
-  g = load(g_ref)
-  b = load(b_ref)
+  n_in = 6 if fused else 1
+  ins, reset_ref, outs = refs[:n_in], (refs[n_in] if has_reset else None), refs[n_in + has_reset:]
+  g = load(ins[2 if fused else 0])
+  loc_ref, decay_ref = outs[-2:]
   if fused:
+    q_ref, k_ref, _, b_ref, a_ref, dt_ref = ins
+    qn_ref, kn_ref, beta_ref = outs[:3]
     for x_ref, xn_ref in ((q_ref, qn_ref), (k_ref, kn_ref)):
       x = load(x_ref)
       store(xn_ref, None, x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS))
     z = jnp.maximum(load(a_ref)[None, :] * (g + load(dt_ref)[None, :]), -80.0)   # as kda_gate: no subnormal g
     g = lower_bound / (1.0 + jnp.exp(-z))
-    b = 1.0 / (1.0 + jnp.exp(-b))
+    store(beta_ref, None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
   if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
     g = jnp.where(pl.program_id(0) * CHUNK + iota((CHUNK, 1), 0) < valid_len, g, 0.0)
-  store(beta_ref, None, b)
   gates = Gates(write_tile_cumsum(g, loc_ref), reset_ref, lower_bound)
   decay_ref[...] = gates.decay().reshape(decay_ref.shape)
 
 
 def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None):
-  """The forward's first launch (`_prepare_kernel`). `gate` None: g is the log-decay and β given, q and k are
-  returned as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), and q, k
-  come back L2-normalised. Rows from `valid_len` on (T's padding) get g = 0. Returns q, k, loc (fp32 [B,T,H,K]), the
-  chunks' state decay (fp32 [B,N,H,K]) and β (fp32 [B,T,H])."""
+  """The forward's first launch (`_prepare_kernel`). `gate` None: g is the log-decay and q, k, β are returned as
+  they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q and k come back
+  L2-normalised and β as σ(β). Rows from `valid_len` on (T's padding) get g = 0. Returns q, k, loc (fp32
+  [B,T,H,K]), the chunks' state decay (fp32 [B,N,H,K]) and β (fp32 [B,T,H])."""
   B, T, H, K = g.shape
   N = T // CHUNK
   fused = gate is not None
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
   tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
   head = pl.BlockSpec((None, K), lambda n, bh: (bh % H, 0))
-  args, in_specs = [g, beta], [row(K), tok]
+  args, in_specs = [g], [row(K)]
+  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  out_specs = [row(K), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
   if fused:
     A_log, dt_bias = gate
     a = jnp.broadcast_to(jnp.exp(A_log.astype(F32))[:, None], (H, K))
-    args, in_specs = [q, k] + args + [a, dt_bias.astype(F32)], [row(K), row(K)] + in_specs + [head, head]
+    args, in_specs = [q, k, g, beta, a, dt_bias.astype(F32)], [row(K), row(K), row(K), tok, head, head]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct((B, T, H), F32)] + out_shape
+    out_specs = [row(K), row(K), tok] + out_specs
   if reset is not None:
     args.append(reset)
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, N, H, K), F32),
-               jax.ShapeDtypeStruct((B, T, H), F32)]
-  out_specs = [row(K), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), tok]
-  if fused:
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)] + out_shape
-    out_specs = [row(K), row(K)] + out_specs
   kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, has_reset=reset is not None,
                              valid_len=valid_len)
   outs = triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                      name="kda_prepare", num_warps=4, num_stages=1)(*args)
-  return tuple(outs) if fused else (q, k, *outs)
+  if not fused:
+    return (q, k, *outs, beta.astype(F32))
+  q_n, k_n, beta, loc, decay = outs
+  return q_n, k_n, loc, decay, beta
 
 
 def _key_tile_kernel(q_ref, k_ref, loc_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype, block_k):
