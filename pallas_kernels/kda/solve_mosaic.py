@@ -73,7 +73,8 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
   square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=_swizzled(dtype))
   wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=_swizzled(BF16))
 
-  def scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, m, w, u, loaded):
+  # M, W and U overwrite B, βΓK and V once read: 80 KB at K = V = 128, two programs per SM.
+  def scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, loaded):
     copies = ((kk_gmem.at[b, rows, h], kk), (beta_gmem.at[b, h, rows], beta), (kgb_gmem.at[b, rows, h], kgb),
               (v_gmem.at[b, rows, h], v))
     for i, (src, dst) in enumerate(copies):
@@ -101,16 +102,17 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
       outside = (r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk)
       x = x - mm(x, mm(jnp.where(outside, a, 0.0), x))
     if m_gmem:
-      m[...] = x
+      kk[...] = x
     # U = (M diag β) V and W = M (βΓK): V and βΓK are exact in bf16, so two products each.
     (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = _halves(x * per_col), _halves(x)
     plgpu.commit_smem()
-    u[...] = _product((CHUNK, V), (a_hi, v), (a_lo, v)).astype(BF16)
-    w[...] = _product((CHUNK, K), (b_hi, kgb), (b_lo, kgb)).astype(BF16)
+    u = _product((CHUNK, V), (a_hi, v), (a_lo, v))
+    w = _product((CHUNK, K), (b_hi, kgb), (b_lo, kgb))
+    v[...], kgb[...] = u.astype(BF16), w.astype(BF16)
     plgpu.commit_smem()
-    for src, dst in ((u, u_gmem), (w, w_gmem)) + (((m, m_gmem[0]),) if m_gmem else ()):
+    for src, dst in ((v, u_gmem), (kgb, w_gmem)) + (((kk, m_gmem[0]),) if m_gmem else ()):
       plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
     plgpu.wait_smem_to_gmem(0)
 
-  pl.run_scoped(scoped, square(F32), plgpu.SMEM((CHUNK,), F32), wide(K), wide(V), *[square(BF16)] * 4, square(F32),
-                wide(K), wide(V), plgpu.Barrier(num_barriers=4))
+  pl.run_scoped(scoped, square(F32), plgpu.SMEM((CHUNK,), F32), wide(K), wide(V), *[square(BF16)] * 4,
+                plgpu.Barrier(num_barriers=4))
