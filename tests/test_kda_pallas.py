@@ -252,7 +252,8 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     return kda.chunk_kda(q, k, v, g, beta, segment_ids=seg, lower_bound=-5.0, backend="pallas")[0].sum()
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
-  for name in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve", "kda_state_segment_maps",
+  assert "kda_intra_fwd_solve_mosaic" in text   # bf16 on the (described) H200
+  for name in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_state_segment_maps",
                "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols",
                "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
@@ -261,8 +262,9 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     fused = lambda *a: kda.fused_kda(*a, lower_bound=-5.0, backend="pallas")[0]
     text = cuda_module_text(monkeypatch, fused, *f_args, *gate)
-    names = ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve")
+    names = ("kda_prepare", "kda_intra_fwd_key_tiles") + (("kda_intra_fwd_solve",) if dtype == jnp.float32 else ())
     assert all(f'name = "{n}"' in text for n in names), dtype
+    assert ("kda_intra_fwd_solve_mosaic" in text) == (dtype == jnp.bfloat16), dtype
     reference = functools.partial(fwd.intra_forward_reference, scale=K ** -0.5, lower_bound=-5.0)
     text = cuda_module_text(monkeypatch, reference, *f_args, jax.ShapeDtypeStruct((B, T), jnp.int32))
     assert 'name = "kda_intra_fwd_reference"' in text, dtype
@@ -272,54 +274,45 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("save", [True, False])
-def test_mosaic_launches_give_the_triton_launches_outputs(save):
-  """The Mosaic GPU key tiles and solve (interpret mode) against the Triton ones: A_qk, B, Qs, Kd, W, U and M, bf16
-  inputs with K unlike V and resets (one at a chunk's first row), with and without M written for the backward. The
-  Triton launches run on the same bf16 operands, so only rounding differs."""
-  B, T, H, K, V = 1, 192, 2, 64, 128
+def test_mosaic_solve_gives_the_triton_solves_outputs(save):
+  """The Mosaic GPU solve (products on bf16 halves, interpret mode) against the Triton one (fp32 here): W, U and M,
+  bf16 inputs with K unlike V and resets, with and without M written for the backward; and it is the default there."""
+  B, T, H, K, V = 1, 128, 2, 64, 128
   x, _, _ = random_inputs(40, B, T, H, K, V, dtype=jnp.bfloat16)
-  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100, 150])].set(1)
+  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
   q, k, loc, _, beta = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0)
-  run = lambda launch: fwd.intra_forward(q, k, x["v"], loc, beta, reset, scale=K ** -0.5, lower_bound=-5.0,
-                                         save=save, solve=launch, key_tiles=launch)
-  got, want = run("mosaic"), run("triton")
-  for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "kk"), got, want):
-    assert rel_err(a, b) <= 3e-3, (name, rel_err(a, b))
-  assert (got[-1] is None) == (not save)
+  run = lambda solve: fwd.intra_forward(q, k, x["v"], loc, beta, reset, scale=K ** -0.5, lower_bound=-5.0,
+                                        save=save, solve=solve)
+  (w, u, *_, minv), (w_ref, u_ref, *_, minv_ref) = run("mosaic"), run("triton")
+  assert rel_err(w, w_ref) <= 1e-3 and rel_err(u, u_ref) <= 1e-3, (rel_err(w, w_ref), rel_err(u, u_ref))
+  assert (minv is None) == (not save)
   if save:
-    assert rel_err(got[-1], want[-1]) <= 3e-3, rel_err(got[-1], want[-1])
+    assert rel_err(minv, minv_ref) <= 1e-5, rel_err(minv, minv_ref)
+  chex.assert_trees_all_equal(run(None), run("mosaic"))
 
 
-def test_mosaic_key_tiles_are_as_accurate_as_the_triton_ones():
-  """Both bf16 key-tile launches against the Triton one on fp32 operands (exact products), every gate at the bound:
-  the Mosaic launch puts the anchor's decay on the keys, the Triton one on the queries; neither may be worse."""
-  B, T, H, K, V = 1, 128, 2, 64, 64
-  x, _, _ = random_inputs(41, B, T, H, K, V, dtype=jnp.bfloat16, saturate=-5.0)
-  q, k, loc, _, beta = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, None, lower_bound=-5.0)
-  run = lambda q, k, v, launch: fwd.intra_forward(q, k, v, loc, beta, None, scale=K ** -0.5, lower_bound=-5.0,
-                                                  save=False, key_tiles=launch)[2:6]
-  f32 = lambda a: a.astype(jnp.float32)
-  exact = run(f32(q), f32(k), f32(x["v"]), "triton")
-  for name, a, b, e in zip(("qs", "kd", "aqk", "kk"), run(q, k, x["v"], "mosaic"), run(q, k, x["v"], "triton"), exact):
-    assert rel_err(a, e) <= 1.1 * rel_err(b, e) + 1e-6, (name, rel_err(a, e), rel_err(b, e))
+def test_the_solve_is_mosaic_only_where_it_can_run():
+  """bf16 with K, V multiples of 64 (up to 256) takes the Mosaic solve (here in interpret mode); fp32, or K = 32,
+  the Triton one; on a GPU older than Hopper neither Mosaic kernel is picked."""
+  from pallas_kernels.kda import solve_mosaic
+  assert solve_mosaic.available(jnp.bfloat16, 128, 64)
+  assert not solve_mosaic.available(jnp.float32, 128, 128)
+  assert not solve_mosaic.available(jnp.bfloat16, 32, 128)
+  assert not solve_mosaic.available(jnp.bfloat16, 128, 320)
 
 
-@pytest.mark.parametrize("resets", [False, True])
-def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeypatch, resets):
+def test_mosaic_solve_lowers_for_cuda_and_refuses_what_it_cannot_take(monkeypatch):
   """Lowering checks the shared-memory layouts and transfers that interpret mode does not."""
   B, T, H, K, V = 1, 128, 2, 128, 64
   args = [jax.ShapeDtypeStruct((B, T, H, d), dt) for d, dt in ((K, jnp.bfloat16), (K, jnp.bfloat16),
                                                                 (V, jnp.bfloat16), (K, jnp.float32))]
-  args += [jax.ShapeDtypeStruct((B, T, H), jnp.float32), jax.ShapeDtypeStruct((B, T), jnp.int32) if resets else None]
-  f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic", key_tiles="mosaic")
-  text = cuda_module_text(monkeypatch, f, *args)
-  assert "kda_intra_fwd_solve_mosaic" in text and "kda_intra_fwd_key_tiles_mosaic" in text
+  f = functools.partial(fwd.intra_forward, reset=None, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic")
+  text = cuda_module_text(monkeypatch, f, *args, jax.ShapeDtypeStruct((B, T, H), jnp.float32))
+  assert "kda_intra_fwd_solve_mosaic" in text and 'name = "kda_intra_fwd_key_tiles"' in text
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
-  for launch in ("solve", "key_tiles"):
-    with pytest.raises(ValueError, match="Mosaic GPU"):
-      fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0,
-                        **{launch: "mosaic"})
+  with pytest.raises(ValueError, match="Mosaic GPU solve"):
+    fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0, solve="mosaic")
 
 
 @pytest.mark.parametrize("case", ["random", "repeated_keys"])

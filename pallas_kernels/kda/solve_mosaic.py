@@ -1,6 +1,5 @@
-"""The intra pass's solve as a Mosaic GPU kernel (wgmma, TMA), one warpgroup per chunk: an alternative to the
-Triton `fwd._solve_kernel`, which ncu found latency-bound at two programs per SM (BUILD_NOTES KDA run 10). Not yet
-timed.
+"""The intra pass's solve as a Mosaic GPU kernel (wgmma, TMA), one warpgroup per chunk: the default on Hopper for
+bf16 (`available`), 0.45 ms against the Triton `fwd._solve_kernel`'s 0.59 at 8×4096 (BUILD_NOTES KDA run 11).
 
 wgmma takes fp32 operands (as tf32) only from shared memory and untransposed, so the products here run on bf16
 halves instead: x ≈ hi + lo, x·y ≈ hi·hi + hi·lo + lo·hi with fp32 accumulation (≈ 16 bits of mantissa, more than
@@ -21,6 +20,16 @@ from pallas_kernels import interpret_mode
 CHUNK = 64
 BF16, F32 = jnp.bfloat16, jnp.float32
 WGMMA = plgpu.Layout.WGMMA
+
+
+def available(dtype, K, V):
+  """Whether `fwd.intra_forward` uses this kernel by default: inputs it takes, on a Hopper GPU (wgmma is Hopper's;
+  elsewhere the Triton solve runs), in interpret mode, or lowered for the GPU from a machine without one (export)."""
+  if jnp.dtype(dtype) != BF16 or any(d % 64 or d > 256 for d in (K, V)):
+    return False
+  if interpret_mode() or jax.default_backend() != "gpu":
+    return True
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
 def check_supported(dtype, K, V):
