@@ -43,6 +43,8 @@ flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bw
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
 flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
+flags.DEFINE_enum("key_tiles", None, ["triton", "mosaic"], "Run the whole op with this key-tile launch, not the "
+                  "default.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -205,7 +207,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.key_tiles)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -274,16 +276,18 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in
+def use_variants(intra_bwd, solve, key_tiles):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and these intra launches in
   this process: candidates are timed end to end before they become defaults."""
   from pallas_kernels.kda import bwd, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
-  if solve:
-    fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
-  if intra_bwd or solve:
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
+  launches = {name: value for name, value in (("solve", solve), ("key_tiles", key_tiles)) if value}
+  if launches:
+    fwd.intra_forward = functools.partial(fwd.intra_forward, **launches)
+  if intra_bwd or launches:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, {launches or 'default intra launches'}",
+          flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -302,7 +306,8 @@ def per_kernel_times(x, do, shape):
            ("prepare", {}, lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb), raw)]
   _, _, loc, decay, beta_f = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
   sweep = [dict(block_k=bk, num_warps=nw, solve="triton") for bk in (32, 64) for nw in (4, 8) if bk <= D]
-  sweep += [dict(solve="mosaic")] if solve_mosaic.available(q.dtype, D, D) else []
+  if solve_mosaic.available(q.dtype, D, D):
+    sweep += [dict(solve="mosaic"), dict(solve="mosaic", key_tiles="mosaic")]
   for params in sweep if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
         *a, None, scale=scale, lower_bound=lb, save=False, **p), (q, k, v, loc, beta_f)))

@@ -301,18 +301,41 @@ def test_the_solve_is_mosaic_only_where_it_can_run():
   assert not solve_mosaic.available(jnp.bfloat16, 128, 320)
 
 
-def test_mosaic_solve_lowers_for_cuda_and_refuses_what_it_cannot_take(monkeypatch):
+@pytest.mark.parametrize("saturate", [None, -5.0])
+def test_mosaic_key_tiles_match_the_triton_ones_and_are_as_accurate(saturate):
+  """The Mosaic GPU key tiles (interpret mode; K = 128, two column passes) against the Triton launch on the same bf16
+  operands and on fp32 ones (exact products): A_qk, B, Qs, Kd and, through the solve, W and U. Resets, one at a
+  chunk's first row; random gates and every gate at the bound. The Mosaic launch puts each anchor's decay on the
+  keys, the Triton one on the queries: only rounding differs, and neither may be less accurate."""
+  B, T, H, K, V = 1, 192, 2, 128, 64
+  x, _, _ = random_inputs(42, B, T, H, K, V, dtype=jnp.bfloat16, saturate=saturate)
+  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100, 128])].set(1)
+  q, k, loc, _, beta = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0)
+  run = lambda key_tiles, q=q, k=k, v=x["v"]: fwd.intra_forward(
+      q, k, v, loc, beta, reset, scale=K ** -0.5, lower_bound=-5.0, solve="triton", key_tiles=key_tiles)
+  f32 = lambda a: a.astype(jnp.float32)
+  got, want, exact = run("mosaic"), run("triton"), run("triton", f32(q), f32(k), f32(x["v"]))
+  for name, a, b, e in zip(("w", "u", "qs", "kd", "aqk", "kk", "minv"), got, want, exact):
+    assert rel_err(a, b) <= 2e-3, (name, rel_err(a, b))
+    assert rel_err(a, e) <= 1.05 * rel_err(b, e) + 1e-5, (name, rel_err(a, e), rel_err(b, e))
+
+
+@pytest.mark.parametrize("resets", [False, True])
+def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeypatch, resets):
   """Lowering checks the shared-memory layouts and transfers that interpret mode does not."""
   B, T, H, K, V = 1, 128, 2, 128, 64
   args = [jax.ShapeDtypeStruct((B, T, H, d), dt) for d, dt in ((K, jnp.bfloat16), (K, jnp.bfloat16),
                                                                 (V, jnp.bfloat16), (K, jnp.float32))]
-  f = functools.partial(fwd.intra_forward, reset=None, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic")
-  text = cuda_module_text(monkeypatch, f, *args, jax.ShapeDtypeStruct((B, T, H), jnp.float32))
-  assert "kda_intra_fwd_solve_mosaic" in text and 'name = "kda_intra_fwd_key_tiles"' in text
+  args += [jax.ShapeDtypeStruct((B, T, H), jnp.float32), jax.ShapeDtypeStruct((B, T), jnp.int32) if resets else None]
+  f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic", key_tiles="mosaic")
+  text = cuda_module_text(monkeypatch, f, *args)
+  assert "kda_intra_fwd_solve_mosaic" in text and "kda_intra_fwd_key_tiles_mosaic" in text
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
-  with pytest.raises(ValueError, match="Mosaic GPU solve"):
-    fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0, solve="mosaic")
+  for launch in ("solve", "key_tiles"):
+    with pytest.raises(ValueError, match="Mosaic GPU"):
+      fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0,
+                        **{launch: "mosaic"})
 
 
 @pytest.mark.parametrize("case", ["random", "repeated_keys"])

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda import solve_mosaic
+from pallas_kernels.kda import gram_mosaic, solve_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, iota, load, masked, mm, mm_t,
                                       store, store_block_diagonal, t_mm, unit_lower_inverse, unit_lower_inverse_16,
                                       write_tile_cumsum)
@@ -194,7 +194,7 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 
 def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None):
+                  block_cols=64, solve=None, key_tiles="triton"):
   """The intra pass on `prepare`'s outputs (v11, BUILD_NOTES KDA run 11): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). q, k `[B,T,H,K]` (normalised), v `[B,T,H,V]`, loc and β from `prepare`, reset
   `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed queries Qs, the keys decayed to the chunk
@@ -204,6 +204,8 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
   B, T, H, K = q.shape
   if solve not in (None, "triton", "mosaic"):
     raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
+  if key_tiles not in ("triton", "mosaic"):
+    raise ValueError(f"intra_forward: key_tiles must be 'triton' or 'mosaic', got {key_tiles!r}")
   solve = solve or ("mosaic" if solve_mosaic.available(q.dtype, K, v.shape[-1]) else "triton")
   V = v.shape[-1]
   N = T // CHUNK
@@ -218,13 +220,18 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
-  aqk, kk, qs, kd, kgb = triton_call(
-      functools.partial(_key_tile_kernel, scale=scale, dtype=dt, block_k=block_k, **flags), grid=(NT, N, B * H),
-      in_specs=[row(K), row(K), row(K), tok]
-      + [pl.BlockSpec((None, CHUNK), lambda j, n, bh: (bh // H, n))] * len(resets),
-      out_specs=[col, col, tile(K), tile(K), tile(K)],
-      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
-      num_warps=num_warps or 4, num_stages=2)(q, k, loc, beta, *resets)
+  if key_tiles == "mosaic":
+    docs = None if reset is None else gram_mosaic.chunk_docs(reset)
+    aqk, kk, qs, kd, kgb = gram_mosaic.key_tiles(q, k, loc, jnp.swapaxes(beta, 1, 2), docs, scale=scale,
+                                                 lower_bound=lower_bound)
+  else:
+    aqk, kk, qs, kd, kgb = triton_call(
+        functools.partial(_key_tile_kernel, scale=scale, dtype=dt, block_k=block_k, **flags), grid=(NT, N, B * H),
+        in_specs=[row(K), row(K), row(K), tok]
+        + [pl.BlockSpec((None, CHUNK), lambda j, n, bh: (bh // H, n))] * len(resets),
+        out_specs=[col, col, tile(K), tile(K), tile(K)],
+        out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
+        num_warps=num_warps or 4, num_stages=2)(q, k, loc, beta, *resets)
   if solve == "mosaic":
     w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
     return w, u, qs, kd, aqk, kk, minv
