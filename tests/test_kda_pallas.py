@@ -320,6 +320,25 @@ def test_mosaic_key_tiles_match_the_triton_ones_and_are_as_accurate(saturate):
     assert rel_err(a, e) <= 1.05 * rel_err(b, e) + 1e-5, (name, rel_err(a, e), rel_err(b, e))
 
 
+@pytest.mark.parametrize("save", [True, False])
+def test_fused_mosaic_intra_pass_gives_the_separate_launches_outputs(save):
+  """Key tiles and solve in one Mosaic launch (interpret mode; K = 64 with spare buffers for the solve's halves, and
+  K = 128 with V = 192 in three blocks) against the Mosaic key tiles then the Mosaic solve: the same arithmetic, so
+  the same outputs up to the order of fp32 accumulation; resets, one at a chunk's first row."""
+  for seed, (K, V) in enumerate(((64, 64), (128, 192))):
+    x, _, _ = random_inputs(43 + seed, 1, 192, 2, K, V, dtype=jnp.bfloat16)
+    reset = jnp.zeros((1, 192), jnp.int32).at[:, jnp.array([5, 64, 100, 128])].set(1)
+    q, k, loc, _, beta = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0)
+    run = lambda **launch: fwd.intra_forward(q, k, x["v"], loc, beta, reset, scale=K ** -0.5, lower_bound=-5.0,
+                                             save=save, **launch)
+    got, want = run(solve="fused"), run(solve="mosaic", key_tiles="mosaic")
+    for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "kk", "minv"), got, want):
+      if name in ("kk", "minv") and not save:
+        assert a is None, name
+      else:
+        assert rel_err(a, b) <= 1e-5, (K, name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("resets", [False, True])
 def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeypatch, resets):
   """Lowering checks the shared-memory layouts and transfers that interpret mode does not."""
@@ -330,12 +349,14 @@ def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeyp
   f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic", key_tiles="mosaic")
   text = cuda_module_text(monkeypatch, f, *args)
   assert "kda_intra_fwd_solve_mosaic" in text and "kda_intra_fwd_key_tiles_mosaic" in text
+  for save in (True, False):
+    fused = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve="fused", save=save)
+    assert "kda_intra_fwd_mosaic" in cuda_module_text(monkeypatch, fused, *args)
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
-  for launch in ("solve", "key_tiles"):
+  for launch in (dict(solve="mosaic"), dict(key_tiles="mosaic"), dict(solve="fused")):
     with pytest.raises(ValueError, match="Mosaic GPU"):
-      fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0,
-                        **{launch: "mosaic"})
+      fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, scale=1.0, lower_bound=-5.0, **launch)
 
 
 @pytest.mark.parametrize("case", ["random", "repeated_keys"])

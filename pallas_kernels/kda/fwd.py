@@ -200,10 +200,12 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
   `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed queries Qs, the keys decayed to the chunk
   end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with `save` (for the backward), M = (I + A_kk)⁻¹
   (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None otherwise). `solve`: "triton" (`_solve_kernel`),
-  "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None, the Mosaic solve where `solve_mosaic.available`."""
+  "mosaic" (`solve_mosaic.solve`, bf16 on Hopper), None (the Mosaic solve where `solve_mosaic.available`), or
+  "fused": key tiles and solve in one Mosaic launch (`gram_mosaic.intra`; B is then None unless `save`).
+  `key_tiles`: "triton" or "mosaic" (`gram_mosaic.key_tiles`); both Mosaic options are opt-in, not yet timed."""
   B, T, H, K = q.shape
-  if solve not in (None, "triton", "mosaic"):
-    raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
+  if solve not in (None, "triton", "mosaic", "fused"):
+    raise ValueError(f"intra_forward: solve must be None, 'triton', 'mosaic' or 'fused', got {solve!r}")
   if key_tiles not in ("triton", "mosaic"):
     raise ValueError(f"intra_forward: key_tiles must be 'triton' or 'mosaic', got {key_tiles!r}")
   solve = solve or ("mosaic" if solve_mosaic.available(q.dtype, K, v.shape[-1]) else "triton")
@@ -220,8 +222,11 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
+  docs = None if reset is None else gram_mosaic.chunk_docs(reset)
+  if solve == "fused":
+    return gram_mosaic.intra(q, k, v, loc, jnp.swapaxes(beta, 1, 2), docs, scale=scale, lower_bound=lower_bound,
+                             save=save)
   if key_tiles == "mosaic":
-    docs = None if reset is None else gram_mosaic.chunk_docs(reset)
     aqk, kk, qs, kd, kgb = gram_mosaic.key_tiles(q, k, loc, jnp.swapaxes(beta, 1, 2), docs, scale=scale,
                                                  lower_bound=lower_bound)
   else:

@@ -60,12 +60,13 @@ def _swizzled(dtype):
   return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
 
 
-def _halves(x):
+def halves(x):
+  """bf16 hi and lo parts of fp32 x (x ≈ hi + lo to ≈ 16 bits of mantissa)."""
   hi = x.astype(BF16)
   return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def _product(shape, *pairs):
+def product(shape, *pairs):
   """Σ a·b over the (a, b) pairs of shared-memory operands, fp32, waited for."""
   def scoped(acc):
     for a, b in pairs:
@@ -73,6 +74,30 @@ def _product(shape, *pairs):
     plgpu.wgmma_wait(0)
     return acc[...]
   return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+
+
+def unit_lower_inverse(a, squares):
+  """(I + a)⁻¹ of the chunk's strictly lower [64,64] a (fp32, wgmma layout), as `tiles.unit_lower_inverse`: Neumann
+  series on the 4x4 diagonal blocks, then four doubling steps; each product on bf16 halves staged through the four
+  [64,64] bf16 shared-memory `squares`."""
+  a_hi, a_lo, b_hi, b_lo = squares
+  r = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=WGMMA)
+  c = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=WGMMA)
+  eye = jnp.where(r == c, 1.0, 0.0).astype(F32)
+
+  def mm(x, y):
+    (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = halves(x), halves(y)
+    plgpu.commit_smem()
+    return product((CHUNK, CHUNK), (a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
+
+  n4 = jnp.where(r // 4 == c // 4, a, 0.0)
+  x = eye - n4
+  for _ in range(2):
+    x = eye - mm(n4, x)
+  for blk in (4, 8, 16, 32):
+    outside = (r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk)
+    x = x - mm(x, mm(jnp.where(outside, a, 0.0), x))
+  return x
 
 
 def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
@@ -92,31 +117,14 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
       plgpu.barrier_wait(loaded.at[i])
     per_row = lax.broadcast_in_dim(plgpu.load(beta, layout=WGMMA.reduce(1)), (CHUNK, CHUNK), [0])
     per_col = lax.broadcast_in_dim(plgpu.load(beta, layout=WGMMA.reduce(0)), (CHUNK, CHUNK), [1])
-    a = plgpu.load(kk, layout=WGMMA) * per_row
-    r = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=WGMMA)
-    c = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=WGMMA)
-    eye = jnp.where(r == c, 1.0, 0.0).astype(F32)
-
-    def mm(x, y):
-      (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = _halves(x), _halves(y)
-      plgpu.commit_smem()
-      return _product((CHUNK, CHUNK), (a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
-
-    # As tiles.unit_lower_inverse: Neumann series on the 4x4 diagonal blocks, then four doubling steps.
-    n4 = jnp.where(r // 4 == c // 4, a, 0.0)
-    x = eye - n4
-    for _ in range(2):
-      x = eye - mm(n4, x)
-    for blk in (4, 8, 16, 32):
-      outside = (r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk)
-      x = x - mm(x, mm(jnp.where(outside, a, 0.0), x))
+    x = unit_lower_inverse(plgpu.load(kk, layout=WGMMA) * per_row, (a_hi, a_lo, b_hi, b_lo))
     if m_gmem:
       kk[...] = x
     # U = (M diag β) V and W = M (βΓK): V and βΓK are exact in bf16, so two products each.
-    (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = _halves(x * per_col), _halves(x)
+    (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = halves(x * per_col), halves(x)
     plgpu.commit_smem()
-    u = _product((CHUNK, V), (a_hi, v), (a_lo, v))
-    w = _product((CHUNK, K), (b_hi, kgb), (b_lo, kgb))
+    u = product((CHUNK, V), (a_hi, v), (a_lo, v))
+    w = product((CHUNK, K), (b_hi, kgb), (b_lo, kgb))
     v[...], kgb[...] = u.astype(BF16), w.astype(BF16)
     plgpu.commit_smem()
     for src, dst in ((v, u_gmem), (kgb, w_gmem)) + (((kk, m_gmem[0]),) if m_gmem else ()):
