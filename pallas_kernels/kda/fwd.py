@@ -150,7 +150,8 @@ def _key_tile_kernel(q_ref, k_ref, loc_ref, beta_ref, *refs, scale, lower_bound,
   the chunk scaled for anchor R_J, times key tile J), and tile J's rows of the scaled decayed queries, of the keys
   decayed to the chunk end and of βΓK, `block_k` columns of K at a time: two [64,16] accumulators and [64,block_k]
   tiles, where v8 (one program per chunk) held [64,K] tiles at 239 registers, one program per SM. The rows above
-  tile J are computed (scaled by zero) and masked: a branch per J with only its rows took 1.16 ms against 0.77 (BUILD_NOTES run 10)."""
+  tile J are computed (scaled by zero) and masked: a branch per J with only its rows took 1.16 ms against 0.77
+  (BUILD_NOTES run 10)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
@@ -196,9 +197,10 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
                   block_cols=64, solve=None, key_tiles="triton"):
   """The intra pass on `prepare`'s outputs (v11, BUILD_NOTES KDA run 11): the key-tile launch (`_key_tile_kernel`),
-  then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). q, k `[B,T,H,K]` (normalised), v `[B,T,H,V]`, loc and β from `prepare`, reset
-  `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed queries Qs, the keys decayed to the chunk
-  end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with `save` (for the backward), M = (I + A_kk)⁻¹
+  then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). q, k `[B,T,H,K]` (normalised),
+  v `[B,T,H,V]`, loc and β from `prepare`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled
+  decayed queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32)
+  and, with `save` (for the backward), M = (I + A_kk)⁻¹
   (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None otherwise). `solve`: "triton" (`_solve_kernel`),
   "mosaic" (`solve_mosaic.solve`, bf16 on Hopper), None (the Mosaic solve where `solve_mosaic.available`), or
   "fused": key tiles and solve in one Mosaic launch (`gram_mosaic.intra`; B is then None unless `save`).
@@ -222,13 +224,12 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
   flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
-  docs = None if reset is None else gram_mosaic.chunk_docs(reset)
+  beta_BHT = jnp.swapaxes(beta, 1, 2)       # the Mosaic launches' layout: a chunk's β contiguous for TMA
+  docs = None if reset is None or (solve != "fused" and key_tiles != "mosaic") else gram_mosaic.chunk_docs(reset)
   if solve == "fused":
-    return gram_mosaic.intra(q, k, v, loc, jnp.swapaxes(beta, 1, 2), docs, scale=scale, lower_bound=lower_bound,
-                             save=save)
+    return gram_mosaic.intra(q, k, v, loc, beta_BHT, docs, scale=scale, lower_bound=lower_bound, save=save)
   if key_tiles == "mosaic":
-    aqk, kk, qs, kd, kgb = gram_mosaic.key_tiles(q, k, loc, jnp.swapaxes(beta, 1, 2), docs, scale=scale,
-                                                 lower_bound=lower_bound)
+    aqk, kk, qs, kd, kgb = gram_mosaic.key_tiles(q, k, loc, beta_BHT, docs, scale=scale, lower_bound=lower_bound)
   else:
     aqk, kk, qs, kd, kgb = triton_call(
         functools.partial(_key_tile_kernel, scale=scale, dtype=dt, block_k=block_k, **flags), grid=(NT, N, B * H),
@@ -238,7 +239,7 @@ def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, n
         out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
         num_warps=num_warps or 4, num_stages=2)(q, k, loc, beta, *resets)
   if solve == "mosaic":
-    w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
+    w, u, minv = solve_mosaic.solve(beta_BHT, kk, kgb, v, save=save)
     return w, u, qs, kd, aqk, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))

@@ -21,12 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import interpret_mode
 from pallas_kernels.kda import solve_mosaic
-from pallas_kernels.kda.tiles import CHUNK, NT, SUB
-
-BF16, F32 = jnp.bfloat16, jnp.float32
-WGMMA = plgpu.Layout.WGMMA
+from pallas_kernels.kda.solve_mosaic import BF16, WGMMA, per_chunk, swizzled
+from pallas_kernels.kda.tiles import CHUNK, F32, NT, SUB
 
 
 def check_supported(dtype, K, V=None):
@@ -79,15 +76,7 @@ def _launch(out, args, docs_B2T, *, H, scale, lower_bound, fused, save, name):
   B, T = args[0].shape[:2]
   kernel = functools.partial(_chunk, H=H, scale=scale, c=SUB / 2 * lower_bound, has_docs=docs_B2T is not None,
                              fused=fused, save=save)
-  return plgpu.kernel(
-      kernel, out_type=out, grid=(T // CHUNK, B * H), grid_names=("n", "bh"),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      kernel_name=name, interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
-  )(*args, *docs)
-
-
-def _swizzled(dtype):
-  return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+  return per_chunk(kernel, out, B, T, H, name)(*args, *docs)
 
 
 def _chunk(q_gmem, k_gmem, loc_gmem, beta_gmem, *refs, H, scale, c, has_docs, fused, save):
@@ -105,7 +94,7 @@ def _chunk(q_gmem, k_gmem, loc_gmem, beta_gmem, *refs, H, scale, c, has_docs, fu
   P = q_gmem.shape[-1] // 64
   PV = v_gmem.shape[-1] // 64 if fused else 0
   cols = [pl.ds(p * 64, 64) for p in range(max(P, PV))]
-  square = lambda dtype: plgpu.SMEM((CHUNK, 64), dtype, transforms=_swizzled(dtype))
+  square = lambda dtype: plgpu.SMEM((CHUNK, 64), dtype, transforms=swizzled(dtype))
   per_col = lambda v: lax.broadcast_in_dim(v, (CHUNK, 64), [1])
   per_row = lambda v: lax.broadcast_in_dim(v, (CHUNK, 64), [0])
 
@@ -132,7 +121,6 @@ def _chunk(q_gmem, k_gmem, loc_gmem, beta_gmem, *refs, H, scale, c, has_docs, fu
         out = jnp.where(in_tile(j), per_col(v), out)
       return out
 
-    first = last = None
     mask = lambda m, x: x if m is None else jnp.where(m, x, 0.0)
     beta_row = lambda: plgpu.load(beta_s, layout=WGMMA.reduce(1))
 
@@ -141,8 +129,8 @@ def _chunk(q_gmem, k_gmem, loc_gmem, beta_gmem, *refs, H, scale, c, has_docs, fu
         plgpu.copy_gmem_to_smem(loc_gmem.at[b, rows, h, cols[p]], loc_s[p], loc_loaded.at[p])
       for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
+      first = last = None                     # rows in the chunk's first / last document
       if has_docs:
-        nonlocal first, last
         first = per_row(plgpu.load(docs_s.at[0], layout=WGMMA.reduce(1))) == 0
         last = per_row(plgpu.load(docs_s.at[1], layout=WGMMA.reduce(1))) == 0
       beta = per_row(beta_row())

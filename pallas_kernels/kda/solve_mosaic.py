@@ -16,16 +16,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import interpret_mode
+from pallas_kernels.kda.tiles import CHUNK, F32
 
-CHUNK = 64
-BF16, F32 = jnp.bfloat16, jnp.float32
+BF16 = jnp.bfloat16
 WGMMA = plgpu.Layout.WGMMA
+
+
+def _takes(dtype, K, V):
+  return jnp.dtype(dtype) == BF16 and not any(d % 64 or d > 256 for d in (K, V))
 
 
 def available(dtype, K, V):
   """Whether `fwd.intra_forward` uses this kernel by default: inputs it takes, on a Hopper GPU (wgmma is Hopper's;
   elsewhere the Triton solve runs), in interpret mode, or lowered for the GPU from a machine without one (export)."""
-  if jnp.dtype(dtype) != BF16 or any(d % 64 or d > 256 for d in (K, V)):
+  if not _takes(dtype, K, V):
     return False
   if interpret_mode() or jax.default_backend() != "gpu":
     return True
@@ -34,7 +38,7 @@ def available(dtype, K, V):
 
 def check_supported(dtype, K, V):
   """Raises unless this kernel takes these inputs: bf16, K and V multiples of 64 up to 256 (wgmma's N)."""
-  if jnp.dtype(dtype) != BF16 or any(d % 64 or d > 256 for d in (K, V)):
+  if not _takes(dtype, K, V):
     raise ValueError(f"the Mosaic GPU solve takes bf16 with K, V in (64, 128, 192, 256); got {jnp.dtype(dtype).name}, "
                      f"K={K}, V={V}")
 
@@ -48,15 +52,22 @@ def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save):
   check_supported(kgb_BTHK.dtype, K, V)
   out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
   out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
-  w, u, *m = plgpu.kernel(
-      functools.partial(_chunk, H=H), out_type=out, grid=(T // CHUNK, B * H), grid_names=("n", "bh"),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      kernel_name="kda_intra_fwd_solve_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
-  )(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
+  w, u, *m = per_chunk(functools.partial(_chunk, H=H), out, B, T, H, "kda_intra_fwd_solve_mosaic")(
+      beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
   return w, u, (m[0] if save else None)
 
 
-def _swizzled(dtype):
+def per_chunk(body, out_type, B, T, H, name):
+  """A Mosaic GPU kernel (Lane semantics) with one warpgroup per (chunk, batch·head): grid axes "n" and "bh"; in
+  interpret mode off the GPU."""
+  return plgpu.kernel(
+      body, out_type=out_type, grid=(T // CHUNK, B * H), grid_names=("n", "bh"),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      kernel_name=name, interpret=plgpu.InterpretGPUParams() if interpret_mode() else None)
+
+
+def swizzled(dtype):
+  """Shared-memory transforms for wgmma operands and TMA: 128-byte rows, swizzled."""
   return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
 
 
@@ -104,8 +115,8 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
   n, bh = lax.axis_index("n"), lax.axis_index("bh")
   b, h, rows = bh // H, bh % H, pl.ds(n * CHUNK, CHUNK)
   K, V = kgb_gmem.shape[-1], v_gmem.shape[-1]
-  square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=_swizzled(dtype))
-  wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=_swizzled(BF16))
+  square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=swizzled(dtype))
+  wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=swizzled(BF16))
 
   # M, W and U overwrite B, βΓK and V once read: 80 KB at K = V = 128, two programs per SM.
   def scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, loaded):
