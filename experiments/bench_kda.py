@@ -42,10 +42,7 @@ flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by 
 flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
-flags.DEFINE_enum("solve", None, ["triton", "mosaic", "fused"], "Run the whole op with this solve launch, not the "
-                  "default (fused: key tiles and solve in one Mosaic GPU launch).")
-flags.DEFINE_enum("key_tiles", None, ["triton", "mosaic"], "Run the whole op with this key-tile launch, not the "
-                  "default.")
+flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -208,7 +205,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.key_tiles)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -277,13 +274,13 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve, key_tiles):
+def use_variants(intra_bwd, solve):
   """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and these intra launches in
   this process: candidates are timed end to end before they become defaults."""
   from pallas_kernels.kda import bwd, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
-  launches = {name: value for name, value in (("solve", solve), ("key_tiles", key_tiles)) if value}
+  launches = {"solve": solve} if solve else {}
   if launches:
     fwd.intra_forward = functools.partial(fwd.intra_forward, **launches)
   if intra_bwd or launches:
@@ -297,26 +294,30 @@ def per_kernel_times(x, do, shape):
   from pallas_kernels.kda.chunk import default_block_v
   B, T, H, D = x["q"].shape
   scale, lb = D ** -0.5, LOWER_BOUND
-  q, k, g, beta = fused_inputs(x)
   v = x["v"]
   S0 = jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
   bv = default_block_v(B, H, D)
   gate = (x["A_log"], x["dt_bias"])
   raw = (x["q"], x["k"], x["g_raw"], x["beta_logits"])
-  cases = [("prepass", {}, fused_inputs, (x,)),
-           ("prepare", {}, lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb), raw)]
-  _, _, loc, decay, beta_f = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
+  cases = [("prepass", {}, fused_inputs, (x,))]
+  cases += [("prepare", dict(save=save, num_warps=nw),
+             lambda *a, s=save, nw=nw: fwd.prepare(*a, gate, None, lower_bound=lb, save=s, num_warps=nw), raw)
+            for save in (False, True) for nw in ((4, 8) if FLAGS.sweep else (4,))]
+  p = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
+  intra_args = (p.qe, p.kq, p.ke, p.tot, v, p.beta)
   sweep = [dict(block_k=bk, num_warps=nw, solve="triton") for bk in (32, 64) for nw in (4, 8) if bk <= D]
-  if solve_mosaic.available(q.dtype, D, D):
-    sweep += [dict(solve="mosaic"), dict(solve="mosaic", key_tiles="mosaic"), dict(solve="fused")]
+  if solve_mosaic.available(v.dtype, D, D):
+    sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic")
+              for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
   for params in sweep if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
-        *a, None, scale=scale, lower_bound=lb, save=False, **p), (q, k, v, loc, beta_f)))
+        *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
   w, u, qs, kd, aqk, kk, minv = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
-      q, k, v, loc, beta_f)
+      *intra_args)
+  decay = p.decay
   _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
   dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
   dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
@@ -349,7 +350,7 @@ def per_kernel_times(x, do, shape):
         cases.append(("intra_bwd", dict(variant=variant, num_warps=nw, **extra),
                       lambda *a, nw=nw, variant=variant, extra=extra: bwd.intra_backward(
                           *a, scale=scale, lower_bound=lb, num_warps=nw, variant=variant, **extra),
-                      (q, k, v, loc, beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
+                      (p.q, p.k, v, p.loc, p.beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)))
   return rows + [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
 
 

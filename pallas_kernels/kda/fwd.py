@@ -1,19 +1,20 @@
-"""Forward kernels: the pre-pass (gate, L2 norms, the gates' cumulative sums), the parallel intra-chunk pass, the
-sequential state pass that also writes the output; and v3, the intra pass in one kernel, which the tests hold the
-launches to."""
+"""Forward kernels: the pre-pass (gate, L2 norms, the products' operands against their tiles' anchors), the parallel
+intra-chunk pass, the sequential state pass that also writes the output; and v3, the intra pass in one kernel, which
+the tests hold the launches to."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda import gram_mosaic, solve_mosaic
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, iota, load, masked, mm, mm_t,
-                                      store, store_block_diagonal, t_mm, unit_lower_inverse, unit_lower_inverse_16,
-                                      write_tile_cumsum)
+from pallas_kernels.kda import solve_mosaic
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
+                                      mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
+                                      unit_lower_inverse_16, write_tile_cumsum)
 
 L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
 
@@ -88,94 +89,132 @@ def intra_forward_reference(q, k, v, g, beta, reset, *, scale, lower_bound, num_
                      num_warps=num_warps, num_stages=1)(*args)
 
 
-def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len):
-  """The forward's first launch, one program per chunk: the gates' cumulative sums per tile and the chunk's state
-  decay; with `fused`, from the gate projection (`k3jax.ops.kda.kda_gate`), and also the L2-normalised q, k and
-  β = σ(logits). One streaming pass in place of XLA's pre-pass, so no later kernel takes a cumulative sum."""
-  n_in = 6 if fused else 1
-  ins, reset_ref, outs = refs[:n_in], (refs[n_in] if has_reset else None), refs[n_in + has_reset:]
-  g = load(ins[2 if fused else 0])
-  loc_ref, decay_ref = outs[-2:]
+class Prepared(NamedTuple):
+  """`prepare`'s outputs. q, k: normalised (the fused entry) or as given; with loc, the backward's (None unless
+  saved). qe = q ⊙ e^{G - R - c}, kq = k ⊙ e^{G - R - c}, ke = k ⊙ e^{c - (G - R)} (input dtype `[B,T,H,K]`, R
+  each row's tile anchor, `tiles`); tot fp32 `[B,T/16,H,K]`, each tile's total log-decay; decay fp32 `[B,N,H,K]`,
+  the chunks' state decay; β fp32 `[B,T,H]`; loc fp32 `[B,T,H,K]`, the cumulative sums within each tile."""
+  q: jax.Array | None
+  k: jax.Array | None
+  qe: jax.Array
+  kq: jax.Array
+  ke: jax.Array
+  tot: jax.Array
+  decay: jax.Array
+  beta: jax.Array
+  loc: jax.Array | None
+
+
+def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save):
+  """The forward's first launch, one program per chunk: the key-tile products' operands, each row against its own
+  tile's anchor, the tiles' totals and the chunk's state decay; with `fused`, from the gate projection
+  (`k3jax.ops.kda.kda_gate`) and L2-normalising q, k, with β = σ(logits). The exponentials of the whole chunk are
+  taken here, once, not per anchor in the key tiles."""
+  n_in = 6 if fused else 3
+  ins, reset_ref, outs = refs[:n_in], (refs[n_in] if has_reset else None), list(refs[n_in + has_reset:])
+  q_ref, k_ref, g_ref = ins[:3]
+  qn_ref, kn_ref = (outs.pop(0), outs.pop(0)) if fused and save else (None, None)
+  g = load(g_ref)
   if fused:
-    q_ref, k_ref, _, b_ref, a_ref, dt_ref = ins
-    qn_ref, kn_ref, beta_ref = outs[:3]
-    for x_ref, xn_ref in ((q_ref, qn_ref), (k_ref, kn_ref)):
-      x = load(x_ref)
-      store(xn_ref, None, x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS))
+    _, _, _, b_ref, a_ref, dt_ref = ins
     z = jnp.maximum(load(a_ref)[None, :] * (g + load(dt_ref)[None, :]), -80.0)   # as kda_gate: no subnormal g
     g = lower_bound / (1.0 + jnp.exp(-z))
-    store(beta_ref, None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
+    store(outs.pop(0), None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
   if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
     g = jnp.where(pl.program_id(0) * CHUNK + iota((CHUNK, 1), 0) < valid_len, g, 0.0)
-  gates = Gates(write_tile_cumsum(g, loc_ref), reset_ref, lower_bound)
-  decay_ref[...] = gates.decay().reshape(decay_ref.shape)
+  qe_ref, kq_ref, ke_ref, tot_ref, decay_ref, *loc_ref = outs
+  g_tiles = g.reshape(NT, SUB, -1)
+  loc = jnp.cumsum(g_tiles, axis=1).reshape(CHUNK, -1)
+  tot = jnp.sum(g_tiles, axis=1)
+  if save:
+    store(loc_ref[0], None, loc)
+  store(tot_ref, None, tot)
+  decay = jnp.exp(jnp.sum(tot, axis=0, keepdims=True))
+  if has_reset:   # a document begins inside the chunk: the state entering it reaches no later row
+    decay = jnp.where(jnp.sum(load(reset_ref, None, jnp.int32)) == 0, decay, 0.0)
+  decay_ref[...] = decay.reshape(decay_ref.shape)
+  # q and k one at a time: v12 first held q, k, g and the sums at once, 0.55 ms against 0.35 (BUILD_NOTES run 12).
+  c = SUB / 2 * lower_bound
+  e_q = jnp.exp(loc - c)
+  for x_ref, xn_ref, outputs in ((q_ref, qn_ref, ((qe_ref, e_q),)),
+                                 (k_ref, kn_ref, ((kq_ref, e_q), (ke_ref, None)))):
+    x = load(x_ref)
+    if fused:
+      x = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
+    if xn_ref is not None:
+      store(xn_ref, None, x)
+    for ref, factor in outputs:
+      store(ref, None, x * (jnp.exp(c - loc) if factor is None else factor))
 
 
-def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None):
-  """The forward's first launch (`_prepare_kernel`). `gate` None: g is the log-decay and q, k, β are returned as
-  they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q and k come back
-  L2-normalised and β as σ(β). Rows from `valid_len` on (T's padding) get g = 0. Returns q, k, loc (fp32
-  [B,T,H,K]), the chunks' state decay (fp32 [B,N,H,K]) and β (fp32 [B,T,H])."""
+def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, num_warps=None):
+  """The forward's first launch (`_prepare_kernel`), returning `Prepared`. `gate` None: g is the log-decay and q,
+  k, β are taken as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q
+  and k are L2-normalised and β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also write what
+  the backward reads (normalised q, k and loc). Warps: 4 without `save`, 8 with (H200, BUILD_NOTES KDA run 12)."""
   B, T, H, K = g.shape
   N = T // CHUNK
   fused = gate is not None
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
   tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
   head = pl.BlockSpec((None, K), lambda n, bh: (bh % H, 0))
-  args, in_specs = [g], [row(K)]
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, N, H, K), F32)]
-  out_specs = [row(K), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  args, in_specs = [q, k, g], [row(K)] * 3
+  out_shape, out_specs = [], []
   if fused:
     A_log, dt_bias = gate
     a = jnp.broadcast_to(jnp.exp(A_log.astype(F32))[:, None], (H, K))
-    args, in_specs = [q, k, g, beta, a, dt_bias.astype(F32)], [row(K), row(K), row(K), tok, head, head]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct((B, T, H), F32)] + out_shape
-    out_specs = [row(K), row(K), tok] + out_specs
+    args, in_specs = args + [beta, a, dt_bias.astype(F32)], in_specs + [tok, head, head]
+    if save:
+      out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 2, [row(K)] * 2
+    out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H), F32)], out_specs + [tok]
+  out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [jax.ShapeDtypeStruct((B, T // SUB, H, K), F32),
+                                                               jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, NT, None, K), lambda n, bh: (bh // H, n, bh % H, 0)),
+                               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  if save:
+    out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, K), F32)], out_specs + [row(K)]
   if reset is not None:
     args.append(reset)
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
   kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, has_reset=reset is not None,
-                             valid_len=valid_len)
-  outs = triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="kda_prepare", num_warps=4, num_stages=1)(*args)
-  if not fused:
-    return (q, k, *outs, beta.astype(F32))
-  q_n, k_n, beta, loc, decay = outs
-  return q_n, k_n, loc, decay, beta
+                             valid_len=valid_len, save=save)
+  outs = list(triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          name="kda_prepare", num_warps=num_warps or (8 if save else 4), num_stages=1)(*args))
+  q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
+  beta = outs.pop(0) if fused else beta.astype(F32)
+  qe, kq, ke, tot, decay, *loc = outs
+  return Prepared(q_n, k_n, qe, kq, ke, tot, decay, beta, loc[0] if save else None)
 
 
-def _key_tile_kernel(q_ref, k_ref, loc_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype, block_k):
-  """The forward's second launch, one program per (key tile J, chunk): column block J of A_qk and B (every row of
-  the chunk scaled for anchor R_J, times key tile J), and tile J's rows of the scaled decayed queries, of the keys
-  decayed to the chunk end and of βΓK, `block_k` columns of K at a time: two [64,16] accumulators and [64,block_k]
-  tiles, where v8 (one program per chunk) held [64,K] tiles at 239 registers, one program per SM. The rows above
-  tile J are computed (scaled by zero) and masked: a branch per J with only its rows took 1.16 ms against 0.77
-  (BUILD_NOTES run 10)."""
+def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
+                     block_k):
+  """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
+  queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
+  I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time. No exponential of a [64,K] tile: `prepare` took
+  them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
-  keys = pl.ds(docs.i * SUB, SUB)
-  beta_j = beta_ref[keys].astype(F32)[:, None]
+  rows = pl.ds(docs.i * SUB, SUB)
+  beta_i = beta_ref[...].astype(F32)[:, None]
 
   def columns(cb, acc):
     cols = pl.ds(cb * block_k, block_k)
-    tg = TileGates(loc_ref, docs, lower_bound, cols)
-    k_j = k_ref[keys, cols].astype(F32)
-    key_tile = (k_j * tg.e_k()).astype(dtype)
-    queries = tg.queries_factor()                    # every row of tiles I >= J, scaled for anchor R_J
-    acc_qk = acc[0] + mm_t(q_ref[:, cols].astype(F32) * queries, key_tile, dtype)
-    acc_kk = acc[1] + mm_t(k_ref[:, cols].astype(F32) * queries, key_tile, dtype)
-    gamma = tg.gamma()
-    qs_ref[:, cols] = (scale * q_ref[keys, cols].astype(F32) * gamma).astype(qs_ref.dtype)
-    kd_ref[:, cols] = (k_j * tg.to_end()).astype(kd_ref.dtype)
-    kgb_ref[:, cols] = (beta_j * gamma * k_j).astype(kgb_ref.dtype)
+    an = TileAnchors([tot_ref[pl.ds(p, 1), cols].astype(F32) for p in range(NT)], docs, lower_bound)
+    keys = (ke_ref[:, cols].astype(F32) * an.keys_scale()).astype(dtype)
+    qe_i, kq_i = qe_ref[:, cols].astype(F32), kq_ref[:, cols].astype(F32)
+    acc_qk = acc[0] + mm_t(qe_i, keys, dtype)
+    acc_kk = acc[1] + mm_t(kq_i, keys, dtype)
+    start = an.from_anchor()
+    qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
+    kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
+    kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
     return acc_qk, acc_kk
 
-  zeros = jnp.zeros((CHUNK, SUB), F32)
-  acc_qk, acc_kk = jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, columns, (zeros, zeros))
-  aqk_ref[...] = masked(scale * acc_qk, docs.column_mask(False)).astype(aqk_ref.dtype)
-  kk_ref[...] = masked(acc_kk, docs.column_mask(True)).astype(kk_ref.dtype)
+  zeros = jnp.zeros((SUB, CHUNK), F32)
+  acc_qk, acc_kk = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns, (zeros, zeros))
+  aqk_ref[...] = masked(scale * acc_qk, docs.row_mask(False)).astype(aqk_ref.dtype)
+  kk_ref[...] = masked(acc_kk, docs.row_mask(True)).astype(kk_ref.dtype)
 
 
 def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):
@@ -194,52 +233,43 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
     w_ref[:, cols] = mm(x, kgb_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
 
 
-def intra_forward(q, k, v, loc, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None, key_tiles="triton"):
-  """The intra pass on `prepare`'s outputs (v11, BUILD_NOTES KDA run 11): the key-tile launch (`_key_tile_kernel`),
-  then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). q, k `[B,T,H,K]` (normalised),
-  v `[B,T,H,V]`, loc and β from `prepare`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled
-  decayed queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32)
-  and, with `save` (for the backward), M = (I + A_kk)⁻¹
-  (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None otherwise). `solve`: "triton" (`_solve_kernel`),
-  "mosaic" (`solve_mosaic.solve`, bf16 on Hopper), None (the Mosaic solve where `solve_mosaic.available`), or
-  "fused": key tiles and solve in one Mosaic launch (`gram_mosaic.intra`; B is then None unless `save`).
-  `key_tiles`: "triton" or "mosaic" (`gram_mosaic.key_tiles`); both Mosaic options are opt-in, not yet timed."""
-  B, T, H, K = q.shape
-  if solve not in (None, "triton", "mosaic", "fused"):
-    raise ValueError(f"intra_forward: solve must be None, 'triton', 'mosaic' or 'fused', got {solve!r}")
-  if key_tiles not in ("triton", "mosaic"):
-    raise ValueError(f"intra_forward: key_tiles must be 'triton' or 'mosaic', got {key_tiles!r}")
-  solve = solve or ("mosaic" if solve_mosaic.available(q.dtype, K, v.shape[-1]) else "triton")
+def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
+                  block_cols=64, solve=None):
+  """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
+  then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
+  `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
+  queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with
+  `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
+  otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
+  Mosaic solve where `solve_mosaic.available`)."""
+  B, T, H, K = qe.shape
+  if solve not in (None, "triton", "mosaic"):
+    raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
   V = v.shape[-1]
+  solve = solve or ("mosaic" if solve_mosaic.available(qe.dtype, K, V) else "triton")
+  if solve == "mosaic":
+    solve_mosaic.check_supported(qe.dtype, K, V)
   N = T // CHUNK
-  dt = q.dtype
+  dt = qe.dtype
   block_k = block_k or min(K, 32)
   if K % block_k or block_k % SUB:
     raise ValueError(f"intra_forward: block_k={block_k} must be a multiple of {SUB} dividing K={K}")
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda j, n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda j, n, bh: (bh // H, n, bh % H))
-  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda j, n, bh: (bh // H, n * NT + j, bh % H, 0))
-  col = pl.BlockSpec((None, CHUNK, None, SUB), lambda j, n, bh: (bh // H, n, bh % H, j))
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda i, n, bh: (bh // H, n, bh % H, 0))
+  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
-  flags = dict(lower_bound=lower_bound, has_reset=reset is not None)
-  beta_BHT = jnp.swapaxes(beta, 1, 2)       # the Mosaic launches' layout: a chunk's β contiguous for TMA
-  docs = None if reset is None or (solve != "fused" and key_tiles != "mosaic") else gram_mosaic.chunk_docs(reset)
-  if solve == "fused":
-    return gram_mosaic.intra(q, k, v, loc, beta_BHT, docs, scale=scale, lower_bound=lower_bound, save=save)
-  if key_tiles == "mosaic":
-    aqk, kk, qs, kd, kgb = gram_mosaic.key_tiles(q, k, loc, beta_BHT, docs, scale=scale, lower_bound=lower_bound)
-  else:
-    aqk, kk, qs, kd, kgb = triton_call(
-        functools.partial(_key_tile_kernel, scale=scale, dtype=dt, block_k=block_k, **flags), grid=(NT, N, B * H),
-        in_specs=[row(K), row(K), row(K), tok]
-        + [pl.BlockSpec((None, CHUNK), lambda j, n, bh: (bh // H, n))] * len(resets),
-        out_specs=[col, col, tile(K), tile(K), tile(K)],
-        out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
-        num_warps=num_warps or 4, num_stages=2)(q, k, loc, beta, *resets)
+  aqk, kk, qs, kd, kgb = triton_call(
+      functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
+                        dtype=dt, block_k=block_k),
+      grid=(NT, N, B * H),
+      in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
+                pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
+      + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
+      out_specs=[tile(CHUNK), tile(CHUNK), tile(K), tile(K), tile(K)],
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
+      num_warps=num_warps or 2, num_stages=2)(qe, kq, ke, tot, beta, *resets)   # 2 beat 1, 4 and 8 (run 12)
   if solve == "mosaic":
-    w, u, minv = solve_mosaic.solve(beta_BHT, kk, kgb, v, save=save)
+    w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
     return w, u, qs, kd, aqk, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))

@@ -5,8 +5,9 @@ cumulative log-decay before the tile), shifted by the constant c = 8·γ_min: ca
 anchor), and with g >= γ_min >= -5.5 the query factor e^{G_i - R_I - c} and the key factor e^{R_I - G_j + c} of
 the diagonal tile both stay within e^{±8|γ_min|} (<= e^{44}), so the diagonal tile is a plain GEMM (SPEC.md §2)
 and neither factor underflows to a denormal (unshifted, the query side reaches e^{-80}). Off the diagonal the key
-factor is below e^{c}. The forward's first kernel writes each row's cumulative log-decay from its tile's start
-(`write_tile_cumsum`); every later kernel reads it instead of taking a cumulative sum.
+factor is below e^{c}. The forward's first kernel writes the products' operands already against their own tile's
+anchor, with each tile's total log-decay (`TileAnchors` rescales keys from those), and for the backward each row's
+cumulative log-decay from its tile's start (`write_tile_cumsum`): no later kernel takes a cumulative sum.
 
 Products are 16-row blocks of the chunk against all 64 keys: query tile I (16 x K) times the chunk's keys scaled
 for anchor R_I (64 x K). Triton cannot slice register values, so tiles are loaded from refs where needed, and the
@@ -28,9 +29,8 @@ F32 = jnp.float32
 
 def write_tile_cumsum(g, loc_ref):
   """Stores the chunk's cumulative sums of g ([64,K] fp32) within each 16-token tile in `loc_ref` and returns it,
-  readable by the whole CTA. Written once by the forward's first kernel for every later one: a cumulative sum costs a kernel
-  more than reading it (v6's first launch lost a third of its time to the sums it now writes, BUILD_NOTES KDA run 8;
-  as an XLA pass, 0.32 ms at 8×4096, more than all the kernels saved). Sums of same-sign terms only."""
+  readable by the whole CTA (v3, the one-kernel reference; `fwd.prepare` writes the same sums for the backward).
+  Sums of same-sign terms only."""
   store(loc_ref, None, jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1))
   barrier()
   return loc_ref
@@ -214,24 +214,46 @@ class TileDocs:
     return m if self.doc_ok_t is None else m & self.doc_ok_t
 
 
-class TileGates:
-  """What one tile i (`docs.i`, a traced index) needs of its chunk's gates, for kernels that run a program per tile;
-  the same quantities as `Gates`, every sum over same-sign terms. Of the columns `cols` (a `pl.ds`) or all."""
+class TileAnchors:
+  """Tile i's anchors (`docs.i`, a traced index) from its chunk's tile totals `tot` (four [1,K] log-decays), for
+  kernels that run a program per tile; every sum over same-sign terms."""
 
-  def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
+  def __init__(self, tot, docs, lower_bound):
     i = docs.i
     self.c = SUB / 2 * lower_bound
-    tot = tile_totals(loc_ref, cols)                                                      # [1,K] per tile
     zero = jnp.zeros_like(tot[0])
     # Rows of tile J against anchor R_i: keys (J <= i) take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1), queries
     # (J >= i) take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
     self.key_span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
     self.query_span = [sum((jnp.where(p >= i, tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
     self.i, self.docs = i, docs
-    self.loc_all = loc_ref[:, cols].astype(F32)                                           # tile start -> row
-    self.loc = loc_ref[pl.ds(i * SUB, SUB), cols].astype(F32)                             # [16,K], tile i
     self.prefix = self.key_span[0]                                                           # R_i
     self.rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)             # G_C - R_i
+
+  def keys_scale(self):
+    """[64,K]: e^{R_i - R_J} on rows of tiles J <= i, 0 after: keys already against their own anchor
+    (`prepare`'s ke), rescaled for anchor i. Exponentials of [1,K] rows only."""
+    return per_tile([jnp.where(j <= self.i, jnp.exp(self.key_span[j]), 0.0) for j in range(NT)])
+
+  def from_anchor(self):
+    """[1,K] or [16,K]: e^{R_i + c}, zero past a document start inside the chunk: q ⊙ e^{G - R_i - c} times this
+    is q ⊙ e^{G}."""
+    return masked(jnp.exp(self.prefix + self.c), self.docs.first)
+
+  def to_end_from_anchor(self):
+    """[1,K] or [16,K]: e^{G_C - R_i - c}, zero unless the row is in the chunk's last document: k ⊙ e^{c - (G - R_i)}
+    times this is k ⊙ e^{G_C - G}."""
+    return masked(jnp.exp(self.rest - self.c), self.docs.last)
+
+
+class TileGates(TileAnchors):
+  """What one tile i needs of its chunk's gates, from the cumulative sums `prepare` wrote: the same quantities as
+  `Gates`, every sum over same-sign terms. Of the columns `cols` (a `pl.ds`) or all."""
+
+  def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
+    super().__init__(tile_totals(loc_ref, cols), docs, lower_bound)
+    self.loc_all = loc_ref[:, cols].astype(F32)                                           # tile start -> row
+    self.loc = loc_ref[pl.ds(docs.i * SUB, SUB), cols].astype(F32)                        # [16,K], tile i
 
   def keys_factor(self):
     """[64,K]: e^{c - (G - R_J) + R_i - R_J} on rows of tiles J <= i, 0 after: the chunk's keys for anchor i."""
