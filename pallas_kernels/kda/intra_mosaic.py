@@ -108,8 +108,9 @@ def _chunk(qe_gmem, kq_gmem, ke_gmem, tot_gmem, beta_gmem, v_gmem, *refs, H, sca
         span = lambda lo, hi: sum(tot[lo:hi], jnp.zeros_like(tot[0]))   # same-sign terms only
         for i in range(NT):
           # Anchor R_i: queries of tile i (against their own anchor already), keys of tiles J <= i times e^{R_i-R_J}.
-          qa_s[...] = jnp.where(in_tile(i), load(qe_s[p]), 0.0).astype(BF16)
-          ka_s[...] = jnp.where(in_tile(i), load(kq_s[p]), 0.0).astype(BF16)
+          for src, dst in ((qe_s[p], qa_s), (kq_s[p], ka_s)):
+            x = plgpu.load(src, layout=WGMMA)                    # bf16: no conversion, half the registers
+            dst[...] = jnp.where(in_tile(i), x, jnp.zeros_like(x))
           kop_s[...] = (load(ke_s[p]) * by_tile([jnp.exp(span(j, i)) for j in range(i + 1)])).astype(BF16)
           plgpu.commit_smem()
           plgpu.wgmma(acc_qk, qa_s, kop_s.transpose((1, 0)))
