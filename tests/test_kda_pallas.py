@@ -91,6 +91,27 @@ def fused_args(seed):
           jax.random.normal(ks[6], (H, K))), ks[7]
 
 
+def test_prepare_writes_the_backwards_outputs_only_when_saving_and_the_same_operands_either_way():
+  """`prepare` without `save` (the undifferentiated forward) skips normalised q, k and the cumulative sums, and its
+  operands equal those written with them; with the gate fused, q and k come back unit-norm and qe = q ⊙ e^{G-R-c}."""
+  B, T, H, K, V = SHAPE
+  (q, k, _, g_raw, beta_logits, A_log, dt_bias), _ = fused_args(35)
+  q, k, g_raw = (jnp.pad(x, ((0, 0), (0, 128 - T), (0, 0), (0, 0))) for x in (q, k, g_raw))
+  beta_logits = jnp.pad(beta_logits, ((0, 0), (0, 128 - T), (0, 0)))
+  run = lambda save: fwd.prepare(q, k, g_raw, beta_logits, (A_log, dt_bias), None, lower_bound=-5.0,
+                                 valid_len=T, save=save)
+  saved, unsaved = run(True), run(False)
+  assert unsaved.q is None and unsaved.k is None and unsaved.loc is None
+  for name in ("qe", "kq", "ke", "tot", "decay", "beta"):
+    chex.assert_trees_all_equal(getattr(saved, name), getattr(unsaved, name))
+  chex.assert_trees_all_close(jnp.linalg.norm(saved.q[:, :T], axis=-1), jnp.ones((B, T, H)), rtol=1e-5)
+  c = 8 * -5.0
+  chex.assert_trees_all_close(saved.qe, saved.q * jnp.exp(saved.loc - c), rtol=1e-5)
+  # Padding decays nothing: the sums stay flat past T within its tile (rows 96-111) and later tiles total zero.
+  assert float(jnp.max(jnp.abs(jnp.diff(saved.loc[:, T - 1:112], axis=1)))) == 0.0
+  assert float(jnp.max(jnp.abs(saved.tot[:, 112 // 16:]))) == 0.0
+
+
 def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
   args, key = fused_args(24)
   cot = jax.random.normal(key, args[2].shape)
