@@ -276,17 +276,15 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
 
 
 def use_variants(intra_bwd, solve):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and these intra launches in
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in
   this process: candidates are timed end to end before they become defaults."""
   from pallas_kernels.kda import bwd, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
-  launches = {"solve": solve} if solve else {}
-  if launches:
-    fwd.intra_forward = functools.partial(fwd.intra_forward, **launches)
-  if intra_bwd or launches:
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, {launches or 'default intra launches'}",
-          flush=True)
+  if solve:
+    fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
+  if intra_bwd or solve:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
 
 
 def per_kernel_times(x, do, shape):

@@ -192,13 +192,12 @@ class TileDocs:
 
   def __init__(self, reset_ref, i):
     self.i = i
-    self.doc_ok = self.doc_ok_t = self.first = self.last = None
+    self.doc_ok = self.first = self.last = None
     if reset_ref is not None:
       reset = load(reset_ref, None, jnp.int32)
       doc_all = jnp.cumsum(reset, axis=0)                                                  # resets up to each row
       doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
       self.doc_ok = doc_i[:, None] == doc_all[None, :]                                     # [16,64]: tile vs chunk
-      self.doc_ok_t = doc_all[:, None] == doc_i[None, :]                                   # [64,16]: chunk vs tile
       self.first, self.last = (doc_i == 0)[:, None], (doc_i == jnp.sum(reset))[:, None]
 
   def row_mask(self, strict):
@@ -206,12 +205,6 @@ class TileDocs:
     causal = iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - self.i * SUB                 # key - query position
     m = causal < 0 if strict else causal <= 0
     return m if self.doc_ok is None else m & self.doc_ok
-
-  def column_mask(self, strict):
-    """[64,16]: the chunk's queries against tile i's keys, causal (strictly, for B), within one document."""
-    causal = iota((CHUNK, SUB), 1) + self.i * SUB - iota((CHUNK, SUB), 0)                 # key - query position
-    m = causal < 0 if strict else causal <= 0
-    return m if self.doc_ok_t is None else m & self.doc_ok_t
 
 
 class TileAnchors:
@@ -222,11 +215,9 @@ class TileAnchors:
     i = docs.i
     self.c = SUB / 2 * lower_bound
     zero = jnp.zeros_like(tot[0])
-    # Rows of tile J against anchor R_i: keys (J <= i) take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1), queries
-    # (J >= i) take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
+    # Keys of tile J <= i against anchor R_i take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1).
     self.key_span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
-    self.query_span = [sum((jnp.where(p >= i, tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
-    self.i, self.docs = i, docs
+    self.tot, self.i, self.docs = tot, i, docs
     self.prefix = self.key_span[0]                                                           # R_i
     self.rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)             # G_C - R_i
 
@@ -252,6 +243,9 @@ class TileGates(TileAnchors):
 
   def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
     super().__init__(tile_totals(loc_ref, cols), docs, lower_bound)
+    # Queries of tile J >= i against anchor R_i take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
+    zero = jnp.zeros_like(self.tot[0])
+    self.query_span = [sum((jnp.where(p >= self.i, self.tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
     self.loc_all = loc_ref[:, cols].astype(F32)                                           # tile start -> row
     self.loc = loc_ref[pl.ds(docs.i * SUB, SUB), cols].astype(F32)                        # [16,K], tile i
 
