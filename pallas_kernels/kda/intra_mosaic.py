@@ -95,7 +95,6 @@ def _chunk(qe_gmem, kq_gmem, ke_gmem, tot_gmem, beta_gmem, v_gmem, *refs, H, sca
         out = jnp.where(in_tile(j), per_col(x), out)
       return out
 
-    beta_row = lambda: plgpu.load(beta_s, layout=WGMMA.reduce(1))
     first = last = None                     # rows in the chunk's first / last document
     if has_docs:
       first = per_row(plgpu.load(docs_s.at[0], layout=WGMMA.reduce(1))) == 0
@@ -120,7 +119,7 @@ def _chunk(qe_gmem, kq_gmem, ke_gmem, tot_gmem, beta_gmem, v_gmem, *refs, H, sca
         # the chunk's last document), each thread rewriting the elements it loaded.
         start = mask(first, by_tile([jnp.exp(span(0, j) + c) for j in range(NT)]))
         qe_s[p][...] = (scale * load(qe_s[p]) * start).astype(BF16)
-        kq_s[p][...] = (per_row(beta_row()) * load(kq_s[p]) * start).astype(BF16)
+        kq_s[p][...] = (per_row(plgpu.load(beta_s, layout=WGMMA.reduce(1))) * load(kq_s[p]) * start).astype(BF16)
         ke_s[p][...] = mask(last, load(ke_s[p]) * by_tile([jnp.exp(span(j, NT) - c) for j in range(NT)])).astype(BF16)
         plgpu.commit_smem()
         for src, dst in ((qe_s[p], qs_gmem), (ke_s[p], kd_gmem)):
@@ -152,22 +151,12 @@ def _chunk(qe_gmem, kq_gmem, ke_gmem, tot_gmem, beta_gmem, v_gmem, *refs, H, sca
     pl.run_scoped(write, square(BF16), square(F32))
 
     # The solve: qe's and ke's buffers (Qs and Kd stored: the write scope waited) take the products' bf16 halves.
-    a_hi, a_lo, b_hi, b_lo = (list(qe_s) + list(ke_s) + list(spare_s))[:4]
-    x = solve_mosaic.unit_lower_inverse(a_kk * lax.broadcast_in_dim(beta_row(), (CHUNK, CHUNK), [0]),
-                                        (a_hi, a_lo, b_hi, b_lo))
+    for j in range(PV):
+      plgpu.barrier_wait(loaded.at[len(copies) + j])
+    squares = (list(qe_s) + list(ke_s) + list(spare_s))[:4]
 
     def outputs(m_s):
-      if save:
-        m_s[...] = x
-      # U = (M diag β) V and W = M (βΓK): V and βΓK are exact in bf16, so two products each.
-      beta_col = lax.broadcast_in_dim(plgpu.load(beta_s, layout=WGMMA.reduce(0)), (CHUNK, CHUNK), [1])
-      (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = solve_mosaic.halves(x * beta_col), solve_mosaic.halves(x)
-      plgpu.commit_smem()
-      for j in range(PV):
-        plgpu.barrier_wait(loaded.at[len(copies) + j])
-        v_s[j][...] = solve_mosaic.product((CHUNK, 64), (a_hi, v_s[j]), (a_lo, v_s[j])).astype(BF16)
-      for p in range(P):
-        kq_s[p][...] = solve_mosaic.product((CHUNK, 64), (b_hi, kq_s[p]), (b_lo, kq_s[p])).astype(BF16)
+      solve_mosaic.solve_in_place(a_kk, beta_s, squares, v_s, kq_s, m_s if save else None)
       plgpu.commit_smem()
       stores = [(v_s[j], u_gmem, cols[j]) for j in range(PV)] + [(kq_s[p], w_gmem, cols[p]) for p in range(P)]
       stores += [(m_s, m_gmem, slice(None))] if save else []

@@ -111,6 +111,22 @@ def unit_lower_inverse(a, squares):
   return x
 
 
+def solve_in_place(b_kk, beta_s, squares, v_blocks, kgb_blocks, m_s=None):
+  """M = (I + βB)⁻¹ from B (fp32 [64,64], wgmma layout), written to `m_s` if given, then U = M βV over V's
+  shared-memory blocks and W = M (βΓK) over βΓK's; V and βΓK are exact in bf16, so two products on M's halves each.
+  The caller commits shared memory before storing. Shared by the solve and the fused intra launch (`intra_mosaic`)."""
+  a_hi, a_lo, b_hi, b_lo = squares
+  beta = lambda dim: lax.broadcast_in_dim(plgpu.load(beta_s, layout=WGMMA.reduce(1 - dim)), (CHUNK, CHUNK), [dim])
+  x = unit_lower_inverse(b_kk * beta(0), squares)
+  if m_s is not None:
+    m_s[...] = x
+  (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = halves(x * beta(1)), halves(x)
+  plgpu.commit_smem()
+  for (hi, lo), blocks in (((a_hi, a_lo), v_blocks), ((b_hi, b_lo), kgb_blocks)):
+    for blk in blocks:
+      blk[...] = product((CHUNK, blk.shape[-1]), (hi, blk), (lo, blk)).astype(BF16)
+
+
 def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
   n, bh = lax.axis_index("n"), lax.axis_index("bh")
   b, h, rows = bh // H, bh % H, pl.ds(n * CHUNK, CHUNK)
@@ -126,17 +142,7 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
       plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     for i in range(len(copies)):
       plgpu.barrier_wait(loaded.at[i])
-    per_row = lax.broadcast_in_dim(plgpu.load(beta, layout=WGMMA.reduce(1)), (CHUNK, CHUNK), [0])
-    per_col = lax.broadcast_in_dim(plgpu.load(beta, layout=WGMMA.reduce(0)), (CHUNK, CHUNK), [1])
-    x = unit_lower_inverse(plgpu.load(kk, layout=WGMMA) * per_row, (a_hi, a_lo, b_hi, b_lo))
-    if m_gmem:
-      kk[...] = x
-    # U = (M diag β) V and W = M (βΓK): V and βΓK are exact in bf16, so two products each.
-    (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = halves(x * per_col), halves(x)
-    plgpu.commit_smem()
-    u = product((CHUNK, V), (a_hi, v), (a_lo, v))
-    w = product((CHUNK, K), (b_hi, kgb), (b_lo, kgb))
-    v[...], kgb[...] = u.astype(BF16), w.astype(BF16)
+    solve_in_place(plgpu.load(kk, layout=WGMMA), beta, (a_hi, a_lo, b_hi, b_lo), [v], [kgb], kk if m_gmem else None)
     plgpu.commit_smem()
     for src, dst in ((v, u_gmem), (kgb, w_gmem)) + (((kk, m_gmem[0]),) if m_gmem else ()):
       plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
