@@ -36,13 +36,14 @@ flags.DEFINE_bool("check", False, "After timing, check Pallas against the XLA pa
 flags.DEFINE_list("check_cases", None, "With --check: only these cases (default all of CHECK_CASES).")
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
-flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_products,state_fwd); default all.")
+flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
 flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
                   "JAX's for ours): where each program's time goes.")
 flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
-flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
+flags.DEFINE_enum("solve", None, ["triton", "mosaic", "fused"], "Run the whole op with this solve launch, not the "
+                  "default (fused: key tiles and solve in one Mosaic GPU launch).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -281,7 +282,7 @@ def use_variants(intra_bwd, solve):
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if solve:
-    fwd.intra_forward = functools.partial(fwd.intra_forward, solve_method=solve)
+    fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
   if intra_bwd or solve:
     print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
 
@@ -298,21 +299,23 @@ def per_kernel_times(x, do, shape):
   gate = (x["A_log"], x["dt_bias"])
   raw = (x["q"], x["k"], x["g_raw"], x["beta_logits"])
   cases = [("prepass", {}, fused_inputs, (x,))]
-  cases += [("intra_products", dict(save=save, num_warps=nw),
-             lambda *a, s=save, nw=nw: fwd.intra_products(*a, gate, None, scale=scale, lower_bound=lb, save=s,
-                                                          num_warps=nw), raw)
-            for save in (False, True) for nw in ((2, 4, 8) if FLAGS.sweep else (None,))]
-  _, kk, _, _, kgb, _, beta, *_ = jax.jit(lambda *a: fwd.intra_products(*a, gate, None, scale=scale, lower_bound=lb,
-                                                                        save=False))(*raw)
-  methods = ("triton", "mosaic") if solve_mosaic.available(v.dtype, D, D) else ("triton",)
-  cases += [("solve", dict(method=m), lambda *a, m=m: fwd.solve(*a, save=False, method=m), (beta, kk, kgb, v))
-            for m in (methods if FLAGS.sweep else (None,))]
+  cases += [("prepare", dict(save=save, num_warps=nw),
+             lambda *a, s=save, nw=nw: fwd.prepare(*a, gate, None, lower_bound=lb, save=s, num_warps=nw), raw)
+            for save in (False, True) for nw in ((4, 8) if FLAGS.sweep else (4,))]
+  p = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
+  intra_args = (p.qe, p.kq, p.ke, p.tot, v, p.beta)
+  sweep = [dict(block_k=bk, num_warps=nw, solve="triton") for bk in (32, 64) for nw in (4, 8) if bk <= D]
+  if solve_mosaic.available(v.dtype, D, D):
+    sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic")
+              for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))] + [dict(solve="fused")]
+  for params in sweep if FLAGS.sweep else [{}]:
+    cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
+        *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
-  if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "intra_products", "solve"}:
+  if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
-  p = jax.jit(lambda q, k, v, g, b: fwd.intra_forward(q, k, v, g, b, gate, None, scale=scale, lower_bound=lb))(
-      x["q"], x["k"], v, x["g_raw"], x["beta_logits"])
-  w, u, qs, kd, aqk, kk, minv = p.w, p.u, p.qs, p.kd, p.aqk, p.kk, p.minv
+  w, u, qs, kd, aqk, kk, minv = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
+      *intra_args)
   decay = p.decay
   _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
   dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)

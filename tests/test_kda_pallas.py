@@ -91,28 +91,25 @@ def fused_args(seed):
           jax.random.normal(ks[6], (H, K))), ks[7]
 
 
-def test_products_write_the_backwards_outputs_only_when_saving_and_the_same_products_either_way():
-  """The first launch without `save` (the undifferentiated forward) skips the normalised q, k and the cumulative
-  sums, and its products equal those written with them; with the gate fused, q and k come back unit-norm, β is
-  σ(logits), and T's padding decays nothing."""
+def test_prepare_writes_the_backwards_outputs_only_when_saving_and_the_same_operands_either_way():
+  """`prepare` without `save` (the undifferentiated forward) skips normalised q, k and the cumulative sums, and its
+  operands equal those written with them; with the gate fused, q and k come back unit-norm and qe = q ⊙ e^{G-R-c}."""
   B, T, H, K, V = SHAPE
   (q, k, _, g_raw, beta_logits, A_log, dt_bias), _ = fused_args(35)
   q, k, g_raw = (jnp.pad(x, ((0, 0), (0, 128 - T), (0, 0), (0, 0))) for x in (q, k, g_raw))
   beta_logits = jnp.pad(beta_logits, ((0, 0), (0, 128 - T), (0, 0)))
-  run = lambda save: fwd.intra_products(q, k, g_raw, beta_logits, (A_log, dt_bias), None, scale=K ** -0.5,
-                                        lower_bound=-5.0, valid_len=T, save=save)
+  run = lambda save: fwd.prepare(q, k, g_raw, beta_logits, (A_log, dt_bias), None, lower_bound=-5.0,
+                                 valid_len=T, save=save)
   saved, unsaved = run(True), run(False)
-  assert unsaved[-3:] == (None, None, None)
-  chex.assert_trees_all_equal(saved[:7], unsaved[:7])
-  loc, q_n = saved[7], saved[8]
-  chex.assert_trees_all_close(jnp.linalg.norm(q_n[:, :T], axis=-1), jnp.ones((B, T, H)), rtol=1e-5)
-  chex.assert_trees_all_close(saved[6], jax.nn.sigmoid(beta_logits), rtol=1e-6)
-  # The sums stay flat past T within its tile (rows 96-111) and are zero in the last tile; the chunk's decay is
-  # that of its 36 real rows.
-  assert float(jnp.max(jnp.abs(jnp.diff(loc[:, T - 1:112], axis=1)))) == 0.0
-  assert float(jnp.max(jnp.abs(loc[:, 112:]))) == 0.0
-  g = kda.kda_gate(g_raw[:, 64:T], A_log, dt_bias, lower_bound=-5.0)
-  chex.assert_trees_all_close(saved[5][:, 1], jnp.exp(jnp.sum(g, axis=1)), rtol=1e-5)
+  assert unsaved.q is None and unsaved.k is None and unsaved.loc is None
+  for name in ("qe", "kq", "ke", "tot", "decay", "beta"):
+    chex.assert_trees_all_equal(getattr(saved, name), getattr(unsaved, name))
+  chex.assert_trees_all_close(jnp.linalg.norm(saved.q[:, :T], axis=-1), jnp.ones((B, T, H)), rtol=1e-5)
+  c = 8 * -5.0
+  chex.assert_trees_all_close(saved.qe, saved.q * jnp.exp(saved.loc - c), rtol=1e-5)
+  # Padding decays nothing: the sums stay flat past T within its tile (rows 96-111) and later tiles total zero.
+  assert float(jnp.max(jnp.abs(jnp.diff(saved.loc[:, T - 1:112], axis=1)))) == 0.0
+  assert float(jnp.max(jnp.abs(saved.tot[:, 112 // 16:]))) == 0.0
 
 
 def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
@@ -164,9 +161,11 @@ def variant_case(seed, case, B, T, H, K, V):
 
 
 def launches(x, reset, **kw):
-  """The forward's intra launches on (q, k, v, g, β), their outputs in `intra_forward_reference`'s order: w, u, qs,
-  kd, aqk, decay, kk, minv, loc."""
-  return fwd.intra_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, reset, **kw)[:9]
+  """The forward's pre-pass and intra launches on (q, k, v, g, β), their outputs in `intra_forward_reference`'s
+  order: w, u, qs, kd, aqk, decay, kk, minv, loc."""
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=kw["lower_bound"])
+  w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, **kw)
+  return w, u, qs, kd, aqk, p.decay, kk, minv, p.loc
 
 
 OUTPUTS = ("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc")
@@ -174,16 +173,16 @@ OUTPUTS = ("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc")
 
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
 def test_intra_launches_give_the_one_kernel_references_outputs(case):
-  """The products and solve launches give v3's nine outputs (one kernel from g) to fp32 rounding, with resets
-  mid-tile, at a tile start and at a chunk start."""
+  """The pre-pass, key-tile and solve launches give v3's nine outputs (one kernel from g) to fp32 rounding, with
+  resets mid-tile, at a tile start and at a chunk start."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = variant_case(26, case, B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
   outs, ref = launches(x, reset, **kw), fwd.intra_forward_reference(*x.values(), reset, **kw)
   chex.assert_tree_all_finite(outs)
   for name, a, b in zip(OUTPUTS, outs, ref):
-    # Repeated keys: W's rows cancel, and the launches' βΓK (against the tile's anchor, then to the chunk start)
-    # differs from v3's in the last bit; v12's launches were within 3e-6 of float64, v3 1e-5.
+    # Repeated keys: W's rows cancel, and the launches' βΓK (from the anchored keys) differs from v3's in the last
+    # bit; both are within 1e-5 of float64 (the launches 3e-6, v3 1e-5).
     tol = 3e-5 if (case, name) == ("repeated_keys", "w") else 1e-5
     assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
@@ -216,9 +215,9 @@ def test_intra_backward_variants_agree(case):
 
 
 def test_rows_stay_finite_on_large_unnormalised_inputs_with_gates_at_the_bound():
-  """Each product takes tile I's queries against their own anchor. With large unnormalised q, k and every gate at
-  the bound, a product of one anchor's factors over the whole chunk overflows in fp32 (e^{80}·q·k, as v7's discarded
-  rows did); the launch's rows stay finite and equal v3's."""
+  """The key-tile launch scales every row of tile I >= J for key tile J's anchor. With large unnormalised q, k and
+  every gate at the bound, a product of one anchor's factors over the whole chunk overflows in fp32 (e^{80}·q·k, as
+  v7's discarded rows did); the launch's rows stay finite and equal v3's."""
   x, _ = variant_case(31, "gates_at_bound", 1, 64, 1, 32, 32)
   x["q"], x["k"] = 1e4 * x["q"], 1e4 * x["k"]
   loc = jnp.cumsum(x["g"][0, :, 0].reshape(4, 16, -1), axis=1).reshape(64, -1)   # the kernel's factors, c = -40
@@ -232,8 +231,8 @@ def test_rows_stay_finite_on_large_unnormalised_inputs_with_gates_at_the_bound()
 
 
 def test_k_unlike_v_and_several_column_blocks_agree_with_v3():
-  """The solve's U and W loops tile V and K separately, and v5's column pass splits K; K = 128 and V = 32 exercise
-  both."""
+  """The key tiles loop over K in 32-column blocks, the solve's U and W loops tile V and K separately, and v5's
+  column pass splits K; K = 128 and V = 32 exercise all three."""
   B, T, H, K, V = 1, 128, 1, 128, 32
   x, reset = variant_case(29, "random_with_resets", B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
@@ -278,7 +277,7 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   text = cuda_module_text(monkeypatch, grads, *args)
   assert "kda_intra_fwd_solve_mosaic" in text   # bf16 on the (described) H200
-  for name in ("kda_intra_fwd_products", "kda_state_segment_maps",
+  for name in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_state_segment_maps",
                "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols",
                "kda_intra_bwd_v5_dg"):
     assert f'name = "{name}"' in text, name
@@ -287,7 +286,7 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     f_args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     fused = lambda *a: kda.fused_kda(*a, lower_bound=-5.0, backend="pallas")[0]
     text = cuda_module_text(monkeypatch, fused, *f_args, *gate)
-    names = ("kda_intra_fwd_products",) + (("kda_intra_fwd_solve",) if dtype == jnp.float32 else ())
+    names = ("kda_prepare", "kda_intra_fwd_key_tiles") + (("kda_intra_fwd_solve",) if dtype == jnp.float32 else ())
     assert all(f'name = "{n}"' in text for n in names), dtype
     assert ("kda_intra_fwd_solve_mosaic" in text) == (dtype == jnp.bfloat16), dtype
     reference = functools.partial(fwd.intra_forward_reference, scale=K ** -0.5, lower_bound=-5.0)
@@ -305,10 +304,10 @@ def test_mosaic_solve_gives_the_triton_solves_outputs(save):
   B, T, H, K, V = 1, 128, 2, 64, 128
   x, _, _ = random_inputs(40, B, T, H, K, V, dtype=jnp.bfloat16)
   reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
-  _, kk, _, _, kgb, _, beta, *_ = fwd.intra_products(x["q"], x["k"], x["g"], x["beta"], None, reset,
-                                                     scale=K ** -0.5, lower_bound=-5.0)
-  run = lambda method: fwd.solve(beta, kk, kgb, x["v"], save=save, method=method)
-  (w, u, minv), (w_ref, u_ref, minv_ref) = run("mosaic"), run("triton")
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0)
+  run = lambda solve: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
+                                        lower_bound=-5.0, save=save, solve=solve)
+  (w, u, *_, minv), (w_ref, u_ref, *_, minv_ref) = run("mosaic"), run("triton")
   assert rel_err(w, w_ref) <= 1e-3 and rel_err(u, u_ref) <= 1e-3, (rel_err(w, w_ref), rel_err(u, u_ref))
   assert (minv is None) == (not save)
   if save:
@@ -326,19 +325,42 @@ def test_the_solve_is_mosaic_only_where_it_can_run():
   assert not solve_mosaic.available(jnp.bfloat16, 128, 320)
 
 
-def test_mosaic_solve_lowers_for_cuda_and_refuses_what_it_cannot_take(monkeypatch):
-  """With and without M: lowering checks the shared-memory layouts and transfers that interpret mode does not."""
+@pytest.mark.parametrize("save", [True, False])
+def test_fused_mosaic_intra_pass_gives_the_separate_launches_outputs(save):
+  """Key-tile products and solve in one Mosaic launch (interpret mode; K = 64 with spare buffers for the solve's
+  halves, and K = 128 with V = 192 in three blocks) against the Triton key tiles then the Mosaic solve: the same
+  bf16 operands and fp32 arithmetic, so the same outputs but for the order of fp32 accumulation (U: a few bf16
+  roundings flip); resets, one at a chunk's first row."""
+  for seed, (K, V) in enumerate(((64, 64), (128, 192))):
+    x, _, _ = random_inputs(43 + seed, 1, 192, 2, K, V, dtype=jnp.bfloat16)
+    reset = jnp.zeros((1, 192), jnp.int32).at[:, jnp.array([5, 64, 100, 128])].set(1)
+    p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0)
+    run = lambda solve: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
+                                          lower_bound=-5.0, save=save, solve=solve)
+    for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "kk", "minv"), run("fused"), run("mosaic")):
+      if name in ("kk", "minv") and not save:
+        assert a is None, name
+      else:
+        assert rel_err(a, b) <= (1e-3 if name == "u" else 1e-6), (K, name, rel_err(a, b))
+
+
+def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeypatch):
+  """The Mosaic solve and the fused intra launch, with and without resets and M: lowering checks the shared-memory
+  layouts and transfers that interpret mode does not."""
   B, T, H, K, V = 1, 128, 2, 128, 64
-  shapes = [((B, T, H), jnp.float32), ((B, T, H, 64), jnp.float32), ((B, T, H, K), jnp.bfloat16),
-            ((B, T, H, V), jnp.bfloat16)]
+  shapes = [((B, T, H, K), jnp.bfloat16)] * 3 + [((B, T // 16, H, K), jnp.float32), ((B, T, H, V), jnp.bfloat16),
+                                                  ((B, T, H), jnp.float32), ((B, T), jnp.int32)]
   args = [jax.ShapeDtypeStruct(*s) for s in shapes]
   for save in (True, False):
-    f = functools.partial(fwd.solve, method="mosaic", save=save)
-    assert "kda_intra_fwd_solve_mosaic" in cuda_module_text(monkeypatch, f, *args), save
+    for solve, name in (("mosaic", "kda_intra_fwd_solve_mosaic"), ("fused", "kda_intra_fwd_mosaic")):
+      f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve=solve, save=save)
+      assert name in cuda_module_text(monkeypatch, f, *args[:-1], None if save else args[-1]), (solve, save)
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
-  with pytest.raises(ValueError, match="Mosaic GPU"):
-    fwd.solve(x["beta"], jnp.zeros((1, 64, 1, 64)), x["k"], x["v"], method="mosaic")
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, None, lower_bound=-5.0)
+  for solve in ("mosaic", "fused"):
+    with pytest.raises(ValueError, match="Mosaic GPU"):
+      fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, solve=solve)
 
 
 @pytest.mark.parametrize("case", ["random", "repeated_keys"])
@@ -358,8 +380,10 @@ def test_unit_lower_inverse_is_the_inverse(case):
 
 def test_bad_kernel_parameters_are_refused_before_any_work():
   x, _, _ = random_inputs(31, 1, 128, 2, 32, 32)
-  with pytest.raises(ValueError, match="method"):
-    fwd.intra_forward(*(x[n] for n in ("q", "k", "v", "g", "beta")), None, None, scale=1.0, lower_bound=-5.0,
-                      solve_method="fuse")
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, None, lower_bound=-5.0)
+  with pytest.raises(ValueError, match="block_k"):
+    fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, block_k=24)
+  with pytest.raises(ValueError, match="solve"):
+    fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, solve="fuse")
   with pytest.raises(ValueError, match="variant"):
     bwd.intra_backward(*([None] * 17), scale=1.0, lower_bound=-5.0, variant="v9")

@@ -1,7 +1,7 @@
 """Chunked KDA through the Pallas kernels, differentiable with `jax.custom_vjp`.
 
-Forward: intra pass (parallel over chunks: the products, with the fused entry's gate, L2 norms and β sigmoid, then
-the solve) -> state pass (sequential, writes o). The intra pass's outputs are the residuals (≈ 0.9 GB at
+Forward: pre-pass (the fused entry's gate, L2 norms and β sigmoid; q, k against their tiles' anchors) -> intra pass
+(parallel over chunks) -> state pass (sequential, writes o). The intra pass's outputs are the residuals (≈ 0.9 GB at
 8×4096×16×128, bf16; recomputing them cost a third of the backward), and under differentiation also the states
 entering each chunk and v_new, which the state pass writes beside o (recomputing them took 0.26 ms of 8.5 at
 8×4096). Backward: a reverse state pass, the state-gradient products, the intra backward, and for the fused entry
@@ -71,11 +71,11 @@ def _kda(cfg, q, k, v, g, beta, gate, S0, reset):
 
 def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   scale, lower_bound, block_v, _, segments, valid_len = cfg
-  p = fwd.intra_forward(q, k, v, g, beta, gate, reset, scale=scale, lower_bound=lower_bound, valid_len=valid_len,
-                        save=save)
-  o, S, *saved = fwd.state_forward(p.w, p.u, p.qs, p.kd, p.aqk, p.decay, S0, block_v=block_v, save=save,
-                                   segments=segments)
-  intra = (p.q, p.k, p.beta, p.w, p.u, p.qs, p.kd, p.aqk, p.decay, p.kk, p.minv, p.loc)
+  p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save)
+  w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
+                                                  lower_bound=lower_bound, save=save)
+  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, p.decay, S0, block_v=block_v, save=save, segments=segments)
+  intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, p.decay, kk, minv, p.loc)
   return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
 
 

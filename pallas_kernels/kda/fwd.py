@@ -1,6 +1,6 @@
-"""Forward kernels: the intra-chunk products (with the fused entry's gate, L2 norms and β sigmoid) and the solve,
-parallel over chunks; the sequential state pass that also writes the output; and v3, the intra pass in one kernel,
-which the tests hold the launches to."""
+"""Forward kernels: the pre-pass (gate, L2 norms, the products' operands against their tiles' anchors), the parallel
+intra-chunk pass, the sequential state pass that also writes the output; and v3, the intra pass in one kernel, which
+the tests hold the launches to."""
 from __future__ import annotations
 
 import functools
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda import solve_mosaic
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, ChunkDocs, Gates, iota, load, masked, mm, mm_t, store,
-                                      store_block_diagonal, t_mm, unit_lower_inverse, unit_lower_inverse_16,
-                                      write_tile_cumsum)
+from pallas_kernels.kda import intra_mosaic, solve_mosaic
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
+                                      mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
+                                      unit_lower_inverse_16, write_tile_cumsum)
 
 L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
 
@@ -63,7 +63,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_boun
 
 def intra_forward_reference(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
   """v3, the intra pass as one kernel per chunk from g (`_intra_kernel`, M through memory row by row): the
-  independent implementation the tests hold `intra_forward` to. Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`,
+  independent implementation the tests hold `prepare` + `intra_forward` to. Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`,
   beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns w, u, qs, kd, aqk, the chunks' state decay
   `[B,N,H,K]` fp32, B = A_kk/β, M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`: row i holds row i of its chunk's matrix) and
   the gates' cumulative sums per 16-token tile (`loc`, fp32 `[B,T,H,K]`)."""
@@ -89,134 +89,141 @@ def intra_forward_reference(q, k, v, g, beta, reset, *, scale, lower_bound, num_
                      num_warps=num_warps, num_stages=1)(*args)
 
 
-class Intra(NamedTuple):
-  """`intra_forward`'s outputs, the first nine in `intra_forward_reference`'s order. W, U, Qs = scale·q ⊙ e^{G},
-  Kd = k ⊙ e^{G_C - G}, A_qk (input dtype); decay fp32 `[B,N,H,K]`; B = A_kk/β and M = (I + A_kk)⁻¹ fp32
-  `[B,T,H,64]` (row i holds row i of its chunk's matrix); loc fp32 `[B,T,H,K]`, the gates' cumulative sums within
-  each 16-token tile; q, k as the kernels used them (L2-normalised under the fused gate); β fp32 `[B,T,H]`. M, loc
-  and the fused entry's q, k are None unless saved for the backward."""
-  w: jax.Array
-  u: jax.Array
-  qs: jax.Array
-  kd: jax.Array
-  aqk: jax.Array
-  decay: jax.Array
-  kk: jax.Array
-  minv: jax.Array | None
-  loc: jax.Array | None
+class Prepared(NamedTuple):
+  """`prepare`'s outputs. q, k: normalised (the fused entry) or as given; with loc, the backward's (None unless
+  saved). qe = q ⊙ e^{G - R - c}, kq = k ⊙ e^{G - R - c}, ke = k ⊙ e^{c - (G - R)} (input dtype `[B,T,H,K]`, R
+  each row's tile anchor, `tiles`); tot fp32 `[B,T/16,H,K]`, each tile's total log-decay; decay fp32 `[B,N,H,K]`,
+  the chunks' state decay; β fp32 `[B,T,H]`; loc fp32 `[B,T,H,K]`, the cumulative sums within each tile."""
   q: jax.Array | None
   k: jax.Array | None
+  qe: jax.Array
+  kq: jax.Array
+  ke: jax.Array
+  tot: jax.Array
+  decay: jax.Array
   beta: jax.Array
+  loc: jax.Array | None
 
 
-def _products_kernel(*refs, fused, scale, lower_bound, has_reset, valid_len, save, dtype):
-  """The forward's first launch, one program per chunk walking its four tiles: the gate (with `fused`, from the
-  gate projection as `k3jax.ops.kda.kda_gate`, the L2 norms of q, k and β = σ(logits)), each tile's cumulative
-  log-decay from its own anchor, the 16x16 blocks of A_qk and B = A_kk/β (tile I's queries against tile J <= I's
-  keys rescaled by e^{R_I - R_J}, one exponential of a [1,K] row), then Qs, βΓK, Kd and the chunk's decay. v13: v12's
-  pre-pass and key tiles in one launch, so the anchored operands never go through memory (BUILD_NOTES KDA run 13)."""
-  n_in = 6 if fused else 4
-  (q_ref, k_ref, g_ref, b_ref, *head), reset_ref = refs[:n_in], (refs[n_in] if has_reset else None)
-  outs = list(refs[n_in + has_reset:])
-  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref, decay_ref = outs[:6]
-  beta_ref = outs[6] if fused else None
-  loc_ref, qn_ref, kn_ref = (outs[6 + fused:] + [None, None])[:3] if save else (None, None, None)
-  docs = ChunkDocs(reset_ref)
-  c = SUB / 2 * lower_bound
-  zero = jnp.zeros((1, g_ref.shape[-1]), F32)
+def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save):
+  """The forward's first launch, one program per chunk: the key-tile products' operands, each row against its own
+  tile's anchor, the tiles' totals and the chunk's state decay; with `fused`, from the gate projection
+  (`k3jax.ops.kda.kda_gate`) and L2-normalising q, k, with β = σ(logits). The exponentials of the whole chunk are
+  taken here, once, not per anchor in the key tiles."""
+  n_in = 6 if fused else 3
+  ins, reset_ref, outs = refs[:n_in], (refs[n_in] if has_reset else None), list(refs[n_in + has_reset:])
+  q_ref, k_ref, g_ref = ins[:3]
+  qn_ref, kn_ref = (outs.pop(0), outs.pop(0)) if fused and save else (None, None)
+  g = load(g_ref)
+  if fused:
+    _, _, _, b_ref, a_ref, dt_ref = ins
+    z = jnp.maximum(load(a_ref)[None, :] * (g + load(dt_ref)[None, :]), -80.0)   # as kda_gate: no subnormal g
+    g = lower_bound / (1.0 + jnp.exp(-z))
+    store(outs.pop(0), None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
+  if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
+    g = jnp.where(pl.program_id(0) * CHUNK + iota((CHUNK, 1), 0) < valid_len, g, 0.0)
+  qe_ref, kq_ref, ke_ref, tot_ref, decay_ref, *loc_ref = outs
+  g_tiles = g.reshape(NT, SUB, -1)
+  loc = jnp.cumsum(g_tiles, axis=1).reshape(CHUNK, -1)
+  tot = jnp.sum(g_tiles, axis=1)
+  if save:
+    store(loc_ref[0], None, loc)
+  store(tot_ref, None, tot)
+  decay = jnp.exp(jnp.sum(tot, axis=0, keepdims=True))
+  if has_reset:   # a document begins inside the chunk: the state entering it reaches no later row
+    decay = jnp.where(jnp.sum(load(reset_ref, None, jnp.int32)) == 0, decay, 0.0)
+  decay_ref[...] = decay.reshape(decay_ref.shape)
 
-  def normalised(x_ref, i, xn_ref):
-    x = load(x_ref, i)
+  def normalised(x_ref, xn_ref):
+    x = load(x_ref)
     if fused:
       x = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
     if xn_ref is not None:
-      store(xn_ref, i, x)
+      store(xn_ref, None, x)
     return x
 
-  keys, tot = [], []          # tile J's keys against its own anchor, k ⊙ e^{c - (G - R_J)}; its total log-decay
-  for i in range(NT):
-    g, beta = load(g_ref, i), load(b_ref, i)
-    if fused:
-      a_K, dt_K = (load(r)[None, :] for r in head)
-      g = lower_bound / (1.0 + jnp.exp(-jnp.maximum(a_K * (g + dt_K), -80.0)))   # as kda_gate: no subnormal g
-      beta = 1.0 / (1.0 + jnp.exp(-beta))
-      store(beta_ref, i, beta)
-    beta = beta[:, None]
-    if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
-      g = jnp.where(pl.program_id(0) * CHUNK + i * SUB + iota((SUB, 1), 0) < valid_len, g, 0.0)
-    loc = jnp.cumsum(g, axis=0)
-    if loc_ref is not None:
-      store(loc_ref, i, loc)
-    tot.append(jnp.sum(g, axis=0, keepdims=True))
-    e_q = jnp.exp(loc - c)
-    qe = normalised(q_ref, i, qn_ref) * e_q
-    k = normalised(k_ref, i, kn_ref)
-    kq = k * e_q
-    keys.append((k * jnp.exp(c - loc)).astype(dtype))
-    rows = pl.ds(i * SUB, SUB)
-    for j in range(NT):
-      cols = pl.ds(j * SUB, SUB)
-      if j > i:
-        aqk_ref[rows, cols] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
-        kk_ref[rows, cols] = jnp.zeros((SUB, SUB), kk_ref.dtype)
-        continue
-      key = keys[j] if j == i else (keys[j].astype(F32) * jnp.exp(sum(tot[j:i], zero))).astype(dtype)
-      aqk_ref[rows, cols] = masked(scale * mm_t(qe, key, dtype), docs.block_mask(i, j, False)).astype(aqk_ref.dtype)
-      kk_ref[rows, cols] = masked(mm_t(kq, key, dtype), docs.block_mask(i, j, True)).astype(kk_ref.dtype)
-    start = masked(jnp.exp(sum(tot[:i], zero) + c), docs.first(i))            # e^{R_I + c}: from the anchor
-    store(qs_ref, i, scale * qe * start)
-    store(kgb_ref, i, beta * kq * start)
-  for i in range(NT):                                                           # e^{G_C - R_I - c}: to the end
-    store(kd_ref, i, keys[i].astype(F32) * masked(jnp.exp(sum(tot[i:], zero) - c), docs.last(i)))
-  decay = jnp.exp(sum(tot, zero))
-  if has_reset:   # a document begins inside the chunk: the state entering it reaches no later row
-    decay = jnp.where(docs.last_doc == 0, decay, 0.0)
-  decay_ref[...] = decay.reshape(decay_ref.shape)
+  # q, then k, each loaded where used: v12 first held q, k, g and the sums at once, 0.55 ms against 0.35 (run 12).
+  c = SUB / 2 * lower_bound
+  e_q = jnp.exp(loc - c)
+  store(qe_ref, None, normalised(q_ref, qn_ref) * e_q)
+  k = normalised(k_ref, kn_ref)
+  store(kq_ref, None, k * e_q)
+  store(ke_ref, None, k * jnp.exp(c - loc))
 
 
-def intra_products(q, k, g, beta, gate, reset, *, scale, lower_bound, valid_len=None, save=True, num_warps=None):
-  """The forward's first launch (`_products_kernel`). Returns A_qk, B, Qs, Kd, βΓK, decay, β, loc, q, k as `Intra`
-  names them (βΓK: β·k ⊙ e^{G}, input dtype). `gate` None: g is the log-decay and q, k, β are taken as they are.
-  `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q and k are L2-normalised and
-  β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also loc and the normalised q, k."""
+def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, num_warps=None):
+  """The forward's first launch (`_prepare_kernel`), returning `Prepared`. `gate` None: g is the log-decay and q,
+  k, β are taken as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q
+  and k are L2-normalised and β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also write what
+  the backward reads (normalised q, k and loc). Warps: 4 without `save`, 8 with (H200, BUILD_NOTES KDA run 12)."""
   B, T, H, K = g.shape
   N = T // CHUNK
-  dt = q.dtype
   fused = gate is not None
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
   tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
   head = pl.BlockSpec((None, K), lambda n, bh: (bh % H, 0))
-  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
-  args, in_specs = [q, k, g, beta], [row(K)] * 3 + [tok]
+  args, in_specs = [q, k, g], [row(K)] * 3
+  out_shape, out_specs = [], []
   if fused:
     A_log, dt_bias = gate
-    args += [jnp.broadcast_to(jnp.exp(A_log.astype(F32))[:, None], (H, K)), dt_bias.astype(F32)]
-    in_specs += [head, head]
+    a = jnp.broadcast_to(jnp.exp(A_log.astype(F32))[:, None], (H, K))
+    args, in_specs = args + [beta, a, dt_bias.astype(F32)], in_specs + [tok, head, head]
+    if save:
+      out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 2, [row(K)] * 2
+    out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H), F32)], out_specs + [tok]
+  out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [jax.ShapeDtypeStruct((B, T // SUB, H, K), F32),
+                                                               jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, NT, None, K), lambda n, bh: (bh // H, n, bh % H, 0)),
+                               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  if save:
+    out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, K), F32)], out_specs + [row(K)]
   if reset is not None:
     args.append(reset)
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
-  out_shape = [shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K), jax.ShapeDtypeStruct((B, N, H, K), F32)]
-  out_specs = [row(CHUNK), row(CHUNK), row(K), row(K), row(K),
-               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
-  if fused:
-    out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H), F32)], out_specs + [tok]
-  if save:
-    out_shape, out_specs = out_shape + [shape(K, F32)], out_specs + [row(K)]
-    if fused:
-      out_shape, out_specs = out_shape + [shape(K)] * 2, out_specs + [row(K)] * 2
-  kernel = functools.partial(_products_kernel, fused=fused, scale=scale, lower_bound=lower_bound,
-                             has_reset=reset is not None, valid_len=valid_len, save=save, dtype=dt)
+  kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, has_reset=reset is not None,
+                             valid_len=valid_len, save=save)
   outs = list(triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          name="kda_intra_fwd_products", num_warps=num_warps or 4, num_stages=1)(*args))
-  aqk, kk, qs, kd, kgb, decay = outs[:6]
-  beta = outs.pop(6) if fused else beta.astype(F32)
-  loc, q_n, k_n = (outs[6:] + [q, k])[:3] if save else (None, None if fused else q, None if fused else k)
-  return aqk, kk, qs, kd, kgb, decay, beta, loc, q_n, k_n
+                          name="kda_prepare", num_warps=num_warps or (8 if save else 4), num_stages=1)(*args))
+  q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
+  beta = outs.pop(0) if fused else beta.astype(F32)
+  qe, kq, ke, tot, decay, *loc = outs
+  return Prepared(q_n, k_n, qe, kq, ke, tot, decay, beta, loc[0] if save else None)
+
+
+def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
+                     block_k):
+  """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
+  queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
+  I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time. No exponential of a [64,K] tile: `prepare` took
+  them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10)."""
+  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
+  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
+  docs = TileDocs(reset_ref, pl.program_id(0))
+  rows = pl.ds(docs.i * SUB, SUB)
+  beta_i = beta_ref[...].astype(F32)[:, None]
+
+  def columns(cb, acc):
+    cols = pl.ds(cb * block_k, block_k)
+    an = TileAnchors([tot_ref[pl.ds(p, 1), cols].astype(F32) for p in range(NT)], docs, lower_bound)
+    keys = (ke_ref[:, cols].astype(F32) * an.keys_scale()).astype(dtype)
+    qe_i, kq_i = qe_ref[:, cols].astype(F32), kq_ref[:, cols].astype(F32)
+    acc_qk = acc[0] + mm_t(qe_i, keys, dtype)
+    acc_kk = acc[1] + mm_t(kq_i, keys, dtype)
+    start = an.from_anchor()
+    qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
+    kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
+    kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
+    return acc_qk, acc_kk
+
+  zeros = jnp.zeros((SUB, CHUNK), F32)
+  acc_qk, acc_kk = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns, (zeros, zeros))
+  aqk_ref[...] = masked(scale * acc_qk, docs.row_mask(False)).astype(aqk_ref.dtype)
+  kk_ref[...] = masked(acc_kk, docs.row_mask(True)).astype(kk_ref.dtype)
 
 
 def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):
   """The intra pass's last launch, one program per chunk: M = (I + βB)⁻¹, U = M βV and W = M (βΓK), M unrounded
-  (tf32 on bf16 inputs); M itself is written only for the backward (`save`). No gates: the products wrote βΓK."""
+  (tf32 on bf16 inputs); M itself is written only for the backward (`save`). No gates: the key tiles wrote βΓK."""
   w_ref, u_ref, *minv_ref = refs
   beta = load(beta_ref)[:, None]
   x = unit_lower_inverse(beta * load(kk_ref), exact)
@@ -230,49 +237,60 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
     w_ref[:, cols] = mm(x, kgb_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
 
 
-def _solve_method(method, dtype, K, V):
-  if method not in (None, "triton", "mosaic"):
-    raise ValueError(f"solve: method must be None, 'triton' or 'mosaic', got {method!r}")
-  if method == "mosaic":
-    solve_mosaic.check_supported(dtype, K, V)
-  return method or ("mosaic" if solve_mosaic.available(dtype, K, V) else "triton")
-
-
-def solve(beta, kk, kgb, v, *, save=True, method=None, block_cols=64):
-  """W = M (βΓK), U = M βV and (with `save`) M = (I + βB)⁻¹ per chunk from `intra_products`' B and βΓK: β fp32
-  `[B,T,H]`, B fp32 `[B,T,H,64]`. `method`: "mosaic" (`solve_mosaic.solve`, bf16 on Hopper), "triton"
-  (`_solve_kernel`) or None, the Mosaic solve where `solve_mosaic.available`."""
-  B, T, H, K = kgb.shape
+def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
+                  block_cols=64, solve=None):
+  """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
+  then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
+  `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
+  queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with
+  `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
+  otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper), None (the
+  Mosaic solve where `solve_mosaic.available`) or "fused": key tiles and solve in one Mosaic launch
+  (`intra_mosaic.intra`, opt-in, not yet timed)."""
+  B, T, H, K = qe.shape
+  if solve not in (None, "triton", "mosaic", "fused"):
+    raise ValueError(f"intra_forward: solve must be None, 'triton', 'mosaic' or 'fused', got {solve!r}")
   V = v.shape[-1]
-  method = _solve_method(method, kgb.dtype, K, V)
-  if method == "mosaic":
-    return solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
-  dt = kgb.dtype
+  solve = solve or ("mosaic" if solve_mosaic.available(qe.dtype, K, V) else "triton")
+  if solve == "mosaic":
+    solve_mosaic.check_supported(qe.dtype, K, V)
+  if solve == "fused":
+    return intra_mosaic.intra(qe, kq, ke, tot, v, jnp.swapaxes(beta, 1, 2), reset, scale=scale,
+                              lower_bound=lower_bound, save=save)
+  N = T // CHUNK
+  dt = qe.dtype
+  block_k = block_k or min(K, 32)
+  if K % block_k or block_k % SUB:
+    raise ValueError(f"intra_forward: block_k={block_k} must be a multiple of {SUB} dividing K={K}")
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda i, n, bh: (bh // H, n, bh % H, 0))
+  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
+  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
+  resets = [] if reset is None else [reset]
+  aqk, kk, qs, kd, kgb = triton_call(
+      functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
+                        dtype=dt, block_k=block_k),
+      grid=(NT, N, B * H),
+      in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
+                pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
+      + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
+      out_specs=[tile(CHUNK), tile(CHUNK), tile(K), tile(K), tile(K)],
+      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
+      num_warps=num_warps or 2, num_stages=2)(qe, kq, ke, tot, beta, *resets)   # 2 beat 1, 4 and 8 (run 12)
+  if solve == "mosaic":
+    w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
+    return w, u, qs, kd, aqk, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
-  out_specs = [row(K), row(V)]
+  row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  out_shape, out_specs = [shape(K), shape(V)], [row2(K), row2(V)]
   if save:
-    out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)], out_specs + [row(CHUNK)]
+    out_shape, out_specs = out_shape + [shape(CHUNK, F32)], out_specs + [row2(CHUNK)]
   w, u, *minv = triton_call(
-      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(T // CHUNK, B * H),
-      in_specs=[pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H)), row(CHUNK), row(K), row(V)],
+      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(N, B * H),
+      in_specs=[pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H)), row2(CHUNK), row2(K),
+                row2(V)],
       out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve", num_warps=4,
       num_stages=1)(beta, kk, kgb, v)
-  return w, u, (minv[0] if save else None)
-
-
-def intra_forward(q, k, v, g, beta, gate, reset, *, scale, lower_bound, valid_len=None, save=True, num_warps=None,
-                  solve_method=None):
-  """The intra pass (v13, BUILD_NOTES KDA run 13): `intra_products` then `solve`, returning `Intra`. q, k, g
-  `[B,T,H,K]`, v `[B,T,H,V]`, β `[B,T,H]` (fp32 unless `gate`: see `intra_products`), reset `[B,T]` int32 or None,
-  T a multiple of 64."""
-  _solve_method(solve_method, q.dtype, q.shape[-1], v.shape[-1])
-  aqk, kk, qs, kd, kgb, decay, beta, loc, q_n, k_n = intra_products(
-      q, k, g, beta, gate, reset, scale=scale, lower_bound=lower_bound, valid_len=valid_len, save=save,
-      num_warps=num_warps)
-  w, u, minv = solve(beta, kk, kgb, v, save=save, method=solve_method)
-  return Intra(w, u, qs, kd, aqk, decay, kk, minv, loc, q_n, k_n, beta)
+  return w, u, qs, kd, aqk, kk, (minv[0] if save else None)
 
 
 def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):

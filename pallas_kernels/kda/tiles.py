@@ -5,9 +5,9 @@ cumulative log-decay before the tile), shifted by the constant c = 8·γ_min: ca
 anchor), and with g >= γ_min >= -5.5 the query factor e^{G_i - R_I - c} and the key factor e^{R_I - G_j + c} of
 the diagonal tile both stay within e^{±8|γ_min|} (<= e^{44}), so the diagonal tile is a plain GEMM (SPEC.md §2)
 and neither factor underflows to a denormal (unshifted, the query side reaches e^{-80}). Off the diagonal the key
-factor is below e^{c}. The forward's first kernel takes each tile's operands against its own anchor and rescales
-earlier tiles' keys by one [1,K] row e^{R_I - R_J}; it writes for the backward each row's cumulative log-decay from
-its tile's start: no later kernel takes a cumulative sum.
+factor is below e^{c}. The forward's first kernel writes the products' operands already against their own tile's
+anchor, with each tile's total log-decay (`TileAnchors` rescales keys from those), and for the backward each row's
+cumulative log-decay from its tile's start (`write_tile_cumsum`): no later kernel takes a cumulative sum.
 
 Products are 16-row blocks of the chunk against all 64 keys: query tile I (16 x K) times the chunk's keys scaled
 for anchor R_I (64 x K). Triton cannot slice register values, so tiles are loaded from refs where needed, and the
@@ -29,7 +29,7 @@ F32 = jnp.float32
 
 def write_tile_cumsum(g, loc_ref):
   """Stores the chunk's cumulative sums of g ([64,K] fp32) within each 16-token tile in `loc_ref` and returns it,
-  readable by the whole CTA (v3, the one-kernel reference; `fwd.intra_products` writes the same sums).
+  readable by the whole CTA (v3, the one-kernel reference; `fwd.prepare` writes the same sums for the backward).
   Sums of same-sign terms only."""
   store(loc_ref, None, jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1))
   barrier()
@@ -103,37 +103,6 @@ def per_tile(vectors):
   return out
 
 
-class ChunkDocs:
-  """Documents of a chunk's four tiles (static indices) from its resets, for kernels that walk the tiles in one
-  program; without resets every mask is None."""
-
-  def __init__(self, reset_ref):
-    self.doc = self.last_doc = None
-    if reset_ref is not None:
-      resets = [load(reset_ref, i, jnp.int32) for i in range(NT)]
-      before = [sum((jnp.sum(r) for r in resets[:i]), jnp.int32(0)) for i in range(NT)]
-      self.doc = [b + jnp.cumsum(r, axis=0) for b, r in zip(before, resets)]   # resets since chunk start
-      self.last_doc = sum((jnp.sum(r) for r in resets), jnp.int32(0))
-
-  def block_mask(self, i, j, strict):
-    """[16,16]: tile i's rows against tile j's columns, causal (strictly, for B) on the diagonal, one document."""
-    m = None
-    if i == j:
-      m = iota((SUB, SUB), 1) < iota((SUB, SUB), 0) if strict else iota((SUB, SUB), 1) <= iota((SUB, SUB), 0)
-    if self.doc is not None:
-      same = self.doc[i][:, None] == self.doc[j][None, :]
-      m = same if m is None else m & same
-    return m
-
-  def first(self, i):
-    """[16,1]: tile i's rows in the chunk's first document."""
-    return None if self.doc is None else (self.doc[i] == 0)[:, None]
-
-  def last(self, i):
-    """[16,1]: tile i's rows in the chunk's last document."""
-    return None if self.doc is None else (self.doc[i] == self.last_doc)[:, None]
-
-
 class Gates:
   """Log-decay bookkeeping of one chunk (or of the columns `cols`, a `pl.ds`), every sum taken over same-sign terms
   (a difference of cumulative sums would be off by ε·|G|, up to 2e-5 in an exponent)."""
@@ -147,10 +116,13 @@ class Gates:
     self.later = [sum(self.tot[i + 1:], zero) for i in range(NT)]       # after tile I
     self.G_C = sum(self.tot, zero)
     self.loc = self._loc()                                              # tile start -> i
-    self.docs = ChunkDocs(reset_ref)
-    self.doc, self.last_doc, self.doc_all = self.docs.doc, self.docs.last_doc, None
+    self.doc = self.doc_all = None
     if reset_ref is not None:
+      resets = [load(reset_ref, i, jnp.int32) for i in range(NT)]
+      before = [sum((jnp.sum(r) for r in resets[:i]), jnp.int32(0)) for i in range(NT)]
+      self.doc = [b + jnp.cumsum(r, axis=0) for b, r in zip(before, resets)]   # resets since chunk start
       self.doc_all = jnp.cumsum(load(reset_ref, None, jnp.int32), axis=0)
+      self.last_doc = sum((jnp.sum(r) for r in resets), jnp.int32(0))
 
   def _loc(self, i=None):
     rows = slice(None) if i is None else pl.ds(i * SUB, SUB)
@@ -182,7 +154,8 @@ class Gates:
     return masked(jnp.exp(G), None if self.doc_all is None else (self.doc_all == 0)[:, None])
 
   def gamma_tile(self, i, e_q):
-    return masked(jnp.exp(self.prefix[i] + self.c) * e_q, self.docs.first(i))
+    g = jnp.exp(self.prefix[i] + self.c) * e_q
+    return masked(g, None if self.doc is None else (self.doc[i] == 0)[:, None])
 
   def to_end(self, e_k):
     """e^{G_C - G} ([64,K], exclusive of the row), zero unless the row is in the chunk's last document."""
@@ -190,7 +163,8 @@ class Gates:
     return masked(te, None if self.doc_all is None else (self.doc_all == self.last_doc)[:, None])
 
   def to_end_tile(self, i, e_k):
-    return masked(jnp.exp(self.later[i] + self.tot[i] - self.c) * e_k, self.docs.last(i))
+    te = jnp.exp(self.later[i] + self.tot[i] - self.c) * e_k
+    return masked(te, None if self.doc is None else (self.doc[i] == self.last_doc)[:, None])
 
   def decay(self):
     d = jnp.exp(self.G_C)
@@ -233,20 +207,44 @@ class TileDocs:
     return m if self.doc_ok is None else m & self.doc_ok
 
 
-class TileGates:
-  """What one tile i (`docs.i`, a traced index: a grid axis) needs of its chunk's gates, from the cumulative sums
-  the forward wrote: the same quantities as `Gates`, every sum over same-sign terms. Of the columns `cols` (a
-  `pl.ds`) or all."""
+class TileAnchors:
+  """Tile i's anchors (`docs.i`, a traced index) from its chunk's tile totals `tot` (four [1,K] log-decays), for
+  kernels that run a program per tile; every sum over same-sign terms."""
+
+  def __init__(self, tot, docs, lower_bound):
+    i = docs.i
+    self.c = SUB / 2 * lower_bound
+    zero = jnp.zeros_like(tot[0])
+    # Keys of tile J <= i against anchor R_i take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1).
+    self.key_span = [sum((jnp.where(p < i, tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
+    self.tot, self.i, self.docs = tot, i, docs
+    self.prefix = self.key_span[0]                                                           # R_i
+    self.rest = sum((jnp.where(p >= i, tot[p], 0.0) for p in range(NT)), zero)             # G_C - R_i
+
+  def keys_scale(self):
+    """[64,K]: e^{R_i - R_J} on rows of tiles J <= i, 0 after: keys already against their own anchor
+    (`prepare`'s ke), rescaled for anchor i. Exponentials of [1,K] rows only."""
+    return per_tile([jnp.where(j <= self.i, jnp.exp(self.key_span[j]), 0.0) for j in range(NT)])
+
+  def from_anchor(self):
+    """[1,K] or [16,K]: e^{R_i + c}, zero past a document start inside the chunk: q ⊙ e^{G - R_i - c} times this
+    is q ⊙ e^{G}."""
+    return masked(jnp.exp(self.prefix + self.c), self.docs.first)
+
+  def to_end_from_anchor(self):
+    """[1,K] or [16,K]: e^{G_C - R_i - c}, zero unless the row is in the chunk's last document: k ⊙ e^{c - (G - R_i)}
+    times this is k ⊙ e^{G_C - G}."""
+    return masked(jnp.exp(self.rest - self.c), self.docs.last)
+
+
+class TileGates(TileAnchors):
+  """What one tile i needs of its chunk's gates, from the cumulative sums `prepare` wrote: the same quantities as
+  `Gates`, every sum over same-sign terms. Of the columns `cols` (a `pl.ds`) or all."""
 
   def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
-    self.tot, self.i, self.docs = tile_totals(loc_ref, cols), docs.i, docs
-    self.c = SUB / 2 * lower_bound
+    super().__init__(tile_totals(loc_ref, cols), docs, lower_bound)
+    # Queries of tile J >= i against anchor R_i take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
     zero = jnp.zeros_like(self.tot[0])
-    # Keys of tile J <= i against anchor R_i take e^{R_i - R_J} = e^{Σ_{J<=P<i} tot_P} (<= 1); queries of tile
-    # J >= i take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
-    self.key_span = [sum((jnp.where(p < self.i, self.tot[p], 0.0) for p in range(j, NT)), zero) for j in range(NT)]
-    self.prefix = self.key_span[0]                                                           # R_i
-    self.rest = sum((jnp.where(p >= self.i, self.tot[p], 0.0) for p in range(NT)), zero)   # G_C - R_i
     self.query_span = [sum((jnp.where(p >= self.i, self.tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
     self.loc_all = loc_ref[:, cols].astype(F32)                                           # tile start -> row
     self.loc = loc_ref[pl.ds(docs.i * SUB, SUB), cols].astype(F32)                        # [16,K], tile i
