@@ -42,8 +42,7 @@ flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by 
 flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
-flags.DEFINE_enum("solve", None, ["triton", "mosaic", "fused"], "Run the whole op with this solve launch, not the "
-                  "default (fused: key tiles and solve in one Mosaic GPU launch).")
+flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -307,7 +306,7 @@ def per_kernel_times(x, do, shape):
   sweep = [dict(block_k=bk, num_warps=nw, solve="triton") for bk in (32, 64) for nw in (4, 8) if bk <= D]
   if solve_mosaic.available(v.dtype, D, D):
     sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic")
-              for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))] + [dict(solve="fused")]
+              for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
   for params in sweep if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
         *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))

@@ -325,42 +325,21 @@ def test_the_solve_is_mosaic_only_where_it_can_run():
   assert not solve_mosaic.available(jnp.bfloat16, 128, 320)
 
 
-@pytest.mark.parametrize("save", [True, False])
-def test_fused_mosaic_intra_pass_gives_the_separate_launches_outputs(save):
-  """Key-tile products and solve in one Mosaic launch (interpret mode; K = 64 with spare buffers for the solve's
-  halves, and K = 128 with V = 192 in three blocks) against the Triton key tiles then the Mosaic solve: the same
-  bf16 operands and fp32 arithmetic, so the same outputs but for the order of fp32 accumulation (U: a few bf16
-  roundings flip); resets, one at a chunk's first row."""
-  for seed, (K, V) in enumerate(((64, 64), (128, 192))):
-    x, _, _ = random_inputs(43 + seed, 1, 192, 2, K, V, dtype=jnp.bfloat16)
-    reset = jnp.zeros((1, 192), jnp.int32).at[:, jnp.array([5, 64, 100, 128])].set(1)
-    p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0)
-    run = lambda solve: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
-                                          lower_bound=-5.0, save=save, solve=solve)
-    for name, a, b in zip(("w", "u", "qs", "kd", "aqk", "kk", "minv"), run("fused"), run("mosaic")):
-      if name in ("kk", "minv") and not save:
-        assert a is None, name
-      else:
-        assert rel_err(a, b) <= (1e-3 if name == "u" else 1e-6), (K, name, rel_err(a, b))
-
-
 def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeypatch):
-  """The Mosaic solve and the fused intra launch, with and without resets and M: lowering checks the shared-memory
-  layouts and transfers that interpret mode does not."""
+  """The Mosaic solve, with and without resets and M: lowering checks the shared-memory layouts and transfers that
+  interpret mode does not."""
   B, T, H, K, V = 1, 128, 2, 128, 64
   shapes = [((B, T, H, K), jnp.bfloat16)] * 3 + [((B, T // 16, H, K), jnp.float32), ((B, T, H, V), jnp.bfloat16),
                                                   ((B, T, H), jnp.float32), ((B, T), jnp.int32)]
   args = [jax.ShapeDtypeStruct(*s) for s in shapes]
   for save in (True, False):
-    for solve, name in (("mosaic", "kda_intra_fwd_solve_mosaic"), ("fused", "kda_intra_fwd_mosaic")):
-      f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve=solve, save=save)
-      assert name in cuda_module_text(monkeypatch, f, *args[:-1], None if save else args[-1]), (solve, save)
+    f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic", save=save)
+    assert "kda_intra_fwd_solve_mosaic" in cuda_module_text(monkeypatch, f, *args[:-1], None if save else args[-1])
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, None, lower_bound=-5.0)
-  for solve in ("mosaic", "fused"):
-    with pytest.raises(ValueError, match="Mosaic GPU"):
-      fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, solve=solve)
+  with pytest.raises(ValueError, match="Mosaic GPU"):
+    fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, solve="mosaic")
 
 
 @pytest.mark.parametrize("case", ["random", "repeated_keys"])

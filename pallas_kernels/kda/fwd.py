@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda import intra_mosaic, solve_mosaic
+from pallas_kernels.kda import solve_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
                                       mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
                                       unit_lower_inverse_16, write_tile_cumsum)
@@ -244,19 +244,15 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
   queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with
   `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
-  otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper), None (the
-  Mosaic solve where `solve_mosaic.available`) or "fused": key tiles and solve in one Mosaic launch
-  (`intra_mosaic.intra`, opt-in, not yet timed)."""
+  otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
+  Mosaic solve where `solve_mosaic.available`)."""
   B, T, H, K = qe.shape
-  if solve not in (None, "triton", "mosaic", "fused"):
-    raise ValueError(f"intra_forward: solve must be None, 'triton', 'mosaic' or 'fused', got {solve!r}")
+  if solve not in (None, "triton", "mosaic"):
+    raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
   V = v.shape[-1]
   solve = solve or ("mosaic" if solve_mosaic.available(qe.dtype, K, V) else "triton")
   if solve == "mosaic":
     solve_mosaic.check_supported(qe.dtype, K, V)
-  if solve == "fused":
-    return intra_mosaic.intra(qe, kq, ke, tot, v, jnp.swapaxes(beta, 1, 2), reset, scale=scale,
-                              lower_bound=lower_bound, save=save)
   N = T // CHUNK
   dt = qe.dtype
   block_k = block_k or min(K, 32)

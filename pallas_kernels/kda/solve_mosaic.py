@@ -114,7 +114,7 @@ def unit_lower_inverse(a, squares):
 def solve_in_place(b_kk, beta_s, squares, v_blocks, kgb_blocks, m_s=None):
   """M = (I + βB)⁻¹ from B (fp32 [64,64], wgmma layout), written to `m_s` if given, then U = M βV over V's
   shared-memory blocks and W = M (βΓK) over βΓK's; V and βΓK are exact in bf16, so two products on M's halves each.
-  The caller commits shared memory before storing. Shared by the solve and the fused intra launch (`intra_mosaic`)."""
+  The caller commits shared memory before storing."""
   a_hi, a_lo, b_hi, b_lo = squares
   beta = lambda dim: lax.broadcast_in_dim(plgpu.load(beta_s, layout=WGMMA.reduce(1 - dim)), (CHUNK, CHUNK), [dim])
   x = unit_lower_inverse(b_kk * beta(0), squares)
