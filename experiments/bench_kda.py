@@ -43,6 +43,8 @@ flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bw
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
 flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
+flags.DEFINE_bool("fold_anchors", False, "Run the whole op's undifferentiated forward with Qs and Kd formed in the state "
+                  "pass (pallas_kernels.kda.chunk.FOLD_ANCHORS).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -205,7 +207,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.fold_anchors)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -274,22 +276,24 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in
-  this process: candidates are timed end to end before they become defaults."""
-  from pallas_kernels.kda import bwd, fwd
+def use_variants(intra_bwd, solve, fold_anchors):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant, this solve launch and the
+  folded anchors in this process: candidates are timed end to end before they become defaults."""
+  from pallas_kernels.kda import bwd, chunk, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if solve:
     fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
-  if intra_bwd or solve:
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
+  chunk.FOLD_ANCHORS = chunk.FOLD_ANCHORS or fold_anchors
+  if intra_bwd or solve or fold_anchors:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}, fold_anchors "
+          f"{chunk.FOLD_ANCHORS}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
   """Each Pallas kernel alone on the layer's inputs, over a few launch parameters (where the time goes)."""
   from pallas_kernels.kda import bwd, fwd, solve_mosaic
-  from pallas_kernels.kda.chunk import default_block_v
+  from pallas_kernels.kda.chunk import default_block_v, default_segments
   B, T, H, D = x["q"].shape
   scale, lb = D ** -0.5, LOWER_BOUND
   v = x["v"]
@@ -307,7 +311,7 @@ def per_kernel_times(x, do, shape):
   if solve_mosaic.available(v.dtype, D, D):
     sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic")
               for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
-  for params in sweep if FLAGS.sweep else [{}]:
+  for params in (sweep + [dict(block_k=32, num_warps=2, scaled=False)]) if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
         *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
@@ -336,6 +340,11 @@ def per_kernel_times(x, do, shape):
         cases.append(("state_fwd", dict(block_v=b, segments=segments),
                       lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
                       (w, u, qs, kd, aqk, decay, S0)))
+  for segments in sorted({1, default_segments(B, H, N)}):   # Qs, Kd formed from qe, ke (chunk.FOLD_ANCHORS)
+    cases.append(("state_fwd", dict(block_v=default_block_v(B * segments, H, D), segments=segments, anchors=True),
+                  lambda *a, s=segments: fwd.state_forward(*a[:-1], block_v=default_block_v(B * s, H, D), segments=s,
+                                                           anchors=fwd.Anchors(a[-1], None, scale, lb)),
+                  (w, u, p.qe, p.ke, aqk, decay, S0, p.tot)))
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))

@@ -46,6 +46,33 @@ def test_state_pass_in_segments_matches_the_recurrence(dtype, packed, monkeypatc
   _compare(x, S0, seg, (lambda n: 1e-5 if n in ("o", "S") else 1e-4) if dtype == jnp.float32 else BF16_TOL.get)
 
 
+@pytest.mark.parametrize("dtype,segments", [(jnp.float32, 3), (jnp.bfloat16, 1)])
+def test_state_pass_forming_qs_and_kd_gives_the_key_tiles_forward(dtype, segments, monkeypatch):
+  """The undifferentiated forward with Qs and Kd formed in the state pass and the segment maps (`FOLD_ANCHORS`)
+  gives the outputs and final state of the key tiles' Qs and Kd, bit for bit (the same operations on the same
+  operands): T = 380, an initial state, packed documents with a start at a chunk's first row; and it lowers for
+  the GPU."""
+  from pallas_kernels.kda import chunk
+  monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: segments)
+  x, S0, seg = random_inputs(45, 1, 380, 2, 32, 32, dtype=dtype, segments=True)
+  seg = seg.at[:, 128:].add(1)
+  run = lambda **x: kda.chunk_kda(**x, initial_state=S0, output_final_state=True, segment_ids=seg,
+                                  lower_bound=-5.0, backend="pallas")
+  anchors = []
+  state_forward = fwd.state_forward
+  monkeypatch.setattr(fwd, "state_forward", lambda *a, **kw: (anchors.append(kw["anchors"]), state_forward(*a, **kw))[1])
+  monkeypatch.setattr(chunk, "FOLD_ANCHORS", True)
+  folded = run(**x)
+  monkeypatch.setattr(chunk, "FOLD_ANCHORS", False)
+  chex.assert_trees_all_equal(folded, run(**x))
+  assert [a is not None for a in anchors] == [True, False], anchors
+  monkeypatch.setattr(chunk, "FOLD_ANCHORS", True)
+  lowered = lambda q, k, v, g, beta: run(q=q, k=k, v=v, g=g, beta=beta)
+  text = cuda_module_text(monkeypatch, lowered, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x.values()))
+  names = ("kda_state_fwd",) + (("kda_state_segment_maps",) if segments > 1 else ())
+  assert all(f'name = "{n}"' in text for n in names) and anchors[-1] is not None
+
+
 @pytest.mark.parametrize("case", ["slow_decay", "gates_at_bound"])
 def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   """`segment_starts` (each segment's affine map from one parallel pass, composed by an associative scan) against

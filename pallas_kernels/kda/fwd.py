@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda import solve_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
-                                      mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
+                                      mm_t, per_tile, store, store_block_diagonal, t_mm, unit_lower_inverse,
                                       unit_lower_inverse_16, write_tile_cumsum)
 
 L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
@@ -191,13 +191,14 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
 
 
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
-                     block_k):
+                     block_k, scaled):
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time. No exponential of a [64,K] tile: `prepare` took
-  them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10)."""
+  them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10).
+  Without `scaled`, Qs and Kd are left to the state pass (`Anchors`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
+  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs if scaled else (refs[0], refs[1], None, None, refs[2])
   docs = TileDocs(reset_ref, pl.program_id(0))
   rows = pl.ds(docs.i * SUB, SUB)
   beta_i = beta_ref[...].astype(F32)[:, None]
@@ -210,9 +211,10 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     acc_qk = acc[0] + mm_t(qe_i, keys, dtype)
     acc_kk = acc[1] + mm_t(kq_i, keys, dtype)
     start = an.from_anchor()
-    qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
     kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
-    kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
+    if scaled:
+      qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
+      kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
     return acc_qk, acc_kk
 
   zeros = jnp.zeros((SUB, CHUNK), F32)
@@ -238,14 +240,15 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 
 def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None):
+                  block_cols=64, solve=None, scaled=True):
   """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
   queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with
   `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
   otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
-  Mosaic solve where `solve_mosaic.available`)."""
+  Mosaic solve where `solve_mosaic.available`). Without `scaled`, Qs and Kd are None: the state pass forms them
+  (`Anchors`)."""
   B, T, H, K = qe.shape
   if solve not in (None, "triton", "mosaic"):
     raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
@@ -262,16 +265,17 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
-  aqk, kk, qs, kd, kgb = triton_call(
+  outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * (3 if scaled else 1)
+  aqk, kk, *scaled_keys, kgb = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                        dtype=dt, block_k=block_k),
+                        dtype=dt, block_k=block_k, scaled=scaled),
       grid=(NT, N, B * H),
       in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
                 pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
       + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
-      out_specs=[tile(CHUNK), tile(CHUNK), tile(K), tile(K), tile(K)],
-      out_shape=[shape(CHUNK), shape(CHUNK, F32), shape(K), shape(K), shape(K)], name="kda_intra_fwd_key_tiles",
+      out_specs=[tile(CHUNK), tile(CHUNK)] + [tile(K)] * (len(outs) - 2), out_shape=outs, name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 2, num_stages=2)(qe, kq, ke, tot, beta, *resets)   # 2 beat 1, 4 and 8 (run 12)
+  qs, kd = scaled_keys or (None, None)
   if solve == "mosaic":
     w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
     return w, u, qs, kd, aqk, kk, minv
@@ -289,7 +293,39 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   return w, u, qs, kd, aqk, kk, (minv[0] if save else None)
 
 
-def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):
+class Anchors(NamedTuple):
+  """Qs and Kd handed to the state pass as `prepare`'s qe and ke (each row against its tile's anchor) and formed
+  there per chunk from the tiles' totals, as the key tiles would: the forward-only pass then writes neither
+  (`intra_forward(..., scaled=False)`). tot fp32 `[B,T/16,H,K]`, reset `[B,T]` int32 or None."""
+  tot: jax.Array
+  reset: jax.Array | None
+  scale: float
+  lower_bound: float
+
+
+def _chunk_keys(n, qs_ref, kd_ref, anchor_refs, rescale):
+  """Chunk n's Qs (None without `qs_ref`) and Kd, fp32 [64,K]: read, or with `rescale` = (scale, lower_bound) formed
+  from qe, ke and `anchor_refs` = (tot, reset or None): Qs = scale·qe ⊙ e^{R_J + c}, Kd = ke ⊙ e^{G_C - R_J - c} on
+  the rows of tile J, zero outside the chunk's first (Qs) or last (Kd) document."""
+  rows = pl.ds(n * CHUNK, CHUNK)
+  qs = None if qs_ref is None else qs_ref[rows, :].astype(F32)
+  kd = kd_ref[rows, :].astype(F32)
+  if rescale is None:
+    return qs, kd
+  (scale, lower_bound), (tot_ref, reset_ref) = rescale, anchor_refs
+  c = SUB / 2 * lower_bound
+  tot = [tot_ref[pl.ds(n * NT + p, 1), :].astype(F32) for p in range(NT)]
+  zero = jnp.zeros_like(tot[0])
+  start = per_tile([jnp.exp(sum(tot[:j], zero) + c) for j in range(NT)])
+  end = per_tile([jnp.exp(sum(tot[j:], zero) - c) for j in range(NT)])
+  if reset_ref is not None:
+    reset = reset_ref[rows].astype(jnp.int32)
+    doc = jnp.cumsum(reset)[:, None]
+    start, end = masked(start, doc == 0), masked(end, doc == jnp.sum(reset))
+  return (None if qs is None else scale * qs * start), kd * end
+
+
+def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
   """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after).
   `u_scale` (a traced 0 or 1) multiplies U, for the segment maps' identity columns."""
   rows = pl.ds(n * CHUNK, CHUNK)
@@ -297,37 +333,49 @@ def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):
   u = u_ref[rows, :].astype(F32)
   v_new = (u if u_scale is None else u_scale * u) - mm(w_ref[rows, :], S_in, dtype)
   decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
-  return S_in, v_new, decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
+  return S_in, v_new, decay * S_KV + t_mm(kd, v_new, dtype)
 
 
-def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *out_refs, num_chunks, save, dtype):
-  o_ref, sT_ref, *saved = out_refs
+def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *refs, num_chunks, save, dtype,
+                  rescale, has_reset):
+  anchor_refs, (o_ref, sT_ref, *saved) = _anchor_refs(refs, rescale, has_reset)
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
-    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype)
+    qs, kd = _chunk_keys(n, qs_ref, kd_ref, anchor_refs, rescale)
+    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype)
     if save:
       h_ref, vn_ref = saved
       h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    o = mm(qs_ref[rows, :], S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
+    o = mm(qs, S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
     o_ref[rows, :] = o.astype(o_ref.dtype)
     return S_next
 
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
 
 
-def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks, value_blocks, dtype):
+def _anchor_refs(refs, rescale, has_reset):
+  """Splits a state kernel's trailing refs into ((tot, reset or None) or None, the rest)."""
+  if rescale is None:
+    return None, refs
+  return (refs[0], refs[1] if has_reset else None), refs[1 + has_reset:]
+
+
+def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, *refs, num_chunks, value_blocks, dtype, rescale, has_reset):
   """The state at a segment's end as an affine map of its start, S -> A S + F: column blocks below `value_blocks`
   run the recurrence on u from zero (F), the others on zero values from the identity's columns (A = the product of
   the chunks' diag(decay) - Kdᵀ W)."""
+  anchor_refs, (ends_ref,) = _anchor_refs(refs, rescale, has_reset)
   K, block_v = ends_ref.shape
   vb = pl.program_id(0)
   keep = (vb < value_blocks).astype(F32)
   # The identity's columns (vb - value_blocks) * block_v onwards; none in the value blocks (negative offsets).
   S0 = jnp.where(iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v, 1.0, 0.0)
 
-  body = lambda n, S_KV: _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=keep)[2]
+  def body(n, S_KV):
+    kd = _chunk_keys(n, None, kd_ref, anchor_refs, rescale)[1]
+    return _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=keep)[2]
   ends_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S0)
 
 
@@ -345,16 +393,26 @@ class StateSpecs:
     self.per_chunk_state = pl.BlockSpec((None, None, Ts // CHUNK * K, block_v),
                                         lambda vb, bh, s=0: (bh // H, bh % H, s, vb))
     self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
+    self.tot = pl.BlockSpec((None, Ts // SUB, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
+    self.reset = pl.BlockSpec((None, Ts), lambda vb, bh, s=0: (bh // H, s))
+
+  def anchors(self, anchors):
+    """(static kernel arguments, in_specs, args) for `Anchors` or None."""
+    if anchors is None:
+      return dict(rescale=None, has_reset=False), [], []
+    resets = [] if anchors.reset is None else [anchors.reset]
+    return (dict(rescale=(anchors.scale, anchors.lower_bound), has_reset=bool(resets)),
+            [self.tot] + [self.reset] * len(resets), [anchors.tot] + resets)
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1, anchors=None):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
   `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
-  Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
-  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
+  With `anchors` (`Anchors`), qs and kd are `prepare`'s qe and ke. Returns (o, final state); with `save=True` also
+  the backward's residuals: the states entering each chunk `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -363,38 +421,40 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
     raise ValueError(f"state_forward: segments={segments} must divide the {N} chunks")
   dt = w.dtype
   starts = (S0[:, :, None] if segments == 1 else
-            segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v))
+            segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v, anchors=anchors))
   sp = StateSpecs(H, T, K, block_v, segments)
+  static, anchor_specs, anchor_args = sp.anchors(anchors)
   in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.segment_state]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
   out_specs = [sp.vcols, sp.segment_state]
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, **static)
   num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
-  o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
+  o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs + anchor_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
-                                num_stages=2)(w, u, qs, kd, aqk, decay, starts)
+                                num_stages=2)(w, u, qs, kd, aqk, decay, starts, *anchor_args)
   return (o, ends[:, :, -1], *saved)
 
 
-def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
+def segment_starts(w, u, kd, decay, S0, *, segments, block_v, anchors=None):
   """[B,H,segments,K,V] fp32: the state entering each segment. One parallel pass gives each segment's map
   S -> A S + F (`_segment_map_kernel`); an associative scan over segments then composes them (log2(segments)
-  rounds of batched K x K products, fp32)."""
+  rounds of batched K x K products, fp32). `anchors` as in `state_forward`."""
   B, T, H, K = w.shape
   V = u.shape[-1]
   sp = StateSpecs(H, T, K, block_v, segments)
+  static, anchor_specs, anchor_args = sp.anchors(anchors)
   value_blocks = V // block_v
   u_spec = pl.BlockSpec((None, T // segments, None, block_v),
                         lambda vb, bh, s: (bh // H, s, bh % H, jnp.minimum(vb, value_blocks - 1)))
   kernel = functools.partial(_segment_map_kernel, num_chunks=T // CHUNK // segments, value_blocks=value_blocks,
-                             dtype=w.dtype)
+                             dtype=w.dtype, **static)
   ends = triton_call(kernel, grid=((V + K) // block_v, B * H, segments),
-                     in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay], out_specs=sp.segment_state,
+                     in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay] + anchor_specs, out_specs=sp.segment_state,
                      out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
-                     num_warps=4, num_stages=2)(w, u, kd, decay)
+                     num_warps=4, num_stages=2)(w, u, kd, decay, *anchor_args)
   F, A = ends[..., :V], ends[..., V:]
   hi = jax.lax.Precision.HIGHEST
 
