@@ -43,8 +43,10 @@ flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bw
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
 flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
-flags.DEFINE_bool("fold_anchors", False, "Run the whole op's undifferentiated forward with Qs and Kd formed in the state "
-                  "pass (pallas_kernels.kda.chunk.FOLD_ANCHORS).")
+flags.DEFINE_bool("fold_anchors", False, "Run the whole op's undifferentiated forward with Qs and Kd formed in the "
+                  "state pass (pallas_kernels.kda.chunk.FOLD_ANCHORS).")
+flags.DEFINE_bool("invert_diagonal", False, "Run the whole op's undifferentiated forward with B's diagonal blocks "
+                  "inverted in the key tiles (pallas_kernels.kda.chunk.INVERT_DIAGONAL).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -207,7 +209,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.fold_anchors)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.fold_anchors, FLAGS.invert_diagonal)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -276,18 +278,20 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve, fold_anchors):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant, this solve launch and the
-  folded anchors in this process: candidates are timed end to end before they become defaults."""
+def use_variants(intra_bwd, solve, fold_anchors, invert_diagonal):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant, this solve launch, the
+  folded anchors and the inverted diagonal blocks in this process: candidates are timed end to end before they
+  become defaults."""
   from pallas_kernels.kda import bwd, chunk, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if solve:
     fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
   chunk.FOLD_ANCHORS = chunk.FOLD_ANCHORS or fold_anchors
-  if intra_bwd or solve or fold_anchors:
+  chunk.INVERT_DIAGONAL = chunk.INVERT_DIAGONAL or invert_diagonal
+  if intra_bwd or solve or fold_anchors or invert_diagonal:
     print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}, fold_anchors "
-          f"{chunk.FOLD_ANCHORS}", flush=True)
+          f"{chunk.FOLD_ANCHORS}, invert_diagonal {chunk.INVERT_DIAGONAL}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -311,7 +315,10 @@ def per_kernel_times(x, do, shape):
   if solve_mosaic.available(v.dtype, D, D):
     sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic")
               for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
-  for params in (sweep + [dict(block_k=32, num_warps=2, scaled=False)]) if FLAGS.sweep else [{}]:
+  if solve_mosaic.available(v.dtype, D, D):   # the opt-in forward variants (chunk.FOLD_ANCHORS, INVERT_DIAGONAL)
+    sweep += [dict(block_k=32, num_warps=2, scaled=sc, invert_diagonal=inv)
+              for sc, inv in ((False, False), (True, True), (False, True))]
+  for params in sweep if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
         *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]

@@ -60,7 +60,8 @@ def test_state_pass_forming_qs_and_kd_gives_the_key_tiles_forward(dtype, segment
                                   lower_bound=-5.0, backend="pallas")
   anchors = []
   state_forward = fwd.state_forward
-  monkeypatch.setattr(fwd, "state_forward", lambda *a, **kw: (anchors.append(kw["anchors"]), state_forward(*a, **kw))[1])
+  monkeypatch.setattr(fwd, "state_forward",
+                      lambda *a, **kw: (anchors.append(kw["anchors"]), state_forward(*a, **kw))[1])
   monkeypatch.setattr(chunk, "FOLD_ANCHORS", True)
   folded = run(**x)
   monkeypatch.setattr(chunk, "FOLD_ANCHORS", False)
@@ -71,6 +72,20 @@ def test_state_pass_forming_qs_and_kd_gives_the_key_tiles_forward(dtype, segment
   text = cuda_module_text(monkeypatch, lowered, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x.values()))
   names = ("kda_state_fwd",) + (("kda_state_segment_maps",) if segments > 1 else ())
   assert all(f'name = "{n}"' in text for n in names) and anchors[-1] is not None
+
+
+def test_forward_with_both_opt_in_variants_matches_the_default(monkeypatch):
+  """The undifferentiated forward with the folded anchors and the inverted diagonal blocks (the Mosaic solve, bf16,
+  interpret mode) against the default: outputs and final state to bf16 rounding, with documents and a state."""
+  from pallas_kernels.kda import chunk
+  x, S0, seg = random_inputs(47, 1, 200, 2, 64, 64, dtype=jnp.bfloat16, segments=True)
+  run = lambda: kda.chunk_kda(**x, initial_state=S0, output_final_state=True, segment_ids=seg, lower_bound=-5.0,
+                              backend="pallas")
+  default = run()
+  monkeypatch.setattr(chunk, "FOLD_ANCHORS", True)
+  monkeypatch.setattr(chunk, "INVERT_DIAGONAL", True)
+  (o, S), (o_ref, S_ref) = run(), default
+  assert rel_err(o, o_ref) <= 1e-3 and rel_err(S, S_ref) <= 1e-4, (rel_err(o, o_ref), rel_err(S, S_ref))
 
 
 @pytest.mark.parametrize("case", ["slow_decay", "gates_at_bound"])
@@ -342,6 +357,34 @@ def test_mosaic_solve_gives_the_triton_solves_outputs(save):
   chex.assert_trees_all_equal(run(None), run("mosaic"))
 
 
+def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
+  """With `invert_diagonal` the key tiles write (I + βB_II)⁻¹ − I on B's diagonal blocks (fp32 substitution) and the
+  Mosaic solve (interpret mode) takes two doubling steps from there: W and U as the default's (its four steps on
+  bf16 halves differ in rounding), the other outputs unchanged; bf16, K unlike V, documents; the off-diagonal
+  blocks of B are kept and the diagonal ones are the inverses."""
+  B, T, H, K, V = 1, 128, 2, 64, 128
+  x, _, _ = random_inputs(46, B, T, H, K, V, dtype=jnp.bfloat16)
+  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=False)
+  run = lambda inv: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
+                                      lower_bound=-5.0, save=False, invert_diagonal=inv)
+  (w, u, qs, kd, aqk, kk, _), (w_ref, u_ref, qs_ref, kd_ref, aqk_ref, kk_ref, _) = run(True), run(False)
+  assert rel_err(w, w_ref) <= 1e-4 and rel_err(u, u_ref) <= 1e-4, (rel_err(w, w_ref), rel_err(u, u_ref))
+  chex.assert_trees_all_equal((qs, kd, aqk), (qs_ref, kd_ref, aqk_ref))
+  blocks = lambda m: m[0, :, 0].reshape(2, 4, 16, 4, 16)           # chunk, row tile, row, column tile, column
+  diag = jnp.eye(4, dtype=bool)[None, :, None, :, None]
+  chex.assert_trees_all_equal(jnp.where(diag, 0.0, blocks(kk)), jnp.where(diag, 0.0, blocks(kk_ref)))
+  beta = p.beta[0, :, 0].reshape(2, 4, 16, 1)
+  for c in range(2):
+    for i in range(4):
+      n = beta[c, i] * blocks(kk_ref)[c, i, :, i]
+      inverse = np.linalg.inv(np.eye(16) + np.asarray(n, np.float64))
+      assert rel_err(blocks(kk)[c, i, :, i] + np.eye(16), inverse) <= 1e-5, (c, i)
+  with pytest.raises(ValueError, match="invert_diagonal"):
+    fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=1.0, lower_bound=-5.0, save=True,
+                      invert_diagonal=True)
+
+
 def test_the_solve_is_mosaic_only_where_it_can_run():
   """bf16 with K, V multiples of 64 (up to 256) takes the Mosaic solve (here in interpret mode); fp32, or K = 32,
   the Triton one; on a GPU older than Hopper neither Mosaic kernel is picked."""
@@ -353,8 +396,8 @@ def test_the_solve_is_mosaic_only_where_it_can_run():
 
 
 def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeypatch):
-  """The Mosaic solve, with and without resets and M: lowering checks the shared-memory layouts and transfers that
-  interpret mode does not."""
+  """The Mosaic solve, with and without resets and M, and from the key tiles' inverted diagonal blocks: lowering
+  checks the shared-memory layouts and transfers that interpret mode does not."""
   B, T, H, K, V = 1, 128, 2, 128, 64
   shapes = [((B, T, H, K), jnp.bfloat16)] * 3 + [((B, T // 16, H, K), jnp.float32), ((B, T, H, V), jnp.bfloat16),
                                                   ((B, T, H), jnp.float32), ((B, T), jnp.int32)]
@@ -362,6 +405,9 @@ def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeyp
   for save in (True, False):
     f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, solve="mosaic", save=save)
     assert "kda_intra_fwd_solve_mosaic" in cuda_module_text(monkeypatch, f, *args[:-1], None if save else args[-1])
+  f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, save=False, invert_diagonal=True)
+  text = cuda_module_text(monkeypatch, f, *args)
+  assert "kda_intra_fwd_solve_mosaic" in text and 'name = "kda_intra_fwd_key_tiles"' in text
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, None, lower_bound=-5.0)

@@ -14,13 +14,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, fwd
+from pallas_kernels.kda import bwd, fwd, solve_mosaic
 from pallas_kernels.kda.tiles import CHUNK
 
 
-# Opt-in, not yet timed (BUILD_NOTES, Open GPU work 1b): the undifferentiated forward leaves Qs and Kd to the
-# state pass (`fwd.Anchors`), so the key tiles write 0.27 GB less at 8x4096. `bench_kda --fold_anchors` sets it.
+# Opt-in, not yet timed (BUILD_NOTES, Open GPU work 1): the undifferentiated forward leaves Qs and Kd to the state
+# pass (`fwd.Anchors`), so the key tiles write 0.27 GB less at 8x4096 (`bench_kda --fold_anchors`); and the key
+# tiles invert B's diagonal blocks, so the Mosaic solve's chain of products is 4 long, not 10 (`--invert_diagonal`).
 FOLD_ANCHORS = False
+INVERT_DIAGONAL = False
 
 
 def default_block_v(B, H, V, target_programs=128):
@@ -78,8 +80,10 @@ def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   scale, lower_bound, block_v, _, segments, valid_len = cfg
   p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save)
   fold = FOLD_ANCHORS and not save
+  invert = INVERT_DIAGONAL and not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
   w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
-                                                  lower_bound=lower_bound, save=save, scaled=not fold)
+                                                  lower_bound=lower_bound, save=save, scaled=not fold,
+                                                  invert_diagonal=invert)
   anchors = fwd.Anchors(p.tot, reset, scale, lower_bound) if fold else None
   o, S, *saved = fwd.state_forward(w, u, p.qe if fold else qs, p.ke if fold else kd, aqk, p.decay, S0,
                                    block_v=block_v, save=save, segments=segments, anchors=anchors)

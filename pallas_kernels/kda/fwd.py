@@ -191,12 +191,13 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
 
 
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
-                     block_k, scaled):
+                     block_k, scaled, invert_diagonal):
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time. No exponential of a [64,K] tile: `prepare` took
   them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10).
-  Without `scaled`, Qs and Kd are left to the state pass (`Anchors`)."""
+  Without `scaled`, Qs and Kd are left to the state pass (`Anchors`). With `invert_diagonal`, B's diagonal block
+  I holds (I + βB_II)⁻¹ − I instead (for the Mosaic solve's `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs if scaled else (refs[0], refs[1], None, None, refs[2])
   docs = TileDocs(reset_ref, pl.program_id(0))
@@ -205,6 +206,7 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
 
   def columns(cb, acc):
     cols = pl.ds(cb * block_k, block_k)
+    acc_d = acc[2] + mm_t(kq_ref[:, cols], ke_ref[rows, cols], dtype) if invert_diagonal else acc[2]
     an = TileAnchors([tot_ref[pl.ds(p, 1), cols].astype(F32) for p in range(NT)], docs, lower_bound)
     keys = (ke_ref[:, cols].astype(F32) * an.keys_scale()).astype(dtype)
     qe_i, kq_i = qe_ref[:, cols].astype(F32), kq_ref[:, cols].astype(F32)
@@ -215,12 +217,17 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     if scaled:
       qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
       kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
-    return acc_qk, acc_kk
+    return acc_qk, acc_kk, acc_d
 
   zeros = jnp.zeros((SUB, CHUNK), F32)
-  acc_qk, acc_kk = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns, (zeros, zeros))
+  acc_qk, acc_kk, acc_d = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns,
+                                            (zeros, zeros, jnp.zeros((SUB, SUB), F32)))
   aqk_ref[...] = masked(scale * acc_qk, docs.row_mask(False)).astype(aqk_ref.dtype)
   kk_ref[...] = masked(acc_kk, docs.row_mask(True)).astype(kk_ref.dtype)
+  if invert_diagonal:   # the diagonal block equals the row block's (tile I's keys take e^0 for anchor I)
+    m = unit_lower_inverse_16(beta_i * masked(acc_d, docs.diag_mask()))
+    barrier()
+    kk_ref[:, pl.ds(docs.i * SUB, SUB)] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
 
 
 def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):
@@ -240,7 +247,7 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 
 def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None, scaled=True):
+                  block_cols=64, solve=None, scaled=True, invert_diagonal=False):
   """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
@@ -248,7 +255,9 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
   otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
   Mosaic solve where `solve_mosaic.available`). Without `scaled`, Qs and Kd are None: the state pass forms them
-  (`Anchors`)."""
+  (`Anchors`). `invert_diagonal` (the Mosaic solve without `save` only): the key tiles invert B's 16x16 diagonal
+  blocks and the solve starts from them (two doubling steps instead of six steps); the B returned then holds those
+  inverses on its diagonal blocks."""
   B, T, H, K = qe.shape
   if solve not in (None, "triton", "mosaic"):
     raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
@@ -256,6 +265,8 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   solve = solve or ("mosaic" if solve_mosaic.available(qe.dtype, K, V) else "triton")
   if solve == "mosaic":
     solve_mosaic.check_supported(qe.dtype, K, V)
+  if invert_diagonal and (save or solve != "mosaic"):
+    raise ValueError("intra_forward: invert_diagonal needs the Mosaic solve and save=False")
   N = T // CHUNK
   dt = qe.dtype
   block_k = block_k or min(K, 32)
@@ -268,16 +279,18 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * (3 if scaled else 1)
   aqk, kk, *scaled_keys, kgb = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                        dtype=dt, block_k=block_k, scaled=scaled),
+                        dtype=dt, block_k=block_k, scaled=scaled, invert_diagonal=invert_diagonal),
       grid=(NT, N, B * H),
       in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
                 pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
       + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
-      out_specs=[tile(CHUNK), tile(CHUNK)] + [tile(K)] * (len(outs) - 2), out_shape=outs, name="kda_intra_fwd_key_tiles",
+      out_specs=[tile(CHUNK), tile(CHUNK)] + [tile(K)] * (len(outs) - 2), out_shape=outs,
+      name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 2, num_stages=2)(qe, kq, ke, tot, beta, *resets)   # 2 beat 1, 4 and 8 (run 12)
   qs, kd = scaled_keys or (None, None)
   if solve == "mosaic":
-    w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save)
+    w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save,
+                                    diagonal_inverted=invert_diagonal)
     return w, u, qs, kd, aqk, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))

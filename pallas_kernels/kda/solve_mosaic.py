@@ -43,16 +43,20 @@ def check_supported(dtype, K, V):
                      f"K={K}, V={V}")
 
 
-def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save):
+def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save, diagonal_inverted=False):
   """M = (I + βB)⁻¹ per chunk, U = M βV and W = M (βΓK), as `fwd._solve_kernel`: β `[B,H,T]` fp32 (heads before
   time, so a chunk's β is contiguous for TMA), B fp32 `[B,T,H,64]`, βΓK and V bf16. Returns W, U (bf16) and M (fp32
-  `[B,T,H,64]`, or None unless `save`)."""
+  `[B,T,H,64]`, or None unless `save`). `diagonal_inverted`: B's 16x16 diagonal blocks hold (I + βB_II)⁻¹ − I
+  (the key tiles' `invert_diagonal`), so the inverse takes two doubling steps instead of six steps."""
   B, T, H, K = kgb_BTHK.shape
   V = v_BTHV.shape[-1]
   check_supported(kgb_BTHK.dtype, K, V)
+  if diagonal_inverted and save:
+    raise ValueError("solve_mosaic.solve: diagonal_inverted does not write M (save=False only)")
   out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
   out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
-  w, u, *m = per_chunk(functools.partial(_chunk, H=H), out, B, T, H, "kda_intra_fwd_solve_mosaic")(
+  body = functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted)
+  w, u, *m = per_chunk(body, out, B, T, H, "kda_intra_fwd_solve_mosaic")(
       beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
   return w, u, (m[0] if save else None)
 
@@ -87,10 +91,11 @@ def product(shape, *pairs):
   return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
 
 
-def unit_lower_inverse(a, squares):
+def unit_lower_inverse(a, squares, diagonal_inverted=False):
   """(I + a)⁻¹ of the chunk's strictly lower [64,64] a (fp32, wgmma layout), as `tiles.unit_lower_inverse`: Neumann
   series on the 4x4 diagonal blocks, then four doubling steps; each product on bf16 halves staged through the four
-  [64,64] bf16 shared-memory `squares`."""
+  [64,64] bf16 shared-memory `squares`. `diagonal_inverted`: a's 16x16 diagonal blocks already hold their inverses
+  less I; only the doubling steps to 32 and 64 rows remain."""
   a_hi, a_lo, b_hi, b_lo = squares
   r = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=WGMMA)
   c = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=WGMMA)
@@ -101,23 +106,31 @@ def unit_lower_inverse(a, squares):
     plgpu.commit_smem()
     return product((CHUNK, CHUNK), (a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
 
-  n4 = jnp.where(r // 4 == c // 4, a, 0.0)
-  x = eye - n4
-  for _ in range(2):
-    x = eye - mm(n4, x)
-  for blk in (4, 8, 16, 32):
+  if diagonal_inverted:
+    x = eye + jnp.where(r // 16 == c // 16, a, 0.0)
+  else:
+    n4 = jnp.where(r // 4 == c // 4, a, 0.0)
+    x = eye - n4
+    for _ in range(2):
+      x = eye - mm(n4, x)
+  for blk in (16, 32) if diagonal_inverted else (4, 8, 16, 32):
     outside = (r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk)
     x = x - mm(x, mm(jnp.where(outside, a, 0.0), x))
   return x
 
 
-def solve_in_place(b_kk, beta_s, squares, v_blocks, kgb_blocks, m_s=None):
+def solve_in_place(b_kk, beta_s, squares, v_blocks, kgb_blocks, m_s=None, diagonal_inverted=False):
   """M = (I + βB)⁻¹ from B (fp32 [64,64], wgmma layout), written to `m_s` if given, then U = M βV over V's
   shared-memory blocks and W = M (βΓK) over βΓK's; V and βΓK are exact in bf16, so two products on M's halves each.
   The caller commits shared memory before storing."""
   a_hi, a_lo, b_hi, b_lo = squares
   beta = lambda dim: lax.broadcast_in_dim(plgpu.load(beta_s, layout=WGMMA.reduce(1 - dim)), (CHUNK, CHUNK), [dim])
-  x = unit_lower_inverse(b_kk * beta(0), squares)
+  a = b_kk * beta(0)
+  if diagonal_inverted:   # the diagonal blocks are inverses already, β included
+    r = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=WGMMA)
+    c = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=WGMMA)
+    a = jnp.where(r // 16 == c // 16, b_kk, a)
+  x = unit_lower_inverse(a, squares, diagonal_inverted)
   if m_s is not None:
     m_s[...] = x
   (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = halves(x * beta(1)), halves(x)
@@ -127,7 +140,7 @@ def solve_in_place(b_kk, beta_s, squares, v_blocks, kgb_blocks, m_s=None):
       blk[...] = product((CHUNK, blk.shape[-1]), (hi, blk), (lo, blk)).astype(BF16)
 
 
-def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
+def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, diagonal_inverted):
   n, bh = lax.axis_index("n"), lax.axis_index("bh")
   b, h, rows = bh // H, bh % H, pl.ds(n * CHUNK, CHUNK)
   K, V = kgb_gmem.shape[-1], v_gmem.shape[-1]
@@ -142,7 +155,8 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H):
       plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     for i in range(len(copies)):
       plgpu.barrier_wait(loaded.at[i])
-    solve_in_place(plgpu.load(kk, layout=WGMMA), beta, (a_hi, a_lo, b_hi, b_lo), [v], [kgb], kk if m_gmem else None)
+    solve_in_place(plgpu.load(kk, layout=WGMMA), beta, (a_hi, a_lo, b_hi, b_lo), [v], [kgb], kk if m_gmem else None,
+                   diagonal_inverted)
     plgpu.commit_smem()
     for src, dst in ((v, u_gmem), (kgb, w_gmem)) + (((kk, m_gmem[0]),) if m_gmem else ()):
       plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
