@@ -206,7 +206,6 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
 
   def columns(cb, acc):
     cols = pl.ds(cb * block_k, block_k)
-    acc_d = acc[2] + mm_t(kq_ref[:, cols], ke_ref[rows, cols], dtype) if invert_diagonal else acc[2]
     an = TileAnchors([tot_ref[pl.ds(p, 1), cols].astype(F32) for p in range(NT)], docs, lower_bound)
     keys = (ke_ref[:, cols].astype(F32) * an.keys_scale()).astype(dtype)
     qe_i, kq_i = qe_ref[:, cols].astype(F32), kq_ref[:, cols].astype(F32)
@@ -217,15 +216,17 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     if scaled:
       qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
       kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
-    return acc_qk, acc_kk, acc_d
+    if invert_diagonal:   # B's diagonal block alone (tile I's keys take e^0 for anchor I)
+      return acc_qk, acc_kk, acc[2] + mm_t(kq_ref[:, cols], ke_ref[rows, cols], dtype)
+    return acc_qk, acc_kk
 
   zeros = jnp.zeros((SUB, CHUNK), F32)
-  acc_qk, acc_kk, acc_d = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns,
-                                            (zeros, zeros, jnp.zeros((SUB, SUB), F32)))
+  init = (zeros, zeros) + ((jnp.zeros((SUB, SUB), F32),) if invert_diagonal else ())
+  acc_qk, acc_kk, *acc_d = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns, init)
   aqk_ref[...] = masked(scale * acc_qk, docs.row_mask(False)).astype(aqk_ref.dtype)
   kk_ref[...] = masked(acc_kk, docs.row_mask(True)).astype(kk_ref.dtype)
-  if invert_diagonal:   # the diagonal block equals the row block's (tile I's keys take e^0 for anchor I)
-    m = unit_lower_inverse_16(beta_i * masked(acc_d, docs.diag_mask()))
+  if invert_diagonal:
+    m = unit_lower_inverse_16(beta_i * masked(acc_d[0], docs.diag_mask()))
     barrier()
     kk_ref[:, pl.ds(docs.i * SUB, SUB)] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
 
@@ -317,14 +318,15 @@ class Anchors(NamedTuple):
 
 
 def _chunk_keys(n, qs_ref, kd_ref, anchor_refs, rescale):
-  """Chunk n's Qs (None without `qs_ref`) and Kd, fp32 [64,K]: read, or with `rescale` = (scale, lower_bound) formed
-  from qe, ke and `anchor_refs` = (tot, reset or None): Qs = scale·qe ⊙ e^{R_J + c}, Kd = ke ⊙ e^{G_C - R_J - c} on
-  the rows of tile J, zero outside the chunk's first (Qs) or last (Kd) document."""
+  """Chunk n's Qs (None without `qs_ref`) and Kd [64,K]: read (input dtype), or with `rescale` = (scale,
+  lower_bound) formed in fp32 from qe, ke and `anchor_refs` = (tot, reset or None): Qs = scale·qe ⊙ e^{R_J + c},
+  Kd = ke ⊙ e^{G_C - R_J - c} on the rows of tile J, zero outside the chunk's first (Qs) or last (Kd) document."""
   rows = pl.ds(n * CHUNK, CHUNK)
-  qs = None if qs_ref is None else qs_ref[rows, :].astype(F32)
-  kd = kd_ref[rows, :].astype(F32)
+  qs = None if qs_ref is None else qs_ref[rows, :]
+  kd = kd_ref[rows, :]
   if rescale is None:
     return qs, kd
+  qs, kd = (None if qs is None else qs.astype(F32)), kd.astype(F32)
   (scale, lower_bound), (tot_ref, reset_ref) = rescale, anchor_refs
   c = SUB / 2 * lower_bound
   tot = [tot_ref[pl.ds(n * NT + p, 1), :].astype(F32) for p in range(NT)]
