@@ -216,19 +216,18 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     if scaled:
       qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
       kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
-    if invert_diagonal:   # B's diagonal block alone (tile I's keys take e^0 for anchor I)
-      return acc_qk, acc_kk, acc[2] + mm_t(kq_ref[:, cols], ke_ref[rows, cols], dtype)
     return acc_qk, acc_kk
 
   zeros = jnp.zeros((SUB, CHUNK), F32)
-  init = (zeros, zeros) + ((jnp.zeros((SUB, SUB), F32),) if invert_diagonal else ())
-  acc_qk, acc_kk, *acc_d = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns, init)
+  acc_qk, acc_kk = jax.lax.fori_loop(0, qe_ref.shape[-1] // block_k, columns, (zeros, zeros))
   aqk_ref[...] = masked(scale * acc_qk, docs.row_mask(False)).astype(aqk_ref.dtype)
   kk_ref[...] = masked(acc_kk, docs.row_mask(True)).astype(kk_ref.dtype)
-  if invert_diagonal:
-    m = unit_lower_inverse_16(beta_i * masked(acc_d[0], docs.diag_mask()))
+  if invert_diagonal:   # the diagonal block, masked, read back (registers cannot be sliced) and replaced
+    diag = pl.ds(docs.i * SUB, SUB)
     barrier()
-    kk_ref[:, pl.ds(docs.i * SUB, SUB)] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
+    m = unit_lower_inverse_16(beta_i * kk_ref[:, diag])
+    barrier()
+    kk_ref[:, diag] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
 
 
 def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, save):

@@ -192,13 +192,12 @@ class TileDocs:
 
   def __init__(self, reset_ref, i):
     self.i = i
-    self.doc_ok = self.diag_ok = self.first = self.last = None
+    self.doc_ok = self.first = self.last = None
     if reset_ref is not None:
       reset = load(reset_ref, None, jnp.int32)
       doc_all = jnp.cumsum(reset, axis=0)                                                  # resets up to each row
       doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
       self.doc_ok = doc_i[:, None] == doc_all[None, :]                                     # [16,64]: tile vs chunk
-      self.diag_ok = doc_i[:, None] == doc_i[None, :]                                      # [16,16]: tile vs itself
       self.first, self.last = (doc_i == 0)[:, None], (doc_i == jnp.sum(reset))[:, None]
 
   def row_mask(self, strict):
@@ -206,11 +205,6 @@ class TileDocs:
     causal = iota((SUB, CHUNK), 1) - iota((SUB, CHUNK), 0) - self.i * SUB                 # key - query position
     m = causal < 0 if strict else causal <= 0
     return m if self.doc_ok is None else m & self.doc_ok
-
-  def diag_mask(self):
-    """[16,16]: tile i against itself, strictly causal, within one document."""
-    m = iota((SUB, SUB), 1) < iota((SUB, SUB), 0)
-    return m if self.diag_ok is None else m & self.diag_ok
 
 
 class TileAnchors:
