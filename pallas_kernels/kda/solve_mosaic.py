@@ -55,33 +55,26 @@ def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save, diagonal_inverted=False)
     raise ValueError("solve_mosaic.solve: diagonal_inverted does not write M (save=False only)")
   out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
   out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
-  body = functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted)
-  w, u, *m = per_chunk(body, out, B, T, H, "kda_intra_fwd_solve_mosaic")(
-      beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
+  w, u, *m = plgpu.kernel(
+      functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted), out_type=out, grid=(T // CHUNK, B * H),
+      grid_names=("n", "bh"), compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      kernel_name="kda_intra_fwd_solve_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
+  )(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
   return w, u, (m[0] if save else None)
 
 
-def per_chunk(body, out_type, B, T, H, name):
-  """A Mosaic GPU kernel (Lane semantics) with one warpgroup per (chunk, batch·head): grid axes "n" and "bh"; in
-  interpret mode off the GPU."""
-  return plgpu.kernel(
-      body, out_type=out_type, grid=(T // CHUNK, B * H), grid_names=("n", "bh"),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-      kernel_name=name, interpret=plgpu.InterpretGPUParams() if interpret_mode() else None)
-
-
-def swizzled(dtype):
+def _swizzled(dtype):
   """Shared-memory transforms for wgmma operands and TMA: 128-byte rows, swizzled."""
   return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
 
 
-def halves(x):
+def _halves(x):
   """bf16 hi and lo parts of fp32 x (x ≈ hi + lo to ≈ 16 bits of mantissa)."""
   hi = x.astype(BF16)
   return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def product(shape, *pairs):
+def _product(shape, *pairs):
   """Σ a·b over the (a, b) pairs of shared-memory operands, fp32, waited for."""
   def scoped(acc):
     for a, b in pairs:
@@ -91,61 +84,56 @@ def product(shape, *pairs):
   return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
 
 
-def unit_lower_inverse(a, squares, diagonal_inverted=False):
+def _unit_lower_inverse(a, squares, diagonal=None):
   """(I + a)⁻¹ of the chunk's strictly lower [64,64] a (fp32, wgmma layout), as `tiles.unit_lower_inverse`: Neumann
   series on the 4x4 diagonal blocks, then four doubling steps; each product on bf16 halves staged through the four
-  [64,64] bf16 shared-memory `squares`. `diagonal_inverted`: a's 16x16 diagonal blocks already hold their inverses
-  less I; only the doubling steps to 32 and 64 rows remain."""
+  [64,64] bf16 shared-memory `squares`. With `diagonal` (its 16x16 diagonal blocks hold theirs less I), only the
+  doubling steps to 32 and 64 rows remain."""
   a_hi, a_lo, b_hi, b_lo = squares
   r = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=WGMMA)
   c = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=WGMMA)
   eye = jnp.where(r == c, 1.0, 0.0).astype(F32)
 
   def mm(x, y):
-    (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = halves(x), halves(y)
+    (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = _halves(x), _halves(y)
     plgpu.commit_smem()
-    return product((CHUNK, CHUNK), (a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
+    return _product((CHUNK, CHUNK), (a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))
 
-  if diagonal_inverted:
-    x = eye + jnp.where(r // 16 == c // 16, a, 0.0)
+  if diagonal is not None:
+    x = eye + jnp.where(r // 16 == c // 16, diagonal, 0.0)
   else:
     n4 = jnp.where(r // 4 == c // 4, a, 0.0)
     x = eye - n4
     for _ in range(2):
       x = eye - mm(n4, x)
-  for blk in (16, 32) if diagonal_inverted else (4, 8, 16, 32):
+  for blk in (4, 8, 16, 32) if diagonal is None else (16, 32):
     outside = (r // (2 * blk) == c // (2 * blk)) & (r // blk != c // blk)
     x = x - mm(x, mm(jnp.where(outside, a, 0.0), x))
   return x
 
 
-def solve_in_place(b_kk, beta_s, squares, v_blocks, kgb_blocks, m_s=None, diagonal_inverted=False):
+def _solve_in_place(b_kk, beta_s, squares, v, kgb, m_s, diagonal_inverted):
   """M = (I + βB)⁻¹ from B (fp32 [64,64], wgmma layout), written to `m_s` if given, then U = M βV over V's
-  shared-memory blocks and W = M (βΓK) over βΓK's; V and βΓK are exact in bf16, so two products on M's halves each.
+  shared-memory buffer and W = M (βΓK) over βΓK's; V and βΓK are exact in bf16, so two products on M's halves each.
+  With `diagonal_inverted`, B's diagonal blocks are inverses already (β included), so only the rest takes β.
   The caller commits shared memory before storing."""
   a_hi, a_lo, b_hi, b_lo = squares
   beta = lambda dim: lax.broadcast_in_dim(plgpu.load(beta_s, layout=WGMMA.reduce(1 - dim)), (CHUNK, CHUNK), [dim])
-  a = b_kk * beta(0)
-  if diagonal_inverted:   # the diagonal blocks are inverses already, β included
-    r = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=WGMMA)
-    c = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=WGMMA)
-    a = jnp.where(r // 16 == c // 16, b_kk, a)
-  x = unit_lower_inverse(a, squares, diagonal_inverted)
+  x = _unit_lower_inverse(b_kk * beta(0), squares, b_kk if diagonal_inverted else None)
   if m_s is not None:
     m_s[...] = x
-  (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = halves(x * beta(1)), halves(x)
+  (a_hi[...], a_lo[...]), (b_hi[...], b_lo[...]) = _halves(x * beta(1)), _halves(x)
   plgpu.commit_smem()
-  for (hi, lo), blocks in (((a_hi, a_lo), v_blocks), ((b_hi, b_lo), kgb_blocks)):
-    for blk in blocks:
-      blk[...] = product((CHUNK, blk.shape[-1]), (hi, blk), (lo, blk)).astype(BF16)
+  for (hi, lo), buf in (((a_hi, a_lo), v), ((b_hi, b_lo), kgb)):
+    buf[...] = _product((CHUNK, buf.shape[-1]), (hi, buf), (lo, buf)).astype(BF16)
 
 
 def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, diagonal_inverted):
   n, bh = lax.axis_index("n"), lax.axis_index("bh")
   b, h, rows = bh // H, bh % H, pl.ds(n * CHUNK, CHUNK)
   K, V = kgb_gmem.shape[-1], v_gmem.shape[-1]
-  square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=swizzled(dtype))
-  wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=swizzled(BF16))
+  square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=_swizzled(dtype))
+  wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=_swizzled(BF16))
 
   # M, W and U overwrite B, βΓK and V once read: 80 KB at K = V = 128, two programs per SM.
   def scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, loaded):
@@ -155,8 +143,8 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, dia
       plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     for i in range(len(copies)):
       plgpu.barrier_wait(loaded.at[i])
-    solve_in_place(plgpu.load(kk, layout=WGMMA), beta, (a_hi, a_lo, b_hi, b_lo), [v], [kgb], kk if m_gmem else None,
-                   diagonal_inverted)
+    _solve_in_place(plgpu.load(kk, layout=WGMMA), beta, (a_hi, a_lo, b_hi, b_lo), v, kgb, kk if m_gmem else None,
+                    diagonal_inverted)
     plgpu.commit_smem()
     for src, dst in ((v, u_gmem), (kgb, w_gmem)) + (((kk, m_gmem[0]),) if m_gmem else ()):
       plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
