@@ -312,10 +312,9 @@ def per_kernel_times(x, do, shape):
   p = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
   intra_args = (p.qe, p.kq, p.ke, p.tot, v, p.beta)
   sweep = [dict(block_k=bk, num_warps=nw, solve="triton") for bk in (32, 64) for nw in (4, 8) if bk <= D]
-  if solve_mosaic.available(v.dtype, D, D):
+  if solve_mosaic.available(v.dtype, D, D):   # then the opt-in forward variants (chunk.FOLD_ANCHORS, INVERT_DIAGONAL)
     sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic")
               for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
-  if solve_mosaic.available(v.dtype, D, D):   # the opt-in forward variants (chunk.FOLD_ANCHORS, INVERT_DIAGONAL)
     sweep += [dict(block_k=32, num_warps=2, scaled=sc, invert_diagonal=inv)
               for sc, inv in ((False, False), (True, True), (False, True))]
   for params in sweep if FLAGS.sweep else [{}]:

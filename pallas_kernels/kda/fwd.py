@@ -318,15 +318,16 @@ class Anchors(NamedTuple):
 
 def _chunk_keys(n, qs_ref, kd_ref, anchor_refs, rescale):
   """Chunk n's Qs (None without `qs_ref`) and Kd [64,K]: read (input dtype), or with `rescale` = (scale,
-  lower_bound) formed in fp32 from qe, ke and `anchor_refs` = (tot, reset or None): Qs = scale·qe ⊙ e^{R_J + c},
-  Kd = ke ⊙ e^{G_C - R_J - c} on the rows of tile J, zero outside the chunk's first (Qs) or last (Kd) document."""
+  lower_bound, has_reset) formed in fp32 from qe, ke and `anchor_refs` = (tot, reset or None): Qs = scale·qe ⊙
+  e^{R_J + c}, Kd = ke ⊙ e^{G_C - R_J - c} on the rows of tile J, zero outside the chunk's first (Qs) or last (Kd)
+  document."""
   rows = pl.ds(n * CHUNK, CHUNK)
   qs = None if qs_ref is None else qs_ref[rows, :]
   kd = kd_ref[rows, :]
   if rescale is None:
     return qs, kd
   qs, kd = (None if qs is None else qs.astype(F32)), kd.astype(F32)
-  (scale, lower_bound), (tot_ref, reset_ref) = rescale, anchor_refs
+  (scale, lower_bound, _), (tot_ref, reset_ref) = rescale, anchor_refs
   c = SUB / 2 * lower_bound
   tot = [tot_ref[pl.ds(n * NT + p, 1), :].astype(F32) for p in range(NT)]
   zero = jnp.zeros_like(tot[0])
@@ -351,8 +352,8 @@ def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
 
 
 def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *refs, num_chunks, save, dtype,
-                  rescale, has_reset):
-  anchor_refs, (o_ref, sT_ref, *saved) = _anchor_refs(refs, rescale, has_reset)
+                  rescale):
+  anchor_refs, (o_ref, sT_ref, *saved) = _anchor_refs(refs, rescale)
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
@@ -369,18 +370,19 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *ref
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
 
 
-def _anchor_refs(refs, rescale, has_reset):
+def _anchor_refs(refs, rescale):
   """Splits a state kernel's trailing refs into ((tot, reset or None) or None, the rest)."""
   if rescale is None:
     return None, refs
+  has_reset = rescale[2]
   return (refs[0], refs[1] if has_reset else None), refs[1 + has_reset:]
 
 
-def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, *refs, num_chunks, value_blocks, dtype, rescale, has_reset):
+def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, *refs, num_chunks, value_blocks, dtype, rescale):
   """The state at a segment's end as an affine map of its start, S -> A S + F: column blocks below `value_blocks`
   run the recurrence on u from zero (F), the others on zero values from the identity's columns (A = the product of
   the chunks' diag(decay) - Kdᵀ W)."""
-  anchor_refs, (ends_ref,) = _anchor_refs(refs, rescale, has_reset)
+  anchor_refs, (ends_ref,) = _anchor_refs(refs, rescale)
   K, block_v = ends_ref.shape
   vb = pl.program_id(0)
   keep = (vb < value_blocks).astype(F32)
@@ -411,12 +413,12 @@ class StateSpecs:
     self.reset = pl.BlockSpec((None, Ts), lambda vb, bh, s=0: (bh // H, s))
 
   def anchors(self, anchors):
-    """(static kernel arguments, in_specs, args) for `Anchors` or None."""
+    """(the kernels' static `rescale`, in_specs, args) for `Anchors` or None."""
     if anchors is None:
-      return dict(rescale=None, has_reset=False), [], []
+      return None, [], []
     resets = [] if anchors.reset is None else [anchors.reset]
-    return (dict(rescale=(anchors.scale, anchors.lower_bound), has_reset=bool(resets)),
-            [self.tot] + [self.reset] * len(resets), [anchors.tot] + resets)
+    return ((anchors.scale, anchors.lower_bound, bool(resets)), [self.tot] + [self.reset] * len(resets),
+            [anchors.tot] + resets)
 
 
 def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1, anchors=None):
@@ -437,14 +439,14 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   starts = (S0[:, :, None] if segments == 1 else
             segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v, anchors=anchors))
   sp = StateSpecs(H, T, K, block_v, segments)
-  static, anchor_specs, anchor_args = sp.anchors(anchors)
+  rescale, anchor_specs, anchor_args = sp.anchors(anchors)
   in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.segment_state]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
   out_specs = [sp.vcols, sp.segment_state]
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, **static)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, rescale=rescale)
   num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
   o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs + anchor_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
@@ -459,12 +461,12 @@ def segment_starts(w, u, kd, decay, S0, *, segments, block_v, anchors=None):
   B, T, H, K = w.shape
   V = u.shape[-1]
   sp = StateSpecs(H, T, K, block_v, segments)
-  static, anchor_specs, anchor_args = sp.anchors(anchors)
+  rescale, anchor_specs, anchor_args = sp.anchors(anchors)
   value_blocks = V // block_v
   u_spec = pl.BlockSpec((None, T // segments, None, block_v),
                         lambda vb, bh, s: (bh // H, s, bh % H, jnp.minimum(vb, value_blocks - 1)))
   kernel = functools.partial(_segment_map_kernel, num_chunks=T // CHUNK // segments, value_blocks=value_blocks,
-                             dtype=w.dtype, **static)
+                             dtype=w.dtype, rescale=rescale)
   ends = triton_call(kernel, grid=((V + K) // block_v, B * H, segments),
                      in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay] + anchor_specs, out_specs=sp.segment_state,
                      out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
