@@ -23,6 +23,8 @@ from pallas_kernels.kda.tiles import CHUNK
 # tiles invert B's diagonal blocks, so the Mosaic solve's chain of products is 4 long, not 10 (`--invert_diagonal`).
 FOLD_ANCHORS = False
 INVERT_DIAGONAL = False
+PREPARE = {}   # `fwd.prepare`'s rows per program and warps
+STATE_MOSAIC = None   # (block_v, stages) of `state_mosaic.state_forward` for the undifferentiated forward
 
 
 def default_block_v(B, H, V, target_programs=128):
@@ -78,15 +80,17 @@ def _kda(cfg, q, k, v, g, beta, gate, S0, reset):
 
 def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   scale, lower_bound, block_v, _, segments, valid_len = cfg
-  p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save)
+  p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save, **PREPARE)
   fold = FOLD_ANCHORS and not save
-  invert = INVERT_DIAGONAL and not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
+  mosaic = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
+  invert = INVERT_DIAGONAL if mosaic else False
   w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
                                                   lower_bound=lower_bound, save=save, scaled=not fold,
                                                   invert_diagonal=invert)
   anchors = fwd.Anchors(p.tot, reset, scale, lower_bound) if fold else None
   o, S, *saved = fwd.state_forward(w, u, p.qe if fold else qs, p.ke if fold else kd, aqk, p.decay, S0,
-                                   block_v=block_v, save=save, segments=segments, anchors=anchors)
+                                   block_v=block_v, save=save, segments=segments, anchors=anchors,
+                                   mosaic=STATE_MOSAIC if mosaic else None)
   intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, p.decay, kk, minv, p.loc)
   return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
 

@@ -105,11 +105,12 @@ class Prepared(NamedTuple):
   loc: jax.Array | None
 
 
-def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save):
+def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save, rows):
   """The forward's first launch, one program per chunk: the key-tile products' operands, each row against its own
   tile's anchor, the tiles' totals and the chunk's state decay; with `fused`, from the gate projection
   (`k3jax.ops.kda.kda_gate`) and L2-normalising q, k, with β = σ(logits). The exponentials of the whole chunk are
-  taken here, once, not per anchor in the key tiles."""
+  taken here, once, not per anchor in the key tiles. With `rows` < 64 a program takes that many rows, and the
+  chunks' state decay is left to the caller."""
   n_in = 6 if fused else 3
   ins, reset_ref, outs = refs[:n_in], (refs[n_in] if has_reset else None), list(refs[n_in + has_reset:])
   q_ref, k_ref, g_ref = ins[:3]
@@ -121,18 +122,19 @@ def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save):
     g = lower_bound / (1.0 + jnp.exp(-z))
     store(outs.pop(0), None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
   if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
-    g = jnp.where(pl.program_id(0) * CHUNK + iota((CHUNK, 1), 0) < valid_len, g, 0.0)
-  qe_ref, kq_ref, ke_ref, tot_ref, decay_ref, *loc_ref = outs
-  g_tiles = g.reshape(NT, SUB, -1)
-  loc = jnp.cumsum(g_tiles, axis=1).reshape(CHUNK, -1)
+    g = jnp.where(pl.program_id(0) * rows + iota((rows, 1), 0) < valid_len, g, 0.0)
+  qe_ref, kq_ref, ke_ref, tot_ref, *outs = outs
+  g_tiles = g.reshape(rows // SUB, SUB, -1)
+  loc = jnp.cumsum(g_tiles, axis=1).reshape(rows, -1)
   tot = jnp.sum(g_tiles, axis=1)
   if save:
-    store(loc_ref[0], None, loc)
+    store(outs[-1], None, loc)
   store(tot_ref, None, tot)
-  decay = jnp.exp(jnp.sum(tot, axis=0, keepdims=True))
-  if has_reset:   # a document begins inside the chunk: the state entering it reaches no later row
-    decay = jnp.where(jnp.sum(load(reset_ref, None, jnp.int32)) == 0, decay, 0.0)
-  decay_ref[...] = decay.reshape(decay_ref.shape)
+  if rows == CHUNK:
+    decay = jnp.exp(jnp.sum(tot, axis=0, keepdims=True))
+    if has_reset:   # a document begins inside the chunk: the state entering it reaches no later row
+      decay = jnp.where(jnp.sum(load(reset_ref, None, jnp.int32)) == 0, decay, 0.0)
+    outs[0][...] = decay.reshape(outs[0].shape)
 
   def normalised(x_ref, xn_ref):
     x = load(x_ref)
@@ -151,16 +153,19 @@ def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save):
   store(ke_ref, None, k * jnp.exp(c - loc))
 
 
-def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, num_warps=None):
+def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, num_warps=None, rows=CHUNK):
   """The forward's first launch (`_prepare_kernel`), returning `Prepared`. `gate` None: g is the log-decay and q,
   k, β are taken as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q
   and k are L2-normalised and β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also write what
-  the backward reads (normalised q, k and loc). Warps: 4 without `save`, 8 with (H200, BUILD_NOTES KDA run 12)."""
+  the backward reads (normalised q, k and loc). Warps: 4 without `save`, 8 with (H200, BUILD_NOTES KDA run 12).
+  `rows`: rows per program (16, 32 or 64); below 64 the state decay is summed from the tiles' totals by XLA."""
   B, T, H, K = g.shape
   N = T // CHUNK
+  if rows not in (16, 32, 64):
+    raise ValueError(f"prepare: rows must be 16, 32 or 64, got {rows}")
   fused = gate is not None
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
+  row = lambda d: pl.BlockSpec((None, rows, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, rows, None), lambda n, bh: (bh // H, n, bh % H))
   head = pl.BlockSpec((None, K), lambda n, bh: (bh % H, 0))
   args, in_specs = [q, k, g], [row(K)] * 3
   out_shape, out_specs = [], []
@@ -171,23 +176,35 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
     if save:
       out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 2, [row(K)] * 2
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H), F32)], out_specs + [tok]
-  out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [jax.ShapeDtypeStruct((B, T // SUB, H, K), F32),
-                                                               jax.ShapeDtypeStruct((B, N, H, K), F32)]
-  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, NT, None, K), lambda n, bh: (bh // H, n, bh % H, 0)),
-                               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [jax.ShapeDtypeStruct((B, T // SUB, H, K), F32)]
+  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, rows // SUB, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  if rows == CHUNK:
+    out_shape.append(jax.ShapeDtypeStruct((B, N, H, K), F32))
+    out_specs.append(pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)))
   if save:
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, K), F32)], out_specs + [row(K)]
-  if reset is not None:
+  if reset is not None and rows == CHUNK:
     args.append(reset)
     in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
-  kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, has_reset=reset is not None,
-                             valid_len=valid_len, save=save)
-  outs = list(triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+  kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound,
+                             has_reset=reset is not None and rows == CHUNK, valid_len=valid_len, save=save, rows=rows)
+  outs = list(triton_call(kernel, grid=(T // rows, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           name="kda_prepare", num_warps=num_warps or (8 if save else 4), num_stages=1)(*args))
   q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
   beta = outs.pop(0) if fused else beta.astype(F32)
-  qe, kq, ke, tot, decay, *loc = outs
-  return Prepared(q_n, k_n, qe, kq, ke, tot, decay, beta, loc[0] if save else None)
+  qe, kq, ke, tot, *outs = outs
+  decay = outs.pop(0) if rows == CHUNK else _chunk_decay(tot, reset)
+  return Prepared(q_n, k_n, qe, kq, ke, tot, decay, beta, outs[0] if save else None)
+
+
+def _chunk_decay(tot, reset):
+  """The chunks' state decay from the tiles' totals `[B,T/16,H,K]`: zero where a document begins inside."""
+  B, NS, H, K = tot.shape
+  decay = jnp.exp(tot.reshape(B, NS // NT, NT, H, K).sum(2))
+  if reset is None:
+    return decay
+  starts = reset.reshape(B, NS // NT, CHUNK).sum(-1)
+  return jnp.where((starts == 0)[:, :, None, None], decay, 0.0)
 
 
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
@@ -225,7 +242,8 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   if invert_diagonal:   # the diagonal block, masked, read back (registers cannot be sliced) and replaced
     diag = pl.ds(docs.i * SUB, SUB)
     barrier()
-    m = unit_lower_inverse_16(beta_i * kk_ref[:, diag])
+    m = (unit_lower_inverse(beta_i * kk_ref[:, diag], True) if invert_diagonal == "products" else
+         unit_lower_inverse_16(beta_i * kk_ref[:, diag]))
     barrier()
     kk_ref[:, diag] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
 
@@ -421,7 +439,8 @@ class StateSpecs:
             [anchors.tot] + resets)
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1, anchors=None):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1, anchors=None,
+                  mosaic=None):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
@@ -429,6 +448,7 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
   With `anchors` (`Anchors`), qs and kd are `prepare`'s qe and ke. Returns (o, final state); with `save=True` also
   the backward's residuals: the states entering each chunk `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
+  `mosaic` = (block_v, stages): the chunks walked by `state_mosaic.state_forward` instead (without `save`, `anchors`).
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -438,6 +458,12 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   dt = w.dtype
   starts = (S0[:, :, None] if segments == 1 else
             segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v, anchors=anchors))
+  if mosaic:
+    if save or anchors is not None:
+      raise ValueError("state_forward: the Mosaic state pass takes neither save nor anchors")
+    from pallas_kernels.kda import state_mosaic
+    o, ends = state_mosaic.state_forward(w, u, qs, kd, aqk, decay, starts, block_v=mosaic[0], stages=mosaic[1])
+    return o, ends[:, :, -1]
   sp = StateSpecs(H, T, K, block_v, segments)
   rescale, anchor_specs, anchor_args = sp.anchors(anchors)
   in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.segment_state]

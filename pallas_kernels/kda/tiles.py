@@ -287,13 +287,14 @@ def unit_lower_inverse(a, exact):
   I − n + n² − n³ (n⁴ = 0; no term above 3·max|n|³, unlike a long series), then four doubling steps X ← X − X L X,
   L the blocks of a between the halves of each 8-, 16-, 32- and 64-row block: the exact block inverse
   [[A⁻¹, 0], [−D⁻¹CA⁻¹, D⁻¹]]. `exact`: fp32 products, else tf32."""
-  r, c = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
+  size = a.shape[0]
+  r, c = iota((size, size), 0), iota((size, size), 1)
   eye = jnp.where(r == c, 1.0, 0.0)
   n = jnp.where(r // 4 == c // 4, a, 0.0)
   x = eye - n
   for _ in range(2):
     x = eye - mm(n, x, F32, exact)
-  for b in (4, 8, 16, 32):
+  for b in (4, 8, 16, 32)[:size.bit_length() - 3]:
     outside = (r // (2 * b) == c // (2 * b)) & (r // b != c // b)
     x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
   return x
