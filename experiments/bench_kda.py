@@ -37,21 +37,12 @@ flags.DEFINE_list("check_cases", None, "With --check: only these cases (default 
 flags.DEFINE_bool("per_kernel", False, "Also time each Pallas kernel alone.")
 flags.DEFINE_bool("sweep", True, "With --per_kernel: also other warps / V-block sizes than the defaults.")
 flags.DEFINE_list("kernels", None, "With --per_kernel: only these kernels (e.g. intra_fwd,state_fwd); default all.")
-flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for FLA, "
-                  "JAX's for ours): where each program's time goes.")
+flags.DEFINE_bool("profile", False, "Also each implementation's GPU kernels, by name, from a profiler (torch's for "
+                  "FLA, JAX's for ours): where each program's time goes.")
 flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bwd variants timed.")
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
 flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
-flags.DEFINE_bool("fold_anchors", False, "Run the whole op's undifferentiated forward with Qs and Kd formed in the "
-                  "state pass (pallas_kernels.kda.chunk.FOLD_ANCHORS).")
-flags.DEFINE_bool("invert_diagonal", False, "Run the whole op's undifferentiated forward with B's diagonal blocks "
-                  "inverted in the key tiles (pallas_kernels.kda.chunk.INVERT_DIAGONAL).")
-flags.DEFINE_multi_integer("prepare_rows", None, "rows per program and warps of the whole op's pre-pass "
-                           "(pallas_kernels.kda.chunk.PREPARE): --prepare_rows=16 --prepare_rows=2.")
-flags.DEFINE_enum("inverse_16", None, ["substitution", "products"], "with --invert_diagonal: how the key tiles invert.")
-flags.DEFINE_list("state_mosaic", None, "block_v,stages: run the whole op's undifferentiated forward's state pass "
-                  "as the Mosaic GPU kernel (pallas_kernels.kda.chunk.STATE_MOSAIC).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -214,7 +205,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.fold_anchors, FLAGS.invert_diagonal)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -283,28 +274,16 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve, fold_anchors, invert_diagonal):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant, this solve launch, the
-  folded anchors and the inverted diagonal blocks in this process: candidates are timed end to end before they
-  become defaults."""
-  from pallas_kernels.kda import bwd, chunk, fwd
+def use_variants(intra_bwd, solve):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in this
+  process: candidates are timed end to end before they become defaults."""
+  from pallas_kernels.kda import bwd, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if solve:
     fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
-  chunk.FOLD_ANCHORS = chunk.FOLD_ANCHORS or fold_anchors
-  chunk.INVERT_DIAGONAL = chunk.INVERT_DIAGONAL or invert_diagonal
-  if FLAGS.inverse_16 == "products":
-    chunk.INVERT_DIAGONAL = "products"
-  if FLAGS.prepare_rows:
-    chunk.PREPARE = dict(rows=FLAGS.prepare_rows[0], num_warps=FLAGS.prepare_rows[1])
-  if FLAGS.state_mosaic:
-    chunk.STATE_MOSAIC = tuple(int(n) for n in FLAGS.state_mosaic)
-  if intra_bwd or solve or fold_anchors or invert_diagonal or FLAGS.state_mosaic or FLAGS.prepare_rows:
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}, fold_anchors "
-          f"{chunk.FOLD_ANCHORS}, invert_diagonal {chunk.INVERT_DIAGONAL}, state_mosaic {chunk.STATE_MOSAIC}, "
-          f"prepare {chunk.PREPARE}",
-          flush=True)
+  if intra_bwd or solve:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -319,19 +298,15 @@ def per_kernel_times(x, do, shape):
   gate = (x["A_log"], x["dt_bias"])
   raw = (x["q"], x["k"], x["g_raw"], x["beta_logits"])
   cases = [("prepass", {}, fused_inputs, (x,))]
-  cases += [("prepare", dict(save=save, num_warps=nw, rows=r),
-             lambda *a, s=save, nw=nw, r=r: fwd.prepare(*a, gate, None, lower_bound=lb, save=s, num_warps=nw, rows=r),
-             raw)
-            for save in (False, True) for r in ((16, 32, 64) if FLAGS.sweep else (64,))
-            for nw in ((1, 2, 4, 8) if FLAGS.sweep else (4,))]
+  cases += [("prepare", dict(save=save, num_warps=nw),
+             lambda *a, s=save, nw=nw: fwd.prepare(*a, gate, None, lower_bound=lb, save=s, num_warps=nw), raw)
+            for save in (False, True) for nw in ((2, 4, 8) if FLAGS.sweep else (None,))]
   p = jax.jit(lambda *a: fwd.prepare(*a, gate, None, lower_bound=lb))(*raw)
   intra_args = (p.qe, p.kq, p.ke, p.tot, v, p.beta)
   sweep = [dict(block_k=bk, num_warps=nw, solve="triton") for bk in (32, 64) for nw in (4, 8) if bk <= D]
-  if solve_mosaic.available(v.dtype, D, D):   # then the opt-in forward variants (chunk.FOLD_ANCHORS, INVERT_DIAGONAL)
-    sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic")
-              for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
-    sweep += [dict(block_k=bk, num_warps=nw, invert_diagonal=inv)
-              for inv in (True, "products") for bk, nw in ((32, 2), (32, 4), (64, 4), (16, 2))]
+  if solve_mosaic.available(v.dtype, D, D):   # then also B's diagonal blocks inverted in the key tiles
+    sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic", invert_diagonal=inv)
+              for inv in (False, True) for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
   for params in sweep if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
         *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))
@@ -360,17 +335,6 @@ def per_kernel_times(x, do, shape):
       if N % segments == 0 and N // segments >= 4:
         cases.append(("state_fwd", dict(block_v=b, segments=segments),
                       lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
-                      (w, u, qs, kd, aqk, decay, S0)))
-  for segments in sorted({1, default_segments(B, H, N)}):   # Qs, Kd formed from qe, ke (chunk.FOLD_ANCHORS)
-    cases.append(("state_fwd", dict(block_v=default_block_v(B * segments, H, D), segments=segments, anchors=True),
-                  lambda *a, s=segments: fwd.state_forward(*a[:-1], block_v=default_block_v(B * s, H, D), segments=s,
-                                                           anchors=fwd.Anchors(a[-1], None, scale, lb)),
-                  (w, u, p.qe, p.ke, aqk, decay, S0, p.tot)))
-  if solve_mosaic.available(v.dtype, D, D):
-    for mb, st in ((64, 1), (64, 2), (128, 1)):
-      for segments in sorted({1, default_segments(B, H, N)}):
-        cases.append(("state_fwd", dict(mosaic=(mb, st), segments=segments),
-                      lambda *a, m=(mb, st), s=segments: fwd.state_forward(*a, block_v=bv, segments=s, mosaic=m),
                       (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))

@@ -46,45 +46,20 @@ def test_state_pass_in_segments_matches_the_recurrence(dtype, packed, monkeypatc
   _compare(x, S0, seg, (lambda n: 1e-5 if n in ("o", "S") else 1e-4) if dtype == jnp.float32 else BF16_TOL.get)
 
 
-@pytest.mark.parametrize("dtype,segments", [(jnp.float32, 3), (jnp.bfloat16, 1)])
-def test_state_pass_forming_qs_and_kd_gives_the_key_tiles_forward(dtype, segments, monkeypatch):
-  """The undifferentiated forward with Qs and Kd formed in the state pass and the segment maps (`FOLD_ANCHORS`)
-  gives the outputs and final state of the key tiles' Qs and Kd, bit for bit (the same operations on the same
-  operands): T = 380, an initial state, packed documents with a start at a chunk's first row; and it lowers for
-  the GPU."""
-  from pallas_kernels.kda import chunk
-  monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: segments)
-  x, S0, seg = random_inputs(45, 1, 380, 2, 32, 32, dtype=dtype, segments=True)
-  seg = seg.at[:, 128:].add(1)
-  run = lambda **x: kda.chunk_kda(**x, initial_state=S0, output_final_state=True, segment_ids=seg,
-                                  lower_bound=-5.0, backend="pallas")
-  anchors = []
-  state_forward = fwd.state_forward
-  monkeypatch.setattr(fwd, "state_forward",
-                      lambda *a, **kw: (anchors.append(kw["anchors"]), state_forward(*a, **kw))[1])
-  monkeypatch.setattr(chunk, "FOLD_ANCHORS", True)
-  folded = run(**x)
-  monkeypatch.setattr(chunk, "FOLD_ANCHORS", False)
-  chex.assert_trees_all_equal(folded, run(**x))
-  assert [a is not None for a in anchors] == [True, False], anchors
-  monkeypatch.setattr(chunk, "FOLD_ANCHORS", True)
-  lowered = lambda q, k, v, g, beta: run(q=q, k=k, v=v, g=g, beta=beta)
-  text = cuda_module_text(monkeypatch, lowered, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x.values()))
-  names = ("kda_state_fwd",) + (("kda_state_segment_maps",) if segments > 1 else ())
-  assert all(f'name = "{n}"' in text for n in names) and anchors[-1] is not None
-
-
-def test_forward_with_both_opt_in_variants_matches_the_default(monkeypatch):
-  """The undifferentiated forward with the folded anchors and the inverted diagonal blocks (the Mosaic solve, bf16,
-  interpret mode) against the default: outputs and final state to bf16 rounding, with documents and a state."""
-  from pallas_kernels.kda import chunk
+def test_undifferentiated_forward_with_inverted_diagonal_blocks_matches_the_differentiated_one(monkeypatch):
+  """The forward alone (the key tiles invert B's diagonal blocks, the Mosaic solve in interpret mode, bf16) against
+  the forward that keeps the backward's residuals (B as it is): outputs and final state to bf16 rounding, with
+  documents and a state; and only the former inverts."""
   x, S0, seg = random_inputs(47, 1, 200, 2, 64, 64, dtype=jnp.bfloat16, segments=True)
-  run = lambda: kda.chunk_kda(**x, initial_state=S0, output_final_state=True, segment_ids=seg, lower_bound=-5.0,
-                              backend="pallas")
-  default = run()
-  monkeypatch.setattr(chunk, "FOLD_ANCHORS", True)
-  monkeypatch.setattr(chunk, "INVERT_DIAGONAL", True)
-  (o, S), (o_ref, S_ref) = run(), default
+  run = lambda **x: kda.chunk_kda(**x, initial_state=S0, output_final_state=True, segment_ids=seg, lower_bound=-5.0,
+                                  backend="pallas")
+  inverted = []
+  intra_forward = fwd.intra_forward
+  monkeypatch.setattr(fwd, "intra_forward",
+                      lambda *a, **kw: (inverted.append(kw["invert_diagonal"]), intra_forward(*a, **kw))[1])
+  o, S = run(**x)
+  (o_ref, S_ref), _ = jax.vjp(lambda q: run(**{**x, "q": q}), x["q"])
+  assert inverted == [True, False], inverted
   assert rel_err(o, o_ref) <= 1e-3 and rel_err(S, S_ref) <= 1e-4, (rel_err(o, o_ref), rel_err(S, S_ref))
 
 
@@ -358,7 +333,7 @@ def test_mosaic_solve_gives_the_triton_solves_outputs(save):
 
 
 def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
-  """With `invert_diagonal` the key tiles write (I + βB_II)⁻¹ − I on B's diagonal blocks (fp32 substitution) and the
+  """With `invert_diagonal` the key tiles write (I + βB_II)⁻¹ − I on B's diagonal blocks (fp32 products) and the
   Mosaic solve (interpret mode) takes two doubling steps from there: W and U as the default's (its four steps on
   bf16 halves differ in rounding), the other outputs unchanged; bf16, K unlike V, documents; the off-diagonal
   blocks of B are kept and the diagonal ones are the inverses."""
@@ -415,17 +390,19 @@ def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeyp
     fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, solve="mosaic")
 
 
+@pytest.mark.parametrize("size", [64, 16])
 @pytest.mark.parametrize("case", ["random", "repeated_keys"])
-def test_unit_lower_inverse_is_the_inverse(case):
+def test_unit_lower_inverse_is_the_inverse(case, size):
   """The forward's substitution-free (I + a)⁻¹ (Neumann 4x4 blocks, then doubling) against a float64 solve, for a
-  random strictly lower a and for βkkᵀ with one key repeated (every row of a near one, the inverse far from I)."""
+  random strictly lower a and for βkkᵀ with one key repeated (every row of a near one, the inverse far from I), at
+  the chunk's 64 rows (the solve) and a tile's 16 (the key tiles' diagonal blocks)."""
   from pallas_kernels.kda.tiles import unit_lower_inverse
   if case == "random":
-    a = 0.3 * jax.random.normal(jax.random.PRNGKey(40), (64, 64))
+    a = 0.3 * jax.random.normal(jax.random.PRNGKey(40), (size, size))
   else:
-    a = jnp.full((64, 64), 0.99)                       # β = 0.99 times kᵀk = 1 for one unit key throughout
+    a = jnp.full((size, size), 0.99)                   # β = 0.99 times kᵀk = 1 for one unit key throughout
   a = jnp.tril(a, -1)
-  ref = np.linalg.inv(np.eye(64) + np.asarray(a, np.float64))
+  ref = np.linalg.inv(np.eye(size) + np.asarray(a, np.float64))
   err = rel_err(unit_lower_inverse(a, exact=True), ref)
   assert err <= 1e-6, err
 

@@ -18,15 +18,6 @@ from pallas_kernels.kda import bwd, fwd, solve_mosaic
 from pallas_kernels.kda.tiles import CHUNK
 
 
-# Opt-in, not yet timed (BUILD_NOTES, Open GPU work 1): the undifferentiated forward leaves Qs and Kd to the state
-# pass (`fwd.Anchors`), so the key tiles write 0.27 GB less at 8x4096 (`bench_kda --fold_anchors`); and the key
-# tiles invert B's diagonal blocks, so the Mosaic solve's chain of products is 4 long, not 10 (`--invert_diagonal`).
-FOLD_ANCHORS = False
-INVERT_DIAGONAL = False
-PREPARE = {}   # `fwd.prepare`'s rows per program and warps
-STATE_MOSAIC = None   # (block_v, stages) of `state_mosaic.state_forward` for the undifferentiated forward
-
-
 def default_block_v(B, H, V, target_programs=128):
   """Columns of the state per program in the sequential passes: the widest giving `target_programs` programs.
   Measured on the H200 (BUILD_NOTES KDA run 9, forward, 4 warps): 128 columns best at B·H = 128, 32 at 32, 16 at
@@ -80,17 +71,13 @@ def _kda(cfg, q, k, v, g, beta, gate, S0, reset):
 
 def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   scale, lower_bound, block_v, _, segments, valid_len = cfg
-  p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save, **PREPARE)
-  fold = FOLD_ANCHORS and not save
-  mosaic = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
-  invert = INVERT_DIAGONAL if mosaic else False
+  p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save)
+  # Without the backward, the key tiles invert B's diagonal blocks: the Mosaic solve's chain is then 4 products long,
+  # not 10 (−0.09 ms at 8x4096, BUILD_NOTES KDA run 14); the backward reads B as it is.
+  invert = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
   w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
-                                                  lower_bound=lower_bound, save=save, scaled=not fold,
-                                                  invert_diagonal=invert)
-  anchors = fwd.Anchors(p.tot, reset, scale, lower_bound) if fold else None
-  o, S, *saved = fwd.state_forward(w, u, p.qe if fold else qs, p.ke if fold else kd, aqk, p.decay, S0,
-                                   block_v=block_v, save=save, segments=segments, anchors=anchors,
-                                   mosaic=STATE_MOSAIC if mosaic else None)
+                                                  lower_bound=lower_bound, save=save, invert_diagonal=invert)
+  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, p.decay, S0, block_v=block_v, save=save, segments=segments)
   intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, p.decay, kk, minv, p.loc)
   return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
 

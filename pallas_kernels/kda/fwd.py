@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda import solve_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
-                                      mm_t, per_tile, store, store_block_diagonal, t_mm, unit_lower_inverse,
+                                      mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
                                       unit_lower_inverse_16, write_tile_cumsum)
 
 L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
@@ -105,14 +105,12 @@ class Prepared(NamedTuple):
   loc: jax.Array | None
 
 
-def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save, rows):
-  """The forward's first launch, one program per chunk: the key-tile products' operands, each row against its own
-  tile's anchor, the tiles' totals and the chunk's state decay; with `fused`, from the gate projection
-  (`k3jax.ops.kda.kda_gate`) and L2-normalising q, k, with β = σ(logits). The exponentials of the whole chunk are
-  taken here, once, not per anchor in the key tiles. With `rows` < 64 a program takes that many rows, and the
-  chunks' state decay is left to the caller."""
+def _prepare_kernel(*refs, fused, lower_bound, valid_len, save):
+  """The forward's first launch, one program per 16-token tile: the key-tile products' operands, each row against
+  the tile's anchor, and the tile's total; with `fused`, from the gate projection (`k3jax.ops.kda.kda_gate`) and
+  L2-normalising q, k, with β = σ(logits). The exponentials are taken here, once, not per anchor in the key tiles."""
   n_in = 6 if fused else 3
-  ins, reset_ref, outs = refs[:n_in], (refs[n_in] if has_reset else None), list(refs[n_in + has_reset:])
+  ins, outs = refs[:n_in], list(refs[n_in:])
   q_ref, k_ref, g_ref = ins[:3]
   qn_ref, kn_ref = (outs.pop(0), outs.pop(0)) if fused and save else (None, None)
   g = load(g_ref)
@@ -122,19 +120,12 @@ def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save, rows)
     g = lower_bound / (1.0 + jnp.exp(-z))
     store(outs.pop(0), None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
   if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
-    g = jnp.where(pl.program_id(0) * rows + iota((rows, 1), 0) < valid_len, g, 0.0)
-  qe_ref, kq_ref, ke_ref, tot_ref, *outs = outs
-  g_tiles = g.reshape(rows // SUB, SUB, -1)
-  loc = jnp.cumsum(g_tiles, axis=1).reshape(rows, -1)
-  tot = jnp.sum(g_tiles, axis=1)
+    g = jnp.where(pl.program_id(0) * SUB + iota((SUB, 1), 0) < valid_len, g, 0.0)
+  qe_ref, kq_ref, ke_ref, tot_ref, *loc_ref = outs
+  loc = jnp.cumsum(g, axis=0)
   if save:
-    store(outs[-1], None, loc)
-  store(tot_ref, None, tot)
-  if rows == CHUNK:
-    decay = jnp.exp(jnp.sum(tot, axis=0, keepdims=True))
-    if has_reset:   # a document begins inside the chunk: the state entering it reaches no later row
-      decay = jnp.where(jnp.sum(load(reset_ref, None, jnp.int32)) == 0, decay, 0.0)
-    outs[0][...] = decay.reshape(outs[0].shape)
+    store(loc_ref[0], None, loc)
+  tot_ref[...] = jnp.sum(g, axis=0, keepdims=True).astype(tot_ref.dtype)
 
   def normalised(x_ref, xn_ref):
     x = load(x_ref)
@@ -145,6 +136,7 @@ def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save, rows)
     return x
 
   # q, then k, each loaded where used: v12 first held q, k, g and the sums at once, 0.55 ms against 0.35 (run 12).
+  # A tile per program, not a chunk: 0.26 ms against 0.35 at 8x4096 (run 14).
   c = SUB / 2 * lower_bound
   e_q = jnp.exp(loc - c)
   store(qe_ref, None, normalised(q_ref, qn_ref) * e_q)
@@ -153,19 +145,16 @@ def _prepare_kernel(*refs, fused, lower_bound, has_reset, valid_len, save, rows)
   store(ke_ref, None, k * jnp.exp(c - loc))
 
 
-def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, num_warps=None, rows=CHUNK):
+def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, num_warps=None):
   """The forward's first launch (`_prepare_kernel`), returning `Prepared`. `gate` None: g is the log-decay and q,
   k, β are taken as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q
   and k are L2-normalised and β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also write what
-  the backward reads (normalised q, k and loc). Warps: 4 without `save`, 8 with (H200, BUILD_NOTES KDA run 12).
-  `rows`: rows per program (16, 32 or 64); below 64 the state decay is summed from the tiles' totals by XLA."""
+  the backward reads (normalised q, k and loc). Warps: 8 without `save`, 4 with (H200, BUILD_NOTES KDA run 14).
+  The chunks' state decay is summed from the tiles' totals by XLA (`_chunk_decay`)."""
   B, T, H, K = g.shape
-  N = T // CHUNK
-  if rows not in (16, 32, 64):
-    raise ValueError(f"prepare: rows must be 16, 32 or 64, got {rows}")
   fused = gate is not None
-  row = lambda d: pl.BlockSpec((None, rows, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, rows, None), lambda n, bh: (bh // H, n, bh % H))
+  row = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, SUB, None), lambda n, bh: (bh // H, n, bh % H))
   head = pl.BlockSpec((None, K), lambda n, bh: (bh % H, 0))
   args, in_specs = [q, k, g], [row(K)] * 3
   out_shape, out_specs = [], []
@@ -177,28 +166,21 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
       out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 2, [row(K)] * 2
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H), F32)], out_specs + [tok]
   out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [jax.ShapeDtypeStruct((B, T // SUB, H, K), F32)]
-  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, rows // SUB, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
-  if rows == CHUNK:
-    out_shape.append(jax.ShapeDtypeStruct((B, N, H, K), F32))
-    out_specs.append(pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)))
+  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, 1, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
   if save:
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, K), F32)], out_specs + [row(K)]
-  if reset is not None and rows == CHUNK:
-    args.append(reset)
-    in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
-  kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound,
-                             has_reset=reset is not None and rows == CHUNK, valid_len=valid_len, save=save, rows=rows)
-  outs = list(triton_call(kernel, grid=(T // rows, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          name="kda_prepare", num_warps=num_warps or (8 if save else 4), num_stages=1)(*args))
+  kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, valid_len=valid_len, save=save)
+  outs = list(triton_call(kernel, grid=(T // SUB, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          name="kda_prepare", num_warps=num_warps or (4 if save else 8), num_stages=1)(*args))
   q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
   beta = outs.pop(0) if fused else beta.astype(F32)
-  qe, kq, ke, tot, *outs = outs
-  decay = outs.pop(0) if rows == CHUNK else _chunk_decay(tot, reset)
-  return Prepared(q_n, k_n, qe, kq, ke, tot, decay, beta, outs[0] if save else None)
+  qe, kq, ke, tot, *loc = outs
+  return Prepared(q_n, k_n, qe, kq, ke, tot, _chunk_decay(tot, reset), beta, loc[0] if save else None)
 
 
 def _chunk_decay(tot, reset):
-  """The chunks' state decay from the tiles' totals `[B,T/16,H,K]`: zero where a document begins inside."""
+  """The chunks' state decay from the tiles' totals `[B,T/16,H,K]`: zero where a document begins inside the chunk
+  (the state entering it reaches no later row)."""
   B, NS, H, K = tot.shape
   decay = jnp.exp(tot.reshape(B, NS // NT, NT, H, K).sum(2))
   if reset is None:
@@ -208,15 +190,15 @@ def _chunk_decay(tot, reset):
 
 
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
-                     block_k, scaled, invert_diagonal):
+                     block_k, invert_diagonal):
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time. No exponential of a [64,K] tile: `prepare` took
   them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10).
-  Without `scaled`, Qs and Kd are left to the state pass (`Anchors`). With `invert_diagonal`, B's diagonal block
-  I holds (I + βB_II)⁻¹ − I instead (for the Mosaic solve's `diagonal_inverted`)."""
+  With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the Mosaic solve's
+  `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs if scaled else (refs[0], refs[1], None, None, refs[2])
+  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
   rows = pl.ds(docs.i * SUB, SUB)
   beta_i = beta_ref[...].astype(F32)[:, None]
@@ -230,9 +212,8 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     acc_kk = acc[1] + mm_t(kq_i, keys, dtype)
     start = an.from_anchor()
     kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
-    if scaled:
-      qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
-      kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
+    qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
+    kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
     return acc_qk, acc_kk
 
   zeros = jnp.zeros((SUB, CHUNK), F32)
@@ -242,8 +223,7 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   if invert_diagonal:   # the diagonal block, masked, read back (registers cannot be sliced) and replaced
     diag = pl.ds(docs.i * SUB, SUB)
     barrier()
-    m = (unit_lower_inverse(beta_i * kk_ref[:, diag], True) if invert_diagonal == "products" else
-         unit_lower_inverse_16(beta_i * kk_ref[:, diag]))
+    m = unit_lower_inverse(beta_i * kk_ref[:, diag], True)   # 0.02 ms less than substitution at 8x4096 (run 14)
     barrier()
     kk_ref[:, diag] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
 
@@ -265,17 +245,16 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 
 def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None, scaled=True, invert_diagonal=False):
+                  block_cols=64, solve=None, invert_diagonal=False):
   """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
   queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with
   `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
   otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
-  Mosaic solve where `solve_mosaic.available`). Without `scaled`, Qs and Kd are None: the state pass forms them
-  (`Anchors`). `invert_diagonal` (the Mosaic solve without `save` only): the key tiles invert B's 16x16 diagonal
-  blocks and the solve starts from them (two doubling steps instead of six steps); the B returned then holds those
-  inverses on its diagonal blocks."""
+  Mosaic solve where `solve_mosaic.available`). `invert_diagonal` (the Mosaic solve without `save` only): the key
+  tiles invert B's 16x16 diagonal blocks and the solve starts from them (two doubling steps instead of six steps);
+  the B returned then holds those inverses on its diagonal blocks."""
   B, T, H, K = qe.shape
   if solve not in (None, "triton", "mosaic"):
     raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
@@ -294,18 +273,17 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
-  outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * (3 if scaled else 1)
-  aqk, kk, *scaled_keys, kgb = triton_call(
+  outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * 3
+  aqk, kk, qs, kd, kgb = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                        dtype=dt, block_k=block_k, scaled=scaled, invert_diagonal=invert_diagonal),
+                        dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal),
       grid=(NT, N, B * H),
       in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
                 pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
       + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
-      out_specs=[tile(CHUNK), tile(CHUNK)] + [tile(K)] * (len(outs) - 2), out_shape=outs,
+      out_specs=[tile(CHUNK), tile(CHUNK)] + [tile(K)] * 3, out_shape=outs,
       name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 2, num_stages=2)(qe, kq, ke, tot, beta, *resets)   # 2 beat 1, 4 and 8 (run 12)
-  qs, kd = scaled_keys or (None, None)
   if solve == "mosaic":
     w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save,
                                     diagonal_inverted=invert_diagonal)
@@ -324,40 +302,6 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   return w, u, qs, kd, aqk, kk, (minv[0] if save else None)
 
 
-class Anchors(NamedTuple):
-  """Qs and Kd handed to the state pass as `prepare`'s qe and ke (each row against its tile's anchor) and formed
-  there per chunk from the tiles' totals, as the key tiles would: the forward-only pass then writes neither
-  (`intra_forward(..., scaled=False)`). tot fp32 `[B,T/16,H,K]`, reset `[B,T]` int32 or None."""
-  tot: jax.Array
-  reset: jax.Array | None
-  scale: float
-  lower_bound: float
-
-
-def _chunk_keys(n, qs_ref, kd_ref, anchor_refs, rescale):
-  """Chunk n's Qs (None without `qs_ref`) and Kd [64,K]: read (input dtype), or with `rescale` = (scale,
-  lower_bound, has_reset) formed in fp32 from qe, ke and `anchor_refs` = (tot, reset or None): Qs = scale·qe ⊙
-  e^{R_J + c}, Kd = ke ⊙ e^{G_C - R_J - c} on the rows of tile J, zero outside the chunk's first (Qs) or last (Kd)
-  document."""
-  rows = pl.ds(n * CHUNK, CHUNK)
-  qs = None if qs_ref is None else qs_ref[rows, :]
-  kd = kd_ref[rows, :]
-  if rescale is None:
-    return qs, kd
-  qs, kd = (None if qs is None else qs.astype(F32)), kd.astype(F32)
-  (scale, lower_bound, _), (tot_ref, reset_ref) = rescale, anchor_refs
-  c = SUB / 2 * lower_bound
-  tot = [tot_ref[pl.ds(n * NT + p, 1), :].astype(F32) for p in range(NT)]
-  zero = jnp.zeros_like(tot[0])
-  start = per_tile([jnp.exp(sum(tot[:j], zero) + c) for j in range(NT)])
-  end = per_tile([jnp.exp(sum(tot[j:], zero) - c) for j in range(NT)])
-  if reset_ref is not None:
-    reset = reset_ref[rows].astype(jnp.int32)
-    doc = jnp.cumsum(reset)[:, None]
-    start, end = masked(start, doc == 0), masked(end, doc == jnp.sum(reset))
-  return (None if qs is None else scale * qs * start), kd * end
-
-
 def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
   """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after).
   `u_scale` (a traced 0 or 1) multiplies U, for the segment maps' identity columns."""
@@ -369,38 +313,26 @@ def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
   return S_in, v_new, decay * S_KV + t_mm(kd, v_new, dtype)
 
 
-def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, *refs, num_chunks, save, dtype,
-                  rescale):
-  anchor_refs, (o_ref, sT_ref, *saved) = _anchor_refs(refs, rescale)
-
+def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, o_ref, sT_ref, *saved, num_chunks, save,
+                  dtype):
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
-    qs, kd = _chunk_keys(n, qs_ref, kd_ref, anchor_refs, rescale)
-    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype)
+    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref[rows, :], decay_ref, dtype)
     if save:
       h_ref, vn_ref = saved
       h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    o = mm(qs, S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
+    o = mm(qs_ref[rows, :], S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
     o_ref[rows, :] = o.astype(o_ref.dtype)
     return S_next
 
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
 
 
-def _anchor_refs(refs, rescale):
-  """Splits a state kernel's trailing refs into ((tot, reset or None) or None, the rest)."""
-  if rescale is None:
-    return None, refs
-  has_reset = rescale[2]
-  return (refs[0], refs[1] if has_reset else None), refs[1 + has_reset:]
-
-
-def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, *refs, num_chunks, value_blocks, dtype, rescale):
+def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks, value_blocks, dtype):
   """The state at a segment's end as an affine map of its start, S -> A S + F: column blocks below `value_blocks`
   run the recurrence on u from zero (F), the others on zero values from the identity's columns (A = the product of
   the chunks' diag(decay) - Kdᵀ W)."""
-  anchor_refs, (ends_ref,) = _anchor_refs(refs, rescale)
   K, block_v = ends_ref.shape
   vb = pl.program_id(0)
   keep = (vb < value_blocks).astype(F32)
@@ -408,7 +340,7 @@ def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, *refs, num_chunks, valu
   S0 = jnp.where(iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v, 1.0, 0.0)
 
   def body(n, S_KV):
-    kd = _chunk_keys(n, None, kd_ref, anchor_refs, rescale)[1]
+    kd = kd_ref[pl.ds(n * CHUNK, CHUNK), :]
     return _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=keep)[2]
   ends_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S0)
 
@@ -427,28 +359,16 @@ class StateSpecs:
     self.per_chunk_state = pl.BlockSpec((None, None, Ts // CHUNK * K, block_v),
                                         lambda vb, bh, s=0: (bh // H, bh % H, s, vb))
     self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
-    self.tot = pl.BlockSpec((None, Ts // SUB, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
-    self.reset = pl.BlockSpec((None, Ts), lambda vb, bh, s=0: (bh // H, s))
-
-  def anchors(self, anchors):
-    """(the kernels' static `rescale`, in_specs, args) for `Anchors` or None."""
-    if anchors is None:
-      return None, [], []
-    resets = [] if anchors.reset is None else [anchors.reset]
-    return ((anchors.scale, anchors.lower_bound, bool(resets)), [self.tot] + [self.reset] * len(resets),
-            [anchors.tot] + resets)
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1, anchors=None,
-                  mosaic=None):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
   `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
-  With `anchors` (`Anchors`), qs and kd are `prepare`'s qe and ke. Returns (o, final state); with `save=True` also
-  the backward's residuals: the states entering each chunk `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
-  `mosaic` = (block_v, stages): the chunks walked by `state_mosaic.state_forward` instead (without `save`, `anchors`).
+  Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
+  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -457,46 +377,38 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
     raise ValueError(f"state_forward: segments={segments} must divide the {N} chunks")
   dt = w.dtype
   starts = (S0[:, :, None] if segments == 1 else
-            segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v, anchors=anchors))
-  if mosaic:
-    if save or anchors is not None:
-      raise ValueError("state_forward: the Mosaic state pass takes neither save nor anchors")
-    from pallas_kernels.kda import state_mosaic
-    o, ends = state_mosaic.state_forward(w, u, qs, kd, aqk, decay, starts, block_v=mosaic[0], stages=mosaic[1])
-    return o, ends[:, :, -1]
+            segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v))
   sp = StateSpecs(H, T, K, block_v, segments)
-  rescale, anchor_specs, anchor_args = sp.anchors(anchors)
   in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.segment_state]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
   out_specs = [sp.vcols, sp.segment_state]
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, rescale=rescale)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt)
   num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
-  o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs + anchor_specs,
+  o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
-                                num_stages=2)(w, u, qs, kd, aqk, decay, starts, *anchor_args)
+                                num_stages=2)(w, u, qs, kd, aqk, decay, starts)
   return (o, ends[:, :, -1], *saved)
 
 
-def segment_starts(w, u, kd, decay, S0, *, segments, block_v, anchors=None):
+def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
   """[B,H,segments,K,V] fp32: the state entering each segment. One parallel pass gives each segment's map
   S -> A S + F (`_segment_map_kernel`); an associative scan over segments then composes them (log2(segments)
-  rounds of batched K x K products, fp32). `anchors` as in `state_forward`."""
+  rounds of batched K x K products, fp32)."""
   B, T, H, K = w.shape
   V = u.shape[-1]
   sp = StateSpecs(H, T, K, block_v, segments)
-  rescale, anchor_specs, anchor_args = sp.anchors(anchors)
   value_blocks = V // block_v
   u_spec = pl.BlockSpec((None, T // segments, None, block_v),
                         lambda vb, bh, s: (bh // H, s, bh % H, jnp.minimum(vb, value_blocks - 1)))
   kernel = functools.partial(_segment_map_kernel, num_chunks=T // CHUNK // segments, value_blocks=value_blocks,
-                             dtype=w.dtype, rescale=rescale)
+                             dtype=w.dtype)
   ends = triton_call(kernel, grid=((V + K) // block_v, B * H, segments),
-                     in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay] + anchor_specs, out_specs=sp.segment_state,
+                     in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay], out_specs=sp.segment_state,
                      out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
-                     num_warps=4, num_stages=2)(w, u, kd, decay, *anchor_args)
+                     num_warps=4, num_stages=2)(w, u, kd, decay)
   F, A = ends[..., :V], ends[..., V:]
   hi = jax.lax.Precision.HIGHEST
 

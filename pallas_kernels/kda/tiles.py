@@ -282,10 +282,10 @@ def store_block_diagonal(ref, blocks):
 
 
 def unit_lower_inverse(a, exact):
-  """(I + a)⁻¹ of the chunk's strictly lower [64,64] a, from 64x64 products only (no substitution, so no row
-  reductions: 4 warps spent most of v6's inverse launch in them). The 4x4 diagonal blocks by their Neumann series
-  I − n + n² − n³ (n⁴ = 0; no term above 3·max|n|³, unlike a long series), then four doubling steps X ← X − X L X,
-  L the blocks of a between the halves of each 8-, 16-, 32- and 64-row block: the exact block inverse
+  """(I + a)⁻¹ of a strictly lower [n,n] a (the chunk's 64 rows, or a tile's 16), from [n,n] products only (no
+  substitution, so no row reductions: 4 warps spent most of v6's inverse launch in them). The 4x4 diagonal blocks by
+  their Neumann series I − n + n² − n³ (n⁴ = 0; no term above 3·max|n|³, unlike a long series), then doubling steps
+  X ← X − X L X, L the blocks of a between the halves of each 8-, 16-, ... row block: the exact block inverse
   [[A⁻¹, 0], [−D⁻¹CA⁻¹, D⁻¹]]. `exact`: fp32 products, else tf32."""
   size = a.shape[0]
   r, c = iota((size, size), 0), iota((size, size), 1)
