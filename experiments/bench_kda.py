@@ -43,6 +43,8 @@ flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bw
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
 flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
+flags.DEFINE_bool("compose_in_kernel", False, "Run the whole op with the segments' maps composed in the state pass "
+                  "(pallas_kernels.kda.chunk.COMPOSE_IN_KERNEL).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -205,7 +207,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.compose_in_kernel)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -274,16 +276,19 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in this
-  process: candidates are timed end to end before they become defaults."""
-  from pallas_kernels.kda import bwd, fwd
+def use_variants(intra_bwd, solve, compose_in_kernel):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant, this solve launch and the
+  segments' maps composed in the state pass in this process: candidates are timed end to end before they become
+  defaults."""
+  from pallas_kernels.kda import bwd, chunk, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if solve:
     fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
-  if intra_bwd or solve:
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
+  chunk.COMPOSE_IN_KERNEL = chunk.COMPOSE_IN_KERNEL or compose_in_kernel
+  if intra_bwd or solve or compose_in_kernel:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}, "
+          f"compose_in_kernel {chunk.COMPOSE_IN_KERNEL}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -313,9 +318,8 @@ def per_kernel_times(x, do, shape):
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
-  w, u, qs, kd, aqk, kk, minv = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(
-      *intra_args)
-  decay = p.decay
+  w, u, qs, kd, aqk, decay, kk, minv = jax.jit(
+      lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(*intra_args)
   _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
   dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
   dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
@@ -332,10 +336,18 @@ def per_kernel_times(x, do, shape):
   N = T // 64
   for segments in (2, 4, 8, 16, 32) if FLAGS.sweep else ():
     for b in sorted({default_block_v(B * segments, H, D), 64}):
-      if N % segments == 0 and N // segments >= 4:
-        cases.append(("state_fwd", dict(block_v=b, segments=segments),
-                      lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
-                      (w, u, qs, kd, aqk, decay, S0)))
+      for compose in (False, True):
+        if N % segments == 0 and N // segments >= 4:
+          cases.append(("state_fwd", dict(block_v=b, segments=segments, compose_in_kernel=compose),
+                        lambda *a, b=b, s=segments, c=compose: fwd.state_forward(*a, block_v=b, segments=s,
+                                                                                 compose_in_kernel=c),
+                        (w, u, qs, kd, aqk, decay, S0)))
+  segments = default_segments(B, H, N)
+  for compose in (False, True) if segments > 1 and not FLAGS.sweep else ():
+    b = default_block_v(B * segments, H, D)
+    cases.append(("state_fwd", dict(block_v=b, segments=segments, compose_in_kernel=compose),
+                  lambda *a, b=b, c=compose: fwd.state_forward(*a, block_v=b, segments=segments, compose_in_kernel=c),
+                  (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))

@@ -36,14 +36,41 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("dtype,packed", [(jnp.float32, True), (jnp.bfloat16, False)])
-def test_state_pass_in_segments_matches_the_recurrence(dtype, packed, monkeypatch):
-  """The forward's state pass cut into 3 segments of 2 chunks (each from the state its map composes) gives the
-  recurrence's outputs and gradients: T = 380 (not a chunk multiple), an initial state, packed documents in fp32."""
+@pytest.mark.parametrize("dtype,packed,compose", [(jnp.float32, True, False), (jnp.bfloat16, False, False),
+                                                  (jnp.float32, True, True)])
+def test_state_pass_in_segments_matches_the_recurrence(dtype, packed, compose, monkeypatch):
+  """The forward's state pass cut into 3 segments of 2 chunks (each from the state its map composes, by XLA's scan
+  or in the state pass itself) gives the recurrence's outputs and gradients: T = 380 (not a chunk multiple), an
+  initial state, packed documents in fp32. Composed in the state pass, the forward lowers for the GPU with no XLA
+  product left."""
   from pallas_kernels.kda import chunk
   monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: 3)
+  monkeypatch.setattr(chunk, "COMPOSE_IN_KERNEL", compose)
   x, S0, seg = random_inputs(23, 1, 380, 2, 32, 32, dtype=dtype, segments=packed)
   _compare(x, S0, seg, (lambda n: 1e-5 if n in ("o", "S") else 1e-4) if dtype == jnp.float32 else BF16_TOL.get)
+  if compose:
+    run = lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, initial_state=S0, lower_bound=-5.0,
+                                                 backend="pallas")[0]
+    text = cuda_module_text(monkeypatch, run, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x.values()))
+    assert 'name = "kda_state_segment_maps"' in text and "stablehlo.dot_general" not in text
+
+
+@pytest.mark.parametrize("segments,compose", [(1, False), (3, False), (3, True)])
+def test_no_initial_state_is_a_zero_one_without_materialising_it(segments, compose, monkeypatch):
+  """initial_state=None (the kernels start from zeros; no zero state is built) gives the outputs, final state and
+  input gradients of an explicit zero state, fp32, in one segment and in three (XLA's scan or composed in the
+  state pass)."""
+  from pallas_kernels.kda import chunk
+  monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: segments)
+  monkeypatch.setattr(chunk, "COMPOSE_IN_KERNEL", compose)
+  x, S0, _ = random_inputs(48, 1, 380, 2, 32, 32)
+
+  def loss(x, state):
+    o, S = kda.chunk_kda(**x, initial_state=state, output_final_state=True, lower_bound=-5.0, backend="pallas")
+    return jnp.sum(o * x["v"]) + jnp.sum(S), (o, S)
+  (_, none), grads = jax.value_and_grad(loss, has_aux=True)(x, None)
+  (_, zero), grads_zero = jax.value_and_grad(loss, has_aux=True)(x, jnp.zeros_like(S0))
+  chex.assert_trees_all_close((none, grads), (zero, grads_zero), rtol=1e-6, atol=1e-6)
 
 
 def test_undifferentiated_forward_with_inverted_diagonal_blocks_matches_the_differentiated_one(monkeypatch):
@@ -66,7 +93,8 @@ def test_undifferentiated_forward_with_inverted_diagonal_blocks_matches_the_diff
 @pytest.mark.parametrize("case", ["slow_decay", "gates_at_bound"])
 def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   """`segment_starts` (each segment's affine map from one parallel pass, composed by an associative scan) against
-  the states the one sequential pass enters those chunks with, fp32. Slow decay (gates / 20) carries the initial
+  the states the one sequential pass enters those chunks with, fp32; and the state pass composing the maps itself
+  gives the one pass's outputs and final state. Slow decay (gates / 20) carries the initial
   state through every segment; gates at the bound forget it within a chunk (each segment's start is its map's F)."""
   B, T, H, K, V = 1, 512, 2, 32, 32
   x, _ = variant_case(33, "gates_at_bound" if case == "gates_at_bound" else "random", B, T, H, K, V)
@@ -78,6 +106,9 @@ def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   starts = fwd.segment_starts(w, u, kd, decay, S0, segments=4, block_v=16)
   chex.assert_shape(starts, (B, H, 4, K, V))
   assert rel_err(starts[:, :, 1:], h[:, :, 2::2]) <= 1e-5
+  o, S = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16)
+  o_c, S_c = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, segments=4, compose_in_kernel=True)
+  assert rel_err(o_c, o) <= 1e-5 and rel_err(S_c, S) <= 1e-5, (rel_err(o_c, o), rel_err(S_c, S))
 
 
 @pytest.mark.parametrize("saturate,variant", [(None, None), (-5.0, None), (None, "v3_bwd"), (-5.0, "v5_bwd")])
@@ -119,7 +150,7 @@ def test_prepare_writes_the_backwards_outputs_only_when_saving_and_the_same_oper
                                  valid_len=T, save=save)
   saved, unsaved = run(True), run(False)
   assert unsaved.q is None and unsaved.k is None and unsaved.loc is None
-  for name in ("qe", "kq", "ke", "tot", "decay", "beta"):
+  for name in ("qe", "kq", "ke", "tot", "beta"):
     chex.assert_trees_all_equal(getattr(saved, name), getattr(unsaved, name))
   chex.assert_trees_all_close(jnp.linalg.norm(saved.q[:, :T], axis=-1), jnp.ones((B, T, H)), rtol=1e-5)
   c = 8 * -5.0
@@ -181,8 +212,7 @@ def launches(x, reset, **kw):
   """The forward's pre-pass and intra launches on (q, k, v, g, β), their outputs in `intra_forward_reference`'s
   order: w, u, qs, kd, aqk, decay, kk, minv, loc."""
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=kw["lower_bound"])
-  w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, **kw)
-  return w, u, qs, kd, aqk, p.decay, kk, minv, p.loc
+  return (*fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, **kw), p.loc)
 
 
 OUTPUTS = ("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc")
@@ -343,9 +373,10 @@ def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=False)
   run = lambda inv: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
                                       lower_bound=-5.0, save=False, invert_diagonal=inv)
-  (w, u, qs, kd, aqk, kk, _), (w_ref, u_ref, qs_ref, kd_ref, aqk_ref, kk_ref, _) = run(True), run(False)
+  (w, u, qs, kd, aqk, decay, kk, _), (w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, _) = (run(True),
+                                                                                                      run(False))
   assert rel_err(w, w_ref) <= 1e-4 and rel_err(u, u_ref) <= 1e-4, (rel_err(w, w_ref), rel_err(u, u_ref))
-  chex.assert_trees_all_equal((qs, kd, aqk), (qs_ref, kd_ref, aqk_ref))
+  chex.assert_trees_all_equal((qs, kd, aqk, decay), (qs_ref, kd_ref, aqk_ref, decay_ref))
   blocks = lambda m: m[0, :, 0].reshape(2, 4, 16, 4, 16)           # chunk, row tile, row, column tile, column
   diag = jnp.eye(4, dtype=bool)[None, :, None, :, None]
   chex.assert_trees_all_equal(jnp.where(diag, 0.0, blocks(kk)), jnp.where(diag, 0.0, blocks(kk_ref)))

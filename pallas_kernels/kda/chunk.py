@@ -18,6 +18,11 @@ from pallas_kernels.kda import bwd, fwd, solve_mosaic
 from pallas_kernels.kda.tiles import CHUNK
 
 
+# Opt-in, not yet timed (BUILD_NOTES, Open GPU work 1): the state pass's programs compose the segments' maps
+# themselves, not XLA's associative scan (`bench_kda --compose_in_kernel`).
+COMPOSE_IN_KERNEL = False
+
+
 def default_block_v(B, H, V, target_programs=128):
   """Columns of the state per program in the sequential passes: the widest giving `target_programs` programs.
   Measured on the H200 (BUILD_NOTES KDA run 9, forward, 4 warps): 128 columns best at B·H = 128, 32 at 32, 16 at
@@ -55,11 +60,11 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
   if segment_ids is not None:
     from k3jax.ops.kda import reset_mask
     reset = padt(reset_mask(segment_ids, B, T).astype(jnp.int32))
-  S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+  S0 = None if initial_state is None else initial_state.astype(jnp.float32)   # None: the kernels start from zeros
   segments = default_segments(B, H, q.shape[1] // CHUNK)
   block_fwd, block_bwd = ((block_v, block_v) if block_v else
                           (default_block_v(B * segments, H, V), default_block_v(B, H, V)))
-  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd, segments, T if pad else None)
+  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd, segments, T if pad else None, S0 is not None)
   o, S = _kda(cfg, q, k, v, g, beta, gate, S0, reset)
   return o[:, :T], (S if output_final_state else None)
 
@@ -70,15 +75,16 @@ def _kda(cfg, q, k, v, g, beta, gate, S0, reset):
 
 
 def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
-  scale, lower_bound, block_v, _, segments, valid_len = cfg
+  scale, lower_bound, block_v, _, segments, valid_len, _ = cfg
   p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save)
   # Without the backward, the key tiles invert B's diagonal blocks: the Mosaic solve's chain is then 4 products long,
   # not 10 (−0.09 ms at 8x4096, BUILD_NOTES KDA run 14); the backward reads B as it is.
   invert = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
-  w, u, qs, kd, aqk, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
+  w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
                                                   lower_bound=lower_bound, save=save, invert_diagonal=invert)
-  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, p.decay, S0, block_v=block_v, save=save, segments=segments)
-  intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, p.decay, kk, minv, p.loc)
+  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments,
+                                   compose_in_kernel=COMPOSE_IN_KERNEL)
+  intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, decay, kk, minv, p.loc)
   return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
 
 
@@ -87,7 +93,7 @@ def _kda_fwd(cfg, q, k, v, g, beta, gate, S0, reset):
 
 
 def _kda_bwd(cfg, res, cotangents):
-  scale, lower_bound, _, block_v_bwd, _, valid_len = cfg
+  scale, lower_bound, _, block_v_bwd, _, valid_len, has_state = cfg
   raw, v, reset, (q, k, beta, w, u, qs, kd, aqk, decay, kk, minv, loc), (h, v_new) = res
   do, dS_T = cotangents
   do = do.astype(q.dtype)
@@ -96,7 +102,7 @@ def _kda_bwd(cfg, res, cotangents):
   dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs,
                                              dkd, dd, scale=scale, lower_bound=lower_bound)
   if raw is None:
-    return dq, dk, dv, dg, dbeta, None, dS0, None
+    return dq, dk, dv, dg, dbeta, None, dS0 if has_state else None, None
   # The fused pre-pass: its gradient by XLA from the raw inputs (elementwise and row norms, recomputed here).
   from k3jax.ops.kda import fused_inputs
   q_raw, k_raw, g_raw, beta_logits, gate = raw
@@ -106,7 +112,7 @@ def _kda_bwd(cfg, res, cotangents):
   _, pullback = jax.vjp(prepass, q_raw, k_raw, g_raw, beta_logits, *gate)
   dq, dk, dg, dbeta, dA_log, ddt_bias = pullback((dq.astype(q.dtype), dk.astype(k.dtype), dg.astype(jnp.float32),
                                                    dbeta.astype(jnp.float32)))
-  return dq, dk, dv, dg, dbeta, (dA_log, ddt_bias), dS0, None
+  return dq, dk, dv, dg, dbeta, (dA_log, ddt_bias), dS0 if has_state else None, None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

@@ -92,15 +92,14 @@ def intra_forward_reference(q, k, v, g, beta, reset, *, scale, lower_bound, num_
 class Prepared(NamedTuple):
   """`prepare`'s outputs. q, k: normalised (the fused entry) or as given; with loc, the backward's (None unless
   saved). qe = q ⊙ e^{G - R - c}, kq = k ⊙ e^{G - R - c}, ke = k ⊙ e^{c - (G - R)} (input dtype `[B,T,H,K]`, R
-  each row's tile anchor, `tiles`); tot fp32 `[B,T/16,H,K]`, each tile's total log-decay; decay fp32 `[B,N,H,K]`,
-  the chunks' state decay; β fp32 `[B,T,H]`; loc fp32 `[B,T,H,K]`, the cumulative sums within each tile."""
+  each row's tile anchor, `tiles`); tot fp32 `[B,T/16,H,K]`, each tile's total log-decay; β fp32 `[B,T,H]`; loc
+  fp32 `[B,T,H,K]`, the cumulative sums within each tile."""
   q: jax.Array | None
   k: jax.Array | None
   qe: jax.Array
   kq: jax.Array
   ke: jax.Array
   tot: jax.Array
-  decay: jax.Array
   beta: jax.Array
   loc: jax.Array | None
 
@@ -149,8 +148,7 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   """The forward's first launch (`_prepare_kernel`), returning `Prepared`. `gate` None: g is the log-decay and q,
   k, β are taken as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q
   and k are L2-normalised and β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also write what
-  the backward reads (normalised q, k and loc). Warps: 8 without `save`, 4 with (H200, BUILD_NOTES KDA run 14).
-  The chunks' state decay is summed from the tiles' totals by XLA (`_chunk_decay`)."""
+  the backward reads (normalised q, k and loc). Warps: 8 without `save`, 4 with (H200, BUILD_NOTES KDA run 14)."""
   B, T, H, K = g.shape
   fused = gate is not None
   row = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
@@ -175,33 +173,25 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
   beta = outs.pop(0) if fused else beta.astype(F32)
   qe, kq, ke, tot, *loc = outs
-  return Prepared(q_n, k_n, qe, kq, ke, tot, _chunk_decay(tot, reset), beta, loc[0] if save else None)
-
-
-def _chunk_decay(tot, reset):
-  """The chunks' state decay from the tiles' totals `[B,T/16,H,K]`: zero where a document begins inside the chunk
-  (the state entering it reaches no later row)."""
-  B, NS, H, K = tot.shape
-  decay = jnp.exp(tot.reshape(B, NS // NT, NT, H, K).sum(2))
-  if reset is None:
-    return decay
-  starts = reset.reshape(B, NS // NT, CHUNK).sum(-1)
-  return jnp.where((starts == 0)[:, :, None, None], decay, 0.0)
+  return Prepared(q_n, k_n, qe, kq, ke, tot, beta, loc[0] if save else None)
 
 
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
-                     block_k, invert_diagonal):
+                     block_k, invert_diagonal, beta_by_head):
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
-  I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time. No exponential of a [64,K] tile: `prepare` took
+  I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time; the chunk's state decay from tile 0's program; with
+  `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K] tile: `prepare` took
   them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10).
   With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the Mosaic solve's
   `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref = refs
+  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref, decay_ref, *beta_t_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
   rows = pl.ds(docs.i * SUB, SUB)
   beta_i = beta_ref[...].astype(F32)[:, None]
+  if beta_by_head:
+    beta_t_ref[0][...] = beta_ref[...].astype(F32)
 
   def columns(cb, acc):
     cols = pl.ds(cb * block_k, block_k)
@@ -214,6 +204,11 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
     qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
     kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
+
+    @pl.when(docs.i == 0)
+    def _():   # e^{G_C}, zero where a document starts inside the chunk (the state entering it reaches no row after)
+      decay = jnp.exp(an.rest)[0]
+      decay_ref[cols] = decay if docs.one_document is None else jnp.where(docs.one_document, decay, 0.0)
     return acc_qk, acc_kk
 
   zeros = jnp.zeros((SUB, CHUNK), F32)
@@ -249,7 +244,8 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
-  queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), B = A_kk/β (fp32) and, with
+  queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), the chunks' state decay (fp32
+  `[B,N,H,K]`: e^{G_C}, zero where a document starts inside the chunk), B = A_kk/β (fp32) and, with
   `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
   otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
   Mosaic solve where `solve_mosaic.available`). `invert_diagonal` (the Mosaic solve without `save` only): the key
@@ -273,21 +269,26 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
-  outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * 3
-  aqk, kk, qs, kd, kgb = triton_call(
+  outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * 3 + [jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  out_specs = [tile(CHUNK), tile(CHUNK)] + [tile(K)] * 3 + [
+      pl.BlockSpec((None, None, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0))]
+  mosaic = solve == "mosaic"
+  if mosaic:
+    outs.append(jax.ShapeDtypeStruct((B, H, T), F32))
+    out_specs.append(pl.BlockSpec((None, None, SUB), lambda i, n, bh: (bh // H, bh % H, n * NT + i)))
+  aqk, kk, qs, kd, kgb, decay, *beta_t = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                        dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal),
+                        dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal, beta_by_head=mosaic),
       grid=(NT, N, B * H),
       in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
                 pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
       + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
-      out_specs=[tile(CHUNK), tile(CHUNK)] + [tile(K)] * 3, out_shape=outs,
+      out_specs=out_specs, out_shape=outs,
       name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 2, num_stages=2)(qe, kq, ke, tot, beta, *resets)   # 2 beat 1, 4 and 8 (run 12)
-  if solve == "mosaic":
-    w, u, minv = solve_mosaic.solve(jnp.swapaxes(beta, 1, 2), kk, kgb, v, save=save,
-                                    diagonal_inverted=invert_diagonal)
-    return w, u, qs, kd, aqk, kk, minv
+  if mosaic:
+    w, u, minv = solve_mosaic.solve(beta_t[0], kk, kgb, v, save=save, diagonal_inverted=invert_diagonal)
+    return w, u, qs, kd, aqk, decay, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
   out_shape, out_specs = [shape(K), shape(V)], [row2(K), row2(V)]
@@ -299,7 +300,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
                 row2(V)],
       out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve", num_warps=4,
       num_stages=1)(beta, kk, kgb, v)
-  return w, u, qs, kd, aqk, kk, (minv[0] if save else None)
+  return w, u, qs, kd, aqk, decay, kk, (minv[0] if save else None)
 
 
 def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
@@ -313,8 +314,13 @@ def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
   return S_in, v_new, decay * S_KV + t_mm(kd, v_new, dtype)
 
 
-def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, o_ref, sT_ref, *saved, num_chunks, save,
-                  dtype):
+def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dtype, has_start,
+                  compose):
+  refs = list(refs)
+  s0_ref = refs.pop(0) if has_start else None
+  maps_ref = refs.pop(0) if compose else None
+  o_ref, sT_ref, *saved = refs
+
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
     S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref[rows, :], decay_ref, dtype)
@@ -326,7 +332,13 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, s0_ref, o_re
     o_ref[rows, :] = o.astype(o_ref.dtype)
     return S_next
 
-  sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(F32))
+  K, block_v = sT_ref.shape
+  S = s0_ref[...].astype(F32) if has_start else jnp.zeros((K, block_v), F32)
+  if compose:   # the state entering segment s: S0 through the maps S -> A_j S + F_j of the segments j < s
+    cols = pl.ds(pl.program_id(0) * block_v, block_v)
+    enter = lambda j, S: mm(maps_ref[j, :, pl.ds(maps_ref.shape[-1] - K, K)], S, F32) + maps_ref[j, :, cols]
+    S = jax.lax.fori_loop(0, pl.program_id(2), enter, S)
+  sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S)
 
 
 def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks, value_blocks, dtype):
@@ -361,14 +373,18 @@ class StateSpecs:
     self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1,
+                  compose_in_kernel=False):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
   `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
   Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
-  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype.
+  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros. `compose_in_kernel`: each segment's
+  program composes
+  the maps of the segments before it itself (fp32 [K,K] products, one per segment before), instead of XLA's
+  associative scan (`segment_starts`): about 18 small launches fewer.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -376,27 +392,37 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   if N % segments:
     raise ValueError(f"state_forward: segments={segments} must divide the {N} chunks")
   dt = w.dtype
-  starts = (S0[:, :, None] if segments == 1 else
-            segment_starts(w, u, kd, decay, S0, segments=segments, block_v=block_v))
+  compose = compose_in_kernel and segments > 1
   sp = StateSpecs(H, T, K, block_v, segments)
-  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay, sp.segment_state]
+  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay]
+  if segments > 1 and not compose:   # XLA's scan gives each segment its start
+    S0 = segment_starts(w, u, kd, decay, jnp.zeros((B, H, K, V), F32) if S0 is None else S0, segments=segments,
+                        block_v=block_v)
+    start_spec = sp.segment_state
+  else:
+    start_spec = pl.BlockSpec((None, None, K, block_v), lambda vb, bh, s: (bh // H, bh % H, 0, vb))
+  starts = [] if S0 is None else [S0.astype(F32)]
+  in_specs += [start_spec] * len(starts)
+  if compose:
+    starts.append(segment_maps(w, u, kd, decay, segments=segments, block_v=block_v))
+    in_specs.append(pl.BlockSpec((None, None, segments, K, V + K), lambda vb, bh, s: (bh // H, bh % H, 0, 0, 0)))
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
   out_specs = [sp.vcols, sp.segment_state]
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, compose=compose,
+                             has_start=S0 is not None)
   num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
   o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
-                                num_stages=2)(w, u, qs, kd, aqk, decay, starts)
+                                num_stages=2)(w, u, qs, kd, aqk, decay, *starts)
   return (o, ends[:, :, -1], *saved)
 
 
-def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
-  """[B,H,segments,K,V] fp32: the state entering each segment. One parallel pass gives each segment's map
-  S -> A S + F (`_segment_map_kernel`); an associative scan over segments then composes them (log2(segments)
-  rounds of batched K x K products, fp32)."""
+def segment_maps(w, u, kd, decay, *, segments, block_v):
+  """[B,H,segments,K,V+K] fp32: each segment's end state as an affine map of its start, S -> A S + F, F in the first
+  V columns and A in the last K, from one parallel pass (`_segment_map_kernel`)."""
   B, T, H, K = w.shape
   V = u.shape[-1]
   sp = StateSpecs(H, T, K, block_v, segments)
@@ -409,6 +435,14 @@ def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
                      in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay], out_specs=sp.segment_state,
                      out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
                      num_warps=4, num_stages=2)(w, u, kd, decay)
+  return ends
+
+
+def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
+  """[B,H,segments,K,V] fp32: the state entering each segment: the segments' maps (`segment_maps`) composed by an
+  associative scan over segments (log2(segments) rounds of batched K x K products, fp32)."""
+  V = u.shape[-1]
+  ends = segment_maps(w, u, kd, decay, segments=segments, block_v=block_v)
   F, A = ends[..., :V], ends[..., V:]
   hi = jax.lax.Precision.HIGHEST
 

@@ -192,9 +192,10 @@ class TileDocs:
 
   def __init__(self, reset_ref, i):
     self.i = i
-    self.doc_ok = self.first = self.last = None
+    self.doc_ok = self.first = self.last = self.one_document = None
     if reset_ref is not None:
       reset = load(reset_ref, None, jnp.int32)
+      self.one_document = jnp.sum(reset) == 0                                              # no start in the chunk
       doc_all = jnp.cumsum(reset, axis=0)                                                  # resets up to each row
       doc_i = jnp.sum(jnp.where(iota((CHUNK,), 0) < i * SUB, reset, 0)) + jnp.cumsum(load(reset_ref, i, jnp.int32))
       self.doc_ok = doc_i[:, None] == doc_all[None, :]                                     # [16,64]: tile vs chunk
