@@ -181,8 +181,9 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time; the chunk's state decay from tile 0's program; with
-  `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K] tile: `prepare` took
-  them (v10 took them here for every anchor, four times the chunk's, and was issue-bound: BUILD_NOTES run 10).
+  `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K]
+  tile: `prepare` took them (v10 took them here for every anchor, four times the chunk's, and was issue-bound:
+  BUILD_NOTES run 10).
   With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the Mosaic solve's
   `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
