@@ -391,6 +391,25 @@ def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
                       invert_diagonal=True)
 
 
+@pytest.mark.parametrize("invert", [False, True])
+def test_sharing_bs_buffer_with_two_staging_squares_changes_nothing(invert, monkeypatch):
+  """The Mosaic solve without `save`, B's shared-memory buffer reused for two of the staging squares once loaded
+  (`SHARE_B_WITH_SQUARES`, interpret mode): the intra pass's outputs bit for bit, with and without the inverted
+  diagonal blocks; and it lowers for the GPU (the shared memory's layout checked there)."""
+  from pallas_kernels.kda import solve_mosaic
+  B, T, H, K, V = 1, 128, 2, 64, 128
+  x, _, _ = random_inputs(49, B, T, H, K, V, dtype=jnp.bfloat16)
+  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=False)
+  run = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, save=False, invert_diagonal=invert)
+  args = (p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset)
+  default = run(*args)
+  monkeypatch.setattr(solve_mosaic, "SHARE_B_WITH_SQUARES", True)
+  chex.assert_trees_all_equal(run(*args), default)
+  text = cuda_module_text(monkeypatch, run, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
+  assert "kda_intra_fwd_solve_mosaic" in text
+
+
 def test_the_solve_is_mosaic_only_where_it_can_run():
   """bf16 with K, V multiples of 64 (up to 256) takes the Mosaic solve (here in interpret mode); fp32, or K = 32,
   the Triton one; on a GPU older than Hopper neither Mosaic kernel is picked."""
