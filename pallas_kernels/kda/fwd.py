@@ -115,7 +115,8 @@ def _prepare_kernel(*refs, fused, lower_bound, valid_len, save):
   g = load(g_ref)
   if fused:
     _, _, _, b_ref, a_ref, dt_ref = ins
-    z = jnp.maximum(load(a_ref)[None, :] * (g + load(dt_ref)[None, :]), -80.0)   # as kda_gate: no subnormal g
+    a = jnp.exp(load(a_ref))[None, :]                                               # [1,1]: the head's e^{A_log}
+    z = jnp.maximum(a * (g + load(dt_ref)[None, :]), -80.0)                         # as kda_gate: no subnormal g
     g = lower_bound / (1.0 + jnp.exp(-z))
     store(outs.pop(0), None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
   if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
@@ -158,8 +159,9 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   out_shape, out_specs = [], []
   if fused:
     A_log, dt_bias = gate
-    a = jnp.broadcast_to(jnp.exp(A_log.astype(F32))[:, None], (H, K))
-    args, in_specs = args + [beta, a, dt_bias.astype(F32)], in_specs + [tok, head, head]
+    a_spec = pl.BlockSpec((None, 1), lambda n, bh: (bh % H, 0))
+    args = args + [beta, A_log.astype(F32).reshape(H, 1), dt_bias.astype(F32)]
+    in_specs = in_specs + [tok, a_spec, head]
     if save:
       out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 2, [row(K)] * 2
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H), F32)], out_specs + [tok]
