@@ -81,7 +81,7 @@ def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   # not 10 (−0.09 ms at 8x4096, BUILD_NOTES KDA run 14); the backward reads B as it is.
   invert = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
   w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
-                                                  lower_bound=lower_bound, save=save, invert_diagonal=invert)
+                                                         lower_bound=lower_bound, save=save, invert_diagonal=invert)
   o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments,
                                    compose_in_kernel=COMPOSE_IN_KERNEL)
   intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, decay, kk, minv, p.loc)

@@ -157,9 +157,11 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, dia
     plgpu.wait_smem_to_gmem(0)
 
   if share:
-    pl.run_scoped(lambda union, *rest: scoped(union[0], rest[0], rest[1], rest[2], *union[1], *rest[3:]),
-                  plgpu.RefUnion(square(F32), (square(BF16), square(BF16))), plgpu.SMEM((CHUNK,), F32), wide(K),
-                  wide(V), square(BF16), square(BF16), plgpu.Barrier(num_barriers=4))
+    def shared(union, beta, kgb, v, b_hi, b_lo, loaded):
+      kk, (a_hi, a_lo) = union
+      scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, loaded)
+    pl.run_scoped(shared, plgpu.RefUnion(square(F32), (square(BF16), square(BF16))), plgpu.SMEM((CHUNK,), F32),
+                  wide(K), wide(V), square(BF16), square(BF16), plgpu.Barrier(num_barriers=4))
   else:
     pl.run_scoped(scoped, square(F32), plgpu.SMEM((CHUNK,), F32), wide(K), wide(V), *[square(BF16)] * 4,
                   plgpu.Barrier(num_barriers=4))

@@ -295,9 +295,11 @@ def unit_lower_inverse(a, exact):
   x = eye - n
   for _ in range(2):
     x = eye - mm(n, x, F32, exact)
-  for b in (4, 8, 16, 32)[:size.bit_length() - 3]:
+  b = 4
+  while b < size:
     outside = (r // (2 * b) == c // (2 * b)) & (r // b != c // b)
     x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
+    b *= 2
   return x
 
 
