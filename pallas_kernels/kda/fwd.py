@@ -185,9 +185,8 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time; the chunk's state decay from tile 0's program; with
   `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K]
   tile: `prepare` took them (v10 took them here for every anchor, four times the chunk's, and was issue-bound:
-  BUILD_NOTES run 10).
-  With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the Mosaic solve's
-  `diagonal_inverted`)."""
+  BUILD_NOTES run 10). With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the
+  Mosaic solve's `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref, decay_ref, *beta_t_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
@@ -204,8 +203,8 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     acc_qk = acc[0] + mm_t(qe_i, keys, dtype)
     acc_kk = acc[1] + mm_t(kq_i, keys, dtype)
     start = an.from_anchor()
-    kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
     qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
+    kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
     kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
 
     @pl.when(docs.i == 0)
@@ -286,8 +285,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
       in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
                 pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
       + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
-      out_specs=out_specs, out_shape=outs,
-      name="kda_intra_fwd_key_tiles",
+      out_specs=out_specs, out_shape=outs, name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 2, num_stages=2)(qe, kq, ke, tot, beta, *resets)   # 2 beat 1, 4 and 8 (run 12)
   if mosaic:
     w, u, minv = solve_mosaic.solve(beta_t[0], kk, kgb, v, save=save, diagonal_inverted=invert_diagonal)
@@ -306,7 +304,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   return w, u, qs, kd, aqk, decay, kk, (minv[0] if save else None)
 
 
-def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
+def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):
   """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after).
   `u_scale` (a traced 0 or 1) multiplies U, for the segment maps' identity columns."""
   rows = pl.ds(n * CHUNK, CHUNK)
@@ -314,7 +312,7 @@ def _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=None):
   u = u_ref[rows, :].astype(F32)
   v_new = (u if u_scale is None else u_scale * u) - mm(w_ref[rows, :], S_in, dtype)
   decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
-  return S_in, v_new, decay * S_KV + t_mm(kd, v_new, dtype)
+  return S_in, v_new, decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
 
 
 def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dtype, has_start,
@@ -326,7 +324,7 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_c
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
-    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref[rows, :], decay_ref, dtype)
+    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype)
     if save:
       h_ref, vn_ref = saved
       h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
@@ -354,9 +352,7 @@ def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks
   # The identity's columns (vb - value_blocks) * block_v onwards; none in the value blocks (negative offsets).
   S0 = jnp.where(iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v, 1.0, 0.0)
 
-  def body(n, S_KV):
-    kd = kd_ref[pl.ds(n * CHUNK, CHUNK), :]
-    return _state_step(n, S_KV, w_ref, u_ref, kd, decay_ref, dtype, u_scale=keep)[2]
+  body = lambda n, S_KV: _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=keep)[2]
   ends_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S0)
 
 
@@ -385,9 +381,8 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
   Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
   `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros. `compose_in_kernel`: each segment's
-  program composes
-  the maps of the segments before it itself (fp32 [K,K] products, one per segment before), instead of XLA's
-  associative scan (`segment_starts`): about 18 small launches fewer.
+  program composes the maps of the segments before it itself (fp32 [K,K] products, one per segment before),
+  instead of XLA's associative scan (`segment_starts`): about 18 small launches fewer.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
