@@ -43,10 +43,6 @@ flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bw
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
 flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
-flags.DEFINE_bool("compose_in_kernel", False, "Run the whole op with the segments' maps composed in the state pass "
-                  "(pallas_kernels.kda.chunk.COMPOSE_IN_KERNEL).")
-flags.DEFINE_bool("share_b", False, "Run the whole op's undifferentiated forward with the Mosaic solve's B buffer "
-                  "shared with two staging squares (pallas_kernels.kda.solve_mosaic.SHARE_B_WITH_SQUARES).")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -209,7 +205,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.compose_in_kernel, FLAGS.share_b)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -278,30 +274,16 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve, compose_in_kernel, share_b):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant, this solve launch, the
-  segments' maps composed in the state pass and the Mosaic solve's shared B buffer in this process: candidates are
-  timed end to end before they become defaults."""
-  from pallas_kernels.kda import bwd, chunk, fwd, solve_mosaic
+def use_variants(intra_bwd, solve):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in this
+  process: candidates are timed end to end before they become defaults."""
+  from pallas_kernels.kda import bwd, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if solve:
     fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
-  chunk.COMPOSE_IN_KERNEL = chunk.COMPOSE_IN_KERNEL or compose_in_kernel
-  solve_mosaic.SHARE_B_WITH_SQUARES = solve_mosaic.SHARE_B_WITH_SQUARES or share_b
-  if intra_bwd or solve or compose_in_kernel or share_b:
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}, "
-          f"compose_in_kernel {chunk.COMPOSE_IN_KERNEL}, share_b {solve_mosaic.SHARE_B_WITH_SQUARES}", flush=True)
-
-
-def shared_b(fn, *args, **kwargs):
-  """fn traced with the Mosaic solve's B buffer shared with two staging squares."""
-  from pallas_kernels.kda import solve_mosaic
-  before, solve_mosaic.SHARE_B_WITH_SQUARES = solve_mosaic.SHARE_B_WITH_SQUARES, True
-  try:
-    return fn(*args, **kwargs)
-  finally:
-    solve_mosaic.SHARE_B_WITH_SQUARES = before
+  if intra_bwd or solve:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -328,9 +310,6 @@ def per_kernel_times(x, do, shape):
   for params in sweep if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
         *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))
-  for invert in (False, True) if solve_mosaic.available(v.dtype, D, D) else ():   # solve_mosaic.SHARE_B_WITH_SQUARES
-    cases.append(("intra_fwd", dict(invert_diagonal=invert, share_b=True), lambda *a, i=invert: shared_b(
-        fwd.intra_forward, *a, None, scale=scale, lower_bound=lb, save=False, invert_diagonal=i), intra_args))
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
@@ -352,18 +331,15 @@ def per_kernel_times(x, do, shape):
   N = T // 64
   for segments in (2, 4, 8, 16, 32) if FLAGS.sweep else ():
     for b in sorted({default_block_v(B * segments, H, D), 64}):
-      for compose in (False, True):
-        if N % segments == 0 and N // segments >= 4:
-          cases.append(("state_fwd", dict(block_v=b, segments=segments, compose_in_kernel=compose),
-                        lambda *a, b=b, s=segments, c=compose: fwd.state_forward(*a, block_v=b, segments=s,
-                                                                                 compose_in_kernel=c),
-                        (w, u, qs, kd, aqk, decay, S0)))
+      if N % segments == 0 and N // segments >= 4:
+        cases.append(("state_fwd", dict(block_v=b, segments=segments),
+                      lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
+                      (w, u, qs, kd, aqk, decay, S0)))
   segments = default_segments(B, H, N)
-  for compose in (False, True) if segments > 1 and not FLAGS.sweep else ():
+  if segments > 1 and not FLAGS.sweep:
     b = default_block_v(B * segments, H, D)
-    cases.append(("state_fwd", dict(block_v=b, segments=segments, compose_in_kernel=compose),
-                  lambda *a, b=b, c=compose: fwd.state_forward(*a, block_v=b, segments=segments, compose_in_kernel=c),
-                  (w, u, qs, kd, aqk, decay, S0)))
+    cases.append(("state_fwd", dict(block_v=b, segments=segments),
+                  lambda *a: fwd.state_forward(*a, block_v=b, segments=segments), (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))

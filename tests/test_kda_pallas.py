@@ -36,33 +36,22 @@ def test_fp32_outputs_and_grads_with_segments_and_states():
   _compare(x, S0, seg, lambda n: 1e-5 if n in ("o", "S") else 1e-4)
 
 
-@pytest.mark.parametrize("dtype,packed,compose", [(jnp.float32, True, False), (jnp.bfloat16, False, False),
-                                                  (jnp.float32, True, True)])
-def test_state_pass_in_segments_matches_the_recurrence(dtype, packed, compose, monkeypatch):
-  """The forward's state pass cut into 3 segments of 2 chunks (each from the state its map composes, by XLA's scan
-  or in the state pass itself) gives the recurrence's outputs and gradients: T = 380 (not a chunk multiple), an
-  initial state, packed documents in fp32. Composed in the state pass, the forward lowers for the GPU with no XLA
-  product left."""
+@pytest.mark.parametrize("dtype,packed", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_state_pass_in_segments_matches_the_recurrence(dtype, packed, monkeypatch):
+  """The forward's state pass cut into 3 segments of 2 chunks (each from the state XLA's scan composes) gives the
+  recurrence's outputs and gradients: T = 380 (not a chunk multiple), an initial state, packed documents in fp32."""
   from pallas_kernels.kda import chunk
   monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: 3)
-  monkeypatch.setattr(chunk, "COMPOSE_IN_KERNEL", compose)
   x, S0, seg = random_inputs(23, 1, 380, 2, 32, 32, dtype=dtype, segments=packed)
   _compare(x, S0, seg, (lambda n: 1e-5 if n in ("o", "S") else 1e-4) if dtype == jnp.float32 else BF16_TOL.get)
-  if compose:
-    run = lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, initial_state=S0, lower_bound=-5.0,
-                                                 backend="pallas")[0]
-    text = cuda_module_text(monkeypatch, run, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x.values()))
-    assert 'name = "kda_state_segment_maps"' in text and "stablehlo.dot_general" not in text
 
 
-@pytest.mark.parametrize("segments,compose", [(1, False), (3, False), (3, True)])
-def test_no_initial_state_is_a_zero_one_without_materialising_it(segments, compose, monkeypatch):
+@pytest.mark.parametrize("segments", [1, 3])
+def test_no_initial_state_is_a_zero_one_without_materialising_it(segments, monkeypatch):
   """initial_state=None (the kernels start from zeros; no zero state is built) gives the outputs, final state and
-  input gradients of an explicit zero state, fp32, in one segment and in three (XLA's scan or composed in the
-  state pass)."""
+  input gradients of an explicit zero state, fp32, in one segment and in three."""
   from pallas_kernels.kda import chunk
   monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: segments)
-  monkeypatch.setattr(chunk, "COMPOSE_IN_KERNEL", compose)
   x, S0, _ = random_inputs(48, 1, 380, 2, 32, 32)
 
   def loss(x, state):
@@ -93,8 +82,8 @@ def test_undifferentiated_forward_with_inverted_diagonal_blocks_matches_the_diff
 @pytest.mark.parametrize("case", ["slow_decay", "gates_at_bound"])
 def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   """`segment_starts` (each segment's affine map from one parallel pass, composed by an associative scan) against
-  the states the one sequential pass enters those chunks with, fp32; and the state pass composing the maps itself
-  gives the one pass's outputs and final state. Slow decay (gates / 20) carries the initial state through every
+  the states the one sequential pass enters those chunks with, fp32, and the pass in 4 segments gives the one
+  pass's outputs and final state. Slow decay (gates / 20) carries the initial state through every
   segment; gates at the bound forget it within a chunk (each segment's start is its map's F)."""
   B, T, H, K, V = 1, 512, 2, 32, 32
   x, _ = variant_case(33, "gates_at_bound" if case == "gates_at_bound" else "random", B, T, H, K, V)
@@ -107,7 +96,7 @@ def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   chex.assert_shape(starts, (B, H, 4, K, V))
   assert rel_err(starts[:, :, 1:], h[:, :, 2::2]) <= 1e-5
   o, S = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16)
-  o_c, S_c = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, segments=4, compose_in_kernel=True)
+  o_c, S_c = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, segments=4)
   assert rel_err(o_c, o) <= 1e-5 and rel_err(S_c, S) <= 1e-5, (rel_err(o_c, o), rel_err(S_c, S))
 
 
@@ -391,23 +380,16 @@ def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
                       invert_diagonal=True)
 
 
-@pytest.mark.parametrize("invert", [False, True])
-def test_sharing_bs_buffer_with_two_staging_squares_changes_nothing(invert, monkeypatch):
-  """The Mosaic solve without `save`, B's shared-memory buffer reused for two of the staging squares once loaded
-  (`SHARE_B_WITH_SQUARES`, interpret mode): the intra pass's outputs bit for bit, with and without the inverted
-  diagonal blocks; and it lowers for the GPU (the shared memory's layout checked there)."""
-  from pallas_kernels.kda import solve_mosaic
-  B, T, H, K, V = 1, 128, 2, 64, 128
-  x, _, _ = random_inputs(49, B, T, H, K, V, dtype=jnp.bfloat16)
+def test_reading_only_the_keys_a_tile_uses_changes_no_output():
+  """The key tiles reading only the keys of tiles J <= I (`skip_later_keys`, a masked load) against reading the
+  whole chunk: every output of the intra pass bit for bit, fp32 (the Triton solve), with documents."""
+  B, T, H, K, V = 1, 128, 2, 32, 32
+  x, _, _ = random_inputs(50, B, T, H, K, V)
   reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
-  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=False)
-  run = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, save=False, invert_diagonal=invert)
-  args = (p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset)
-  default = run(*args)
-  monkeypatch.setattr(solve_mosaic, "SHARE_B_WITH_SQUARES", True)
-  chex.assert_trees_all_equal(run(*args), default)
-  text = cuda_module_text(monkeypatch, run, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
-  assert "kda_intra_fwd_solve_mosaic" in text
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=True)
+  run = lambda skip: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
+                                       lower_bound=-5.0, block_k=16, skip_later_keys=skip)
+  chex.assert_trees_all_equal(run(True), run(False))
 
 
 def test_the_solve_is_mosaic_only_where_it_can_run():

@@ -18,11 +18,6 @@ from pallas_kernels.kda import bwd, fwd, solve_mosaic
 from pallas_kernels.kda.tiles import CHUNK
 
 
-# Opt-in, not yet timed (BUILD_NOTES, Open GPU work 1): the state pass's programs compose the segments' maps
-# themselves, not XLA's associative scan (`bench_kda --compose_in_kernel`).
-COMPOSE_IN_KERNEL = False
-
-
 def default_block_v(B, H, V, target_programs=128):
   """Columns of the state per program in the sequential passes: the widest giving `target_programs` programs.
   Measured on the H200 (BUILD_NOTES KDA run 9, forward, 4 warps): 128 columns best at B·H = 128, 32 at 32, 16 at
@@ -82,8 +77,7 @@ def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   invert = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
   w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
                                                          lower_bound=lower_bound, save=save, invert_diagonal=invert)
-  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments,
-                                   compose_in_kernel=COMPOSE_IN_KERNEL)
+  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments)
   intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, decay, kk, minv, p.loc)
   return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import barrier, triton_call
+from pallas_kernels import barrier, load_rows, triton_call
 from pallas_kernels.kda import solve_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
                                       mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
@@ -179,14 +179,15 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
 
 
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
-                     block_k, invert_diagonal, beta_by_head):
+                     block_k, invert_diagonal, beta_by_head, skip_later_keys):
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time; the chunk's state decay from tile 0's program; with
   `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K]
   tile: `prepare` took them (v10 took them here for every anchor, four times the chunk's, and was issue-bound:
   BUILD_NOTES run 10). With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the
-  Mosaic solve's `diagonal_inverted`)."""
+  Mosaic solve's `diagonal_inverted`). `skip_later_keys`: the keys of tiles after I, scaled by zero, are not read.
+  """
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref, decay_ref, *beta_t_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
@@ -198,7 +199,8 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   def columns(cb, acc):
     cols = pl.ds(cb * block_k, block_k)
     an = TileAnchors([tot_ref[pl.ds(p, 1), cols].astype(F32) for p in range(NT)], docs, lower_bound)
-    keys = (ke_ref[:, cols].astype(F32) * an.keys_scale()).astype(dtype)
+    ke = load_rows(ke_ref.at[:, cols], (docs.i + 1) * SUB) if skip_later_keys else ke_ref[:, cols]
+    keys = (ke.astype(F32) * an.keys_scale()).astype(dtype)
     qe_i, kq_i = qe_ref[:, cols].astype(F32), kq_ref[:, cols].astype(F32)
     acc_qk = acc[0] + mm_t(qe_i, keys, dtype)
     acc_kk = acc[1] + mm_t(kq_i, keys, dtype)
@@ -242,7 +244,7 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 
 def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None, invert_diagonal=False):
+                  block_cols=64, solve=None, invert_diagonal=False, skip_later_keys=True):
   """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
@@ -252,7 +254,8 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
   Mosaic solve where `solve_mosaic.available`). `invert_diagonal` (the Mosaic solve without `save` only): the key
   tiles invert B's 16x16 diagonal blocks and the solve starts from them (two doubling steps instead of six steps);
-  the B returned then holds those inverses on its diagonal blocks."""
+  the B returned then holds those inverses on its diagonal blocks. `skip_later_keys`: each tile's program reads only
+  the keys of tiles J <= I (a masked load; False reads the whole chunk, as v15)."""
   B, T, H, K = qe.shape
   if solve not in (None, "triton", "mosaic"):
     raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
@@ -280,7 +283,8 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
     out_specs.append(pl.BlockSpec((None, None, SUB), lambda i, n, bh: (bh // H, bh % H, n * NT + i)))
   aqk, kk, qs, kd, kgb, decay, *beta_t = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                        dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal, beta_by_head=mosaic),
+                        dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal, beta_by_head=mosaic,
+                        skip_later_keys=skip_later_keys),
       grid=(NT, N, B * H),
       in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
                 pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
@@ -315,12 +319,8 @@ def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):
   return S_in, v_new, decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
 
 
-def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dtype, has_start,
-                  compose):
-  refs = list(refs)
-  s0_ref = refs.pop(0) if has_start else None
-  maps_ref = refs.pop(0) if compose else None
-  o_ref, sT_ref, *saved = refs
+def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dtype, has_start):
+  s0_ref, (o_ref, sT_ref, *saved) = (refs[0], refs[1:]) if has_start else (None, refs)
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
@@ -333,12 +333,7 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_c
     o_ref[rows, :] = o.astype(o_ref.dtype)
     return S_next
 
-  K, block_v = sT_ref.shape
-  S = s0_ref[...].astype(F32) if has_start else jnp.zeros((K, block_v), F32)
-  if compose:   # the state entering segment s: S0 through the maps S -> A_j S + F_j of the segments j < s
-    cols = pl.ds(pl.program_id(0) * block_v, block_v)
-    enter = lambda j, S: mm(maps_ref[j, :, pl.ds(maps_ref.shape[-1] - K, K)], S, F32) + maps_ref[j, :, cols]
-    S = jax.lax.fori_loop(0, pl.program_id(2), enter, S)
+  S = s0_ref[...].astype(F32) if has_start else jnp.zeros(sT_ref.shape, F32)
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S)
 
 
@@ -372,17 +367,14 @@ class StateSpecs:
     self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1,
-                  compose_in_kernel=False):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
   `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
   Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
-  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros. `compose_in_kernel`: each segment's
-  program composes the maps of the segments before it itself (fp32 [K,K] products, one per segment before),
-  instead of XLA's associative scan (`segment_starts`): about 18 small launches fewer.
+  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -390,10 +382,9 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   if N % segments:
     raise ValueError(f"state_forward: segments={segments} must divide the {N} chunks")
   dt = w.dtype
-  compose = compose_in_kernel and segments > 1
   sp = StateSpecs(H, T, K, block_v, segments)
   in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay]
-  if segments > 1 and not compose:   # XLA's scan gives each segment its start
+  if segments > 1:   # XLA's scan gives each segment its start
     S0 = segment_starts(w, u, kd, decay, jnp.zeros((B, H, K, V), F32) if S0 is None else S0, segments=segments,
                         block_v=block_v)
     start_spec = sp.segment_state
@@ -401,16 +392,12 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
     start_spec = pl.BlockSpec((None, None, K, block_v), lambda vb, bh, s: (bh // H, bh % H, 0, vb))
   starts = [] if S0 is None else [S0.astype(F32)]
   in_specs += [start_spec] * len(starts)
-  if compose:
-    starts.append(segment_maps(w, u, kd, decay, segments=segments, block_v=block_v))
-    in_specs.append(pl.BlockSpec((None, None, segments, K, V + K), lambda vb, bh, s: (bh // H, bh % H, 0, 0, 0)))
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
   out_specs = [sp.vcols, sp.segment_state]
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, compose=compose,
-                             has_start=S0 is not None)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, has_start=S0 is not None)
   num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
   o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,

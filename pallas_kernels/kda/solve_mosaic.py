@@ -20,9 +20,6 @@ from pallas_kernels.kda.tiles import CHUNK, F32
 
 BF16 = jnp.bfloat16
 WGMMA = plgpu.Layout.WGMMA
-# Opt-in, not yet timed (BUILD_NOTES v15): without `save`, B's buffer, dead once loaded, holds two of the four
-# staging squares: 64 KB of shared memory a program instead of 80, three programs per SM if registers allow.
-SHARE_B_WITH_SQUARES = False
 
 
 def _takes(dtype, K, V):
@@ -59,7 +56,7 @@ def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save, diagonal_inverted=False)
   out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
   out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
   w, u, *m = plgpu.kernel(
-      functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted, share=SHARE_B_WITH_SQUARES and not save),
+      functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted),
       out_type=out, grid=(T // CHUNK, B * H),
       grid_names=("n", "bh"), compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       kernel_name="kda_intra_fwd_solve_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
@@ -132,7 +129,7 @@ def _solve_in_place(b_kk, beta_s, squares, v, kgb, m_s, diagonal_inverted):
     buf[...] = _product((CHUNK, buf.shape[-1]), (hi, buf), (lo, buf)).astype(BF16)
 
 
-def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, diagonal_inverted, share):
+def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, diagonal_inverted):
   n, bh = lax.axis_index("n"), lax.axis_index("bh")
   b, h, rows = bh // H, bh % H, pl.ds(n * CHUNK, CHUNK)
   K, V = kgb_gmem.shape[-1], v_gmem.shape[-1]
@@ -148,20 +145,11 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, dia
     for i in range(len(copies)):
       plgpu.barrier_wait(loaded.at[i])
     b_kk = plgpu.load(kk, layout=WGMMA)
-    if share:
-      plgpu.commit_smem()   # its warpgroup barrier: every thread has read B before a_hi, a_lo overwrite it
     _solve_in_place(b_kk, beta, (a_hi, a_lo, b_hi, b_lo), v, kgb, kk if m_gmem else None, diagonal_inverted)
     plgpu.commit_smem()
     for src, dst in ((v, u_gmem), (kgb, w_gmem)) + (((kk, m_gmem[0]),) if m_gmem else ()):
       plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
     plgpu.wait_smem_to_gmem(0)
 
-  if share:
-    def shared(union, beta, kgb, v, b_hi, b_lo, loaded):
-      kk, (a_hi, a_lo) = union
-      scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, loaded)
-    pl.run_scoped(shared, plgpu.RefUnion(square(F32), (square(BF16), square(BF16))), plgpu.SMEM((CHUNK,), F32),
-                  wide(K), wide(V), square(BF16), square(BF16), plgpu.Barrier(num_barriers=4))
-  else:
-    pl.run_scoped(scoped, square(F32), plgpu.SMEM((CHUNK,), F32), wide(K), wide(V), *[square(BF16)] * 4,
-                  plgpu.Barrier(num_barriers=4))
+  pl.run_scoped(scoped, square(F32), plgpu.SMEM((CHUNK,), F32), wide(K), wide(V), *[square(BF16)] * 4,
+                plgpu.Barrier(num_barriers=4))
