@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -35,8 +34,3 @@ def barrier():
   runs a program sequentially and needs none."""
   if not interpret_mode():
     pltriton.debug_barrier()
-
-
-def load_rows(ref, stop):
-  """ref[...] with the rows from `stop` on zero and not read from memory (a masked load)."""
-  return pltriton.load(ref, mask=jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0) < stop, other=0)

@@ -380,18 +380,6 @@ def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
                       invert_diagonal=True)
 
 
-def test_reading_only_the_keys_a_tile_uses_changes_no_output():
-  """The key tiles reading only the keys of tiles J <= I (`skip_later_keys`, a masked load) against reading the
-  whole chunk: every output of the intra pass bit for bit, fp32 (the Triton solve), with documents."""
-  B, T, H, K, V = 1, 128, 2, 32, 32
-  x, _, _ = random_inputs(50, B, T, H, K, V)
-  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
-  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=True)
-  run = lambda skip: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
-                                       lower_bound=-5.0, block_k=16, skip_later_keys=skip)
-  chex.assert_trees_all_equal(run(True), run(False))
-
-
 def test_the_solve_is_mosaic_only_where_it_can_run():
   """bf16 with K, V multiples of 64 (up to 256) takes the Mosaic solve (here in interpret mode); fp32, or K = 32,
   the Triton one; on a GPU older than Hopper neither Mosaic kernel is picked."""
