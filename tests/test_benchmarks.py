@@ -36,6 +36,24 @@ def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
 
 
 @pytest.mark.xdist_group("benchmarks")
+def test_bench_kda_launch_times_each_variant_and_refuses_unknown_kernels(tmp_path):
+  """Each launch variant (and the defaults) gets its rounds' median; a kernel the forward does not launch, or a
+  parameter other than warps and stages, is an error, not an ignored setting."""
+  flags = ("--shapes=1x128x2x32", "--rounds=2", "--repeats=1", "--calls=1", "--warmup=1")
+  done = run_script("experiments.bench_kda_launch", *flags,
+                    "--variant=w4s3:kda_prepare.num_warps=4,kda_intra_fwd_key_tiles.num_stages=3", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_kda.json").read_text())
+  assert [r["variant"] for r in rows] == ["default", "w4s3"]
+  assert rows[1]["launches"] == {"kda_prepare": {"num_warps": 4}, "kda_intra_fwd_key_tiles": {"num_stages": 3}}
+  assert all(len(r["runs"]) == 2 and r["ms"] > 0 for r in rows)
+  for bad, says in (("x:kda_prepar.num_warps=4", "no launch named ['kda_prepar']"),
+                    ("x:kda_prepare.warps=4", "is not KERNEL.PARAM=VALUE")):
+    done = run_script("experiments.bench_kda_launch", *flags, f"--variant={bad}", out_dir=tmp_path)
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.xdist_group("benchmarks")
 def test_bench_moe_small_runs_its_sections_and_checks(tmp_path):
   done = run_script("experiments.bench_moe", "--small", out_dir=tmp_path)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
