@@ -43,8 +43,6 @@ flags.DEFINE_list("bwd_variants", ["v3", "v5"], "With --per_kernel: the intra_bw
 flags.DEFINE_string("intra_bwd", None, "Run the whole op (pallas rows, --check) with this intra_bwd variant, not "
                     "the default (e.g. v3).")
 flags.DEFINE_enum("solve", None, ["triton", "mosaic"], "Run the whole op with this solve launch, not the default.")
-flags.DEFINE_bool("diagonal_tf32x3", False, "Run the whole op's undifferentiated forward with the key tiles' 16x16 "
-                  "inverses on three tf32 products (fwd.intra_forward's diagonal_tf32x3), not exact fp32.")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_kda.json when $OUT is set).")
 
@@ -207,7 +205,7 @@ def main(argv):
 
   fla_profiles = []
   print(f"[bench_kda] backend={jax.default_backend()} devices={jax.devices()}", flush=True)
-  use_variants(FLAGS.intra_bwd, FLAGS.solve, FLAGS.diagonal_tf32x3)
+  use_variants(FLAGS.intra_bwd, FLAGS.solve)
   for shape in FLAGS.shapes:
     B, T, H, D = (int(s) for s in shape.split("x"))
     x, do = make_inputs(B, T, H, D, dtype)
@@ -276,21 +274,16 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
     print(rows[-1], flush=True)
 
 
-def use_variants(intra_bwd, solve, diagonal_tf32x3=False):
-  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant, this solve launch and the
-  key tiles' tf32x3 inverses (where they invert) in this process: candidates are timed end to end before they
-  become defaults."""
+def use_variants(intra_bwd, solve):
+  """Makes the whole op (`chunk_kda(..., backend="pallas")`) use this backward variant and this solve launch in this
+  process: candidates are timed end to end before they become defaults."""
   from pallas_kernels.kda import bwd, fwd
   if intra_bwd:
     bwd.intra_backward = functools.partial(bwd.intra_backward, variant=intra_bwd)
   if solve:
     fwd.intra_forward = functools.partial(fwd.intra_forward, solve=solve)
-  if diagonal_tf32x3:
-    intra = fwd.intra_forward
-    fwd.intra_forward = lambda *a, **kw: intra(*a, **kw, diagonal_tf32x3=kw.get("invert_diagonal", False))
-  if intra_bwd or solve or diagonal_tf32x3:
-    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}, "
-          f"diagonal_tf32x3 {diagonal_tf32x3}", flush=True)
+  if intra_bwd or solve:
+    print(f"[bench_kda] pallas uses intra_bwd {intra_bwd or 'default'}, solve {solve or 'default'}", flush=True)
 
 
 def per_kernel_times(x, do, shape):
@@ -314,7 +307,6 @@ def per_kernel_times(x, do, shape):
   if solve_mosaic.available(v.dtype, D, D):   # then also B's diagonal blocks inverted in the key tiles
     sweep += [dict(block_k=bk, num_warps=nw, solve="mosaic", invert_diagonal=inv)
               for inv in (False, True) for bk, nw in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2))]
-    sweep.append(dict(block_k=32, num_warps=2, solve="mosaic", invert_diagonal=True, diagonal_tf32x3=True))
   for params in sweep if FLAGS.sweep else [{}]:
     cases.append(("intra_fwd", params, lambda *a, p=params: fwd.intra_forward(
         *a, None, scale=scale, lower_bound=lb, save=False, **p), intra_args))

@@ -380,31 +380,6 @@ def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
                       invert_diagonal=True)
 
 
-def test_the_inverses_on_tf32x3_are_exact_in_interpret_mode_and_three_tf32_products_on_the_gpu(monkeypatch):
-  """`diagonal_tf32x3`: interpret mode (no tf32 on XLA's CPU) gives the exact inverses bit for bit; lowered for the
-  GPU, the 16x16 products ask Triton for three tf32 products (the preset), and the intra pass lowers with it; without
-  the inverted diagonal blocks it is refused."""
-  from pallas_kernels.kda import tiles
-  B, T, H, K, V = 1, 128, 2, 64, 128
-  x, _, _ = random_inputs(51, B, T, H, K, V, dtype=jnp.bfloat16)
-  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 64, 100])].set(1)
-  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=False)
-  args = (p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset)
-  run = lambda x3, *a: fwd.intra_forward(*a, scale=K ** -0.5, lower_bound=-5.0, save=False, invert_diagonal=True,
-                                         diagonal_tf32x3=x3)
-  chex.assert_trees_all_equal(run(True, *args), run(False, *args))
-  a = jnp.ones((16, 16), jnp.float32)
-  precision = lambda: jax.make_jaxpr(lambda a: tiles.mm(a, a, jnp.float32, tiles.TF32X3))(a).eqns[-1].params[
-      "precision"]
-  assert precision() == (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
-  text = cuda_module_text(monkeypatch, functools.partial(run, True),
-                          *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))   # sets the GPU lowering
-  assert "kda_intra_fwd_key_tiles" in text
-  assert precision() == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-  with pytest.raises(ValueError, match="diagonal_tf32x3"):
-    fwd.intra_forward(*args, scale=1.0, lower_bound=-5.0, save=False, diagonal_tf32x3=True)
-
-
 def test_the_solve_is_mosaic_only_where_it_can_run():
   """bf16 with K, V multiples of 64 (up to 256) takes the Mosaic solve (here in interpret mode); fp32, or K = 32,
   the Triton one; on a GPU older than Hopper neither Mosaic kernel is picked."""

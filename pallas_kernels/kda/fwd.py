@@ -12,8 +12,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda import solve_mosaic
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, TF32X3, Gates, TileAnchors, TileDocs, iota, load, masked,
-                                      mm, mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
+                                      mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
                                       unit_lower_inverse_16, write_tile_cumsum)
 
 L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
@@ -179,14 +179,14 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
 
 
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
-                     block_k, invert_diagonal, beta_by_head, diagonal_tf32x3):
+                     block_k, invert_diagonal, beta_by_head):
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time; the chunk's state decay from tile 0's program; with
   `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K]
   tile: `prepare` took them (v10 took them here for every anchor, four times the chunk's, and was issue-bound:
   BUILD_NOTES run 10). With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the
-  Mosaic solve's `diagonal_inverted`), its products exact fp32 or, with `diagonal_tf32x3`, three tf32 products."""
+  Mosaic solve's `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref, decay_ref, *beta_t_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
@@ -220,8 +220,7 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   if invert_diagonal:   # the diagonal block, masked, read back (registers cannot be sliced) and replaced
     diag = pl.ds(docs.i * SUB, SUB)
     barrier()
-    # By products, not substitution: 0.02 ms less at 8x4096 (run 14).
-    m = unit_lower_inverse(beta_i * kk_ref[:, diag], TF32X3 if diagonal_tf32x3 else True)
+    m = unit_lower_inverse(beta_i * kk_ref[:, diag], True)   # 0.02 ms less than substitution at 8x4096 (run 14)
     barrier()
     kk_ref[:, diag] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
 
@@ -243,7 +242,7 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 
 def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None, invert_diagonal=False, diagonal_tf32x3=False):
+                  block_cols=64, solve=None, invert_diagonal=False):
   """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
@@ -253,9 +252,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
   Mosaic solve where `solve_mosaic.available`). `invert_diagonal` (the Mosaic solve without `save` only): the key
   tiles invert B's 16x16 diagonal blocks and the solve starts from them (two doubling steps instead of six steps);
-  the B returned then holds those inverses on its diagonal blocks. `diagonal_tf32x3` (not yet timed): those
-  inverses from three tf32 tensor-core products per product instead of exact fp32 FMAs, whose operands go through
-  shared memory (offline PTX, BUILD_NOTES run 15: 96 ld.shared.v2 and 40 more ld.shared.v4 a program)."""
+  the B returned then holds those inverses on its diagonal blocks."""
   B, T, H, K = qe.shape
   if solve not in (None, "triton", "mosaic"):
     raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
@@ -265,8 +262,6 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
     solve_mosaic.check_supported(qe.dtype, K, V)
   if invert_diagonal and (save or solve != "mosaic"):
     raise ValueError("intra_forward: invert_diagonal needs the Mosaic solve and save=False")
-  if diagonal_tf32x3 and not invert_diagonal:
-    raise ValueError("intra_forward: diagonal_tf32x3 applies to invert_diagonal's inverses only")
   N = T // CHUNK
   dt = qe.dtype
   block_k = block_k or min(K, 32)
@@ -285,8 +280,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
     out_specs.append(pl.BlockSpec((None, None, SUB), lambda i, n, bh: (bh // H, bh % H, n * NT + i)))
   aqk, kk, qs, kd, kgb, decay, *beta_t = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                        dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal, beta_by_head=mosaic,
-                        diagonal_tf32x3=diagonal_tf32x3),
+                        dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal, beta_by_head=mosaic),
       grid=(NT, N, B * H),
       in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
                 pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import barrier, interpret_mode
+from pallas_kernels import barrier
 
 CHUNK = 64
 SUB = 16
@@ -58,16 +58,9 @@ def store(ref, i, x):
   ref[idx] = x.astype(ref.dtype)
 
 
-TF32X3 = "tf32x3"
-
-
 def _dot(a, b, dims, dtype, exact=True):
-  # fp32 operands: exact products (FMAs), tf32 with `exact=False` (Triton's default for fp32), or with `exact=TF32X3`
-  # three tf32 products (≈ fp32, on tensor cores; exact in interpret mode, where XLA's CPU has no tf32); bf16: tensor
-  # cores.
+  # fp32 operands: exact products unless `exact=False` (Triton's default for fp32 is tf32); bf16: tensor cores.
   precision = jax.lax.Precision.HIGHEST if dtype == F32 and exact else None
-  if exact == TF32X3 and not interpret_mode():
-    precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
   return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())), precision=precision,
                              preferred_element_type=F32)
 
@@ -294,7 +287,7 @@ def unit_lower_inverse(a, exact):
   substitution, so no row reductions: 4 warps spent most of v6's inverse launch in them). The 4x4 diagonal blocks by
   their Neumann series I − n + n² − n³ (n⁴ = 0; no term above 3·max|n|³, unlike a long series), then doubling steps
   X ← X − X L X, L the blocks of a between the halves of each 8-, 16-, ... row block: the exact block inverse
-  [[A⁻¹, 0], [−D⁻¹CA⁻¹, D⁻¹]]. `exact`: fp32 products, False tf32, `TF32X3` three tf32 products each."""
+  [[A⁻¹, 0], [−D⁻¹CA⁻¹, D⁻¹]]. `exact`: fp32 products, else tf32."""
   size = a.shape[0]
   r, c = iota((size, size), 0), iota((size, size), 1)
   eye = jnp.where(r == c, 1.0, 0.0)
