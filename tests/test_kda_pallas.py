@@ -83,8 +83,8 @@ def test_undifferentiated_forward_with_inverted_diagonal_blocks_matches_the_diff
 def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   """`segment_starts` (each segment's affine map from one parallel pass, composed by an associative scan) against
   the states the one sequential pass enters those chunks with, fp32, and the pass in 4 segments gives the one
-  pass's outputs and final state. Slow decay (gates / 20) carries the initial state through every
-  segment; gates at the bound forget it within a chunk (each segment's start is its map's F)."""
+  pass's outputs and final state. Slow decay (gates / 20) carries the initial state through every segment; gates
+  at the bound forget it within a chunk (each segment's start is its map's F)."""
   B, T, H, K, V = 1, 512, 2, 32, 32
   x, _ = variant_case(33, "gates_at_bound" if case == "gates_at_bound" else "random", B, T, H, K, V)
   if case == "slow_decay":

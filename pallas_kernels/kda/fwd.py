@@ -401,9 +401,10 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   return (o, ends[:, :, -1], *saved)
 
 
-def segment_maps(w, u, kd, decay, *, segments, block_v):
-  """[B,H,segments,K,V+K] fp32: each segment's end state as an affine map of its start, S -> A S + F, F in the first
-  V columns and A in the last K, from one parallel pass (`_segment_map_kernel`)."""
+def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
+  """[B,H,segments,K,V] fp32: the state entering each segment. One parallel pass gives each segment's map
+  S -> A S + F (`_segment_map_kernel`); an associative scan over segments then composes them (log2(segments)
+  rounds of batched K x K products, fp32)."""
   B, T, H, K = w.shape
   V = u.shape[-1]
   sp = StateSpecs(H, T, K, block_v, segments)
@@ -416,14 +417,6 @@ def segment_maps(w, u, kd, decay, *, segments, block_v):
                      in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay], out_specs=sp.segment_state,
                      out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
                      num_warps=4, num_stages=2)(w, u, kd, decay)
-  return ends
-
-
-def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
-  """[B,H,segments,K,V] fp32: the state entering each segment: the segments' maps (`segment_maps`) composed by an
-  associative scan over segments (log2(segments) rounds of batched K x K products, fp32)."""
-  V = u.shape[-1]
-  ends = segment_maps(w, u, kd, decay, segments=segments, block_v=block_v)
   F, A = ends[..., :V], ends[..., V:]
   hi = jax.lax.Precision.HIGHEST
 

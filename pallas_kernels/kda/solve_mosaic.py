@@ -56,8 +56,7 @@ def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save, diagonal_inverted=False)
   out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
   out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
   w, u, *m = plgpu.kernel(
-      functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted),
-      out_type=out, grid=(T // CHUNK, B * H),
+      functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted), out_type=out, grid=(T // CHUNK, B * H),
       grid_names=("n", "bh"), compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       kernel_name="kda_intra_fwd_solve_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
   )(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
@@ -144,8 +143,8 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, dia
       plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     for i in range(len(copies)):
       plgpu.barrier_wait(loaded.at[i])
-    b_kk = plgpu.load(kk, layout=WGMMA)
-    _solve_in_place(b_kk, beta, (a_hi, a_lo, b_hi, b_lo), v, kgb, kk if m_gmem else None, diagonal_inverted)
+    _solve_in_place(plgpu.load(kk, layout=WGMMA), beta, (a_hi, a_lo, b_hi, b_lo), v, kgb, kk if m_gmem else None,
+                    diagonal_inverted)
     plgpu.commit_smem()
     for src, dst in ((v, u_gmem), (kgb, w_gmem)) + (((kk, m_gmem[0]),) if m_gmem else ()):
       plgpu.copy_smem_to_gmem(src, dst.at[b, rows, h])
