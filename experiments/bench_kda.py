@@ -143,9 +143,9 @@ def fla_runner(x, do):
               kernels={"fwd": lambda: kernel_times(fwd, True), "fwdbwd": lambda: kernel_times(fwdbwd, False)})
 
 
-CHECK_CASES = ("random", "gates_at_bound", "fused", "repeated_keys")
+CHECK_CASES = ("random", "gates_at_bound", "fused", "packed", "repeated_keys")
 # SPEC.md §8 tolerances are for random inputs; repeated keys are reported, not held to them.
-GATED_CASES = ("random", "gates_at_bound", "fused")
+GATED_CASES = ("random", "gates_at_bound", "fused", "packed")
 
 
 def fused_inputs(x):
@@ -158,10 +158,12 @@ def check_pallas(x, case):
   """The Pallas kernels in the input dtype against the XLA path in fp32 on the same (upcast) inputs: o, the final
   state and every gradient (SPEC.md §8). The q/k L2 norm, gate and β sigmoid are applied first, as the layer does.
   Cases: random gates; every gate at the bound; the fused entry on the raw projections (the kernels' own norm, gate
-  and sigmoid, and the gradients through them to A_log and dt_bias); one key repeated through the sequence with
-  β ≈ 1 and no decay (I + A_kk is then as far from the identity as it gets)."""
-  B, _, H, K = x["q"].shape
+  and sigmoid, and the gradients through them to A_log and dt_bias); packed documents (about 300 tokens each, starts
+  anywhere in a tile); one key repeated through the sequence with β ≈ 1 and no decay (I + A_kk is then as far from
+  the identity as it gets). The fused and packed cases also check the undifferentiated forward (no residuals)."""
+  B, T, H, K = x["q"].shape
   S0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, x["v"].shape[-1]), jnp.float32)
+  seg = None
   if case == "fused":
     inputs = {n: x[n] for n in ARG_NAMES}
     run = lambda backend: lambda **kw: kda.fused_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
@@ -172,14 +174,17 @@ def check_pallas(x, case):
     elif case == "repeated_keys":
       k = jnp.broadcast_to(k[:, :1], k.shape)
       g, beta = jnp.full_like(g, -1e-3), jnp.full_like(beta, 0.99)
+    elif case == "packed":
+      seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(4), 1 / 300, (B, T)), axis=1, dtype=jnp.int32)
     inputs = dict(q=q, k=k, v=x["v"], g=g, beta=beta)
     run = lambda backend: lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
-  o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0)
+  o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0, seg)
   f32 = {n: a.astype(jnp.float32) for n, a in inputs.items()}
-  o_ref, S_ref, grads_ref = kda_outputs_and_grads(run("xla"), f32, S0)
+  o_ref, S_ref, grads_ref = kda_outputs_and_grads(run("xla"), f32, S0, seg)
   errs = {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads}}
-  if case == "fused":  # undifferentiated, the forward runs without writing its residuals (save=False): check it too
-    o_fwd, S_fwd = jax.jit(lambda x, S0: run("pallas")(**x, initial_state=S0, output_final_state=True))(inputs, S0)
+  if case in ("fused", "packed"):  # undifferentiated, the forward writes no residuals (save=False): check it too
+    o_fwd, S_fwd = jax.jit(lambda x, S0: run("pallas")(**x, initial_state=S0, output_final_state=True,
+                                                        segment_ids=seg))(inputs, S0)
     errs.update(o_fwd=rel_err(o_fwd, o_ref), S_fwd=rel_err(S_fwd, S_ref))
   return errs, all(e <= CHECK_TOL[n.removesuffix("_fwd")] for n, e in errs.items())
 
@@ -313,10 +318,10 @@ def per_kernel_times(x, do, shape):
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
-  w, u, qs, kd, aqk, decay, kk, minv = jax.jit(
+  w, u, dec, aqk, decay, kk, minv = jax.jit(
       lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(*intra_args)
-  _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
-  dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
+  _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, dec, aqk, decay, S0)
+  dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, dec, w, decay, S0)
   dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
   cases = []
   for b in sorted({16, 32, 64, 128, bv}) if FLAGS.sweep else (bv,):
@@ -324,24 +329,24 @@ def per_kernel_times(x, do, shape):
       if b <= D:
         cases.append(("state_fwd", dict(block_v=b, num_warps=nw),
                       lambda *a, b=b, nw=nw: fwd.state_forward(*a, block_v=b, num_warps=nw),
-                      (w, u, qs, kd, aqk, decay, S0)))
+                      (w, u, dec, aqk, decay, S0)))
         cases.append(("state_bwd", dict(block_v=b, num_warps=nw),
                       lambda *a, b=b, nw=nw: bwd.state_backward(*a, block_v=b, num_warps=nw),
-                      (do, aqk, kd, qs, w, decay, S0)))
+                      (do, aqk, dec, w, decay, S0)))
   N = T // 64
   for segments in (2, 4, 8, 16, 32) if FLAGS.sweep else ():
     for b in sorted({default_block_v(B * segments, H, D), 64}):
       if N % segments == 0 and N // segments >= 4:
         cases.append(("state_fwd", dict(block_v=b, segments=segments),
                       lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
-                      (w, u, qs, kd, aqk, decay, S0)))
+                      (w, u, dec, aqk, decay, S0)))
   segments = default_segments(B, H, N)
   if segments > 1 and not FLAGS.sweep:
     b = default_block_v(B * segments, H, D)
     cases.append(("state_fwd", dict(block_v=b, segments=segments),
-                  lambda *a: fwd.state_forward(*a, block_v=b, segments=segments), (w, u, qs, kd, aqk, decay, S0)))
+                  lambda *a: fwd.state_forward(*a, block_v=b, segments=segments), (w, u, dec, aqk, decay, S0)))
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
-                (w, u, qs, kd, aqk, decay, S0)))
+                (w, u, dec, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
   split = (32, 64) if FLAGS.sweep else (32,)
   bwd_blocks = {"v3": (None,), "v5": split}
