@@ -318,10 +318,10 @@ def per_kernel_times(x, do, shape):
   rows = [run_case(shape, *case) for case in cases if not FLAGS.kernels or case[0] in FLAGS.kernels]
   if FLAGS.kernels and not set(FLAGS.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
-  w, u, dec, aqk, decay, kk, minv = jax.jit(
+  w, u, qs, kd, aqk, decay, kk, minv = jax.jit(
       lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(*intra_args)
-  _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, dec, aqk, decay, S0)
-  dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, dec, w, decay, S0)
+  _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
+  dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
   dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
   cases = []
   for b in sorted({16, 32, 64, 128, bv}) if FLAGS.sweep else (bv,):
@@ -329,24 +329,24 @@ def per_kernel_times(x, do, shape):
       if b <= D:
         cases.append(("state_fwd", dict(block_v=b, num_warps=nw),
                       lambda *a, b=b, nw=nw: fwd.state_forward(*a, block_v=b, num_warps=nw),
-                      (w, u, dec, aqk, decay, S0)))
+                      (w, u, qs, kd, aqk, decay, S0)))
         cases.append(("state_bwd", dict(block_v=b, num_warps=nw),
                       lambda *a, b=b, nw=nw: bwd.state_backward(*a, block_v=b, num_warps=nw),
-                      (do, aqk, dec, w, decay, S0)))
+                      (do, aqk, kd, qs, w, decay, S0)))
   N = T // 64
   for segments in (2, 4, 8, 16, 32) if FLAGS.sweep else ():
     for b in sorted({default_block_v(B * segments, H, D), 64}):
       if N % segments == 0 and N // segments >= 4:
         cases.append(("state_fwd", dict(block_v=b, segments=segments),
                       lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
-                      (w, u, dec, aqk, decay, S0)))
+                      (w, u, qs, kd, aqk, decay, S0)))
   segments = default_segments(B, H, N)
   if segments > 1 and not FLAGS.sweep:
     b = default_block_v(B * segments, H, D)
     cases.append(("state_fwd", dict(block_v=b, segments=segments),
-                  lambda *a: fwd.state_forward(*a, block_v=b, segments=segments), (w, u, dec, aqk, decay, S0)))
+                  lambda *a: fwd.state_forward(*a, block_v=b, segments=segments), (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
-                (w, u, dec, aqk, decay, S0)))
+                (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
   split = (32, 64) if FLAGS.sweep else (32,)
   bwd_blocks = {"v3": (None,), "v5": split}

@@ -89,14 +89,14 @@ def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   x, _ = variant_case(33, "gates_at_bound" if case == "gates_at_bound" else "random", B, T, H, K, V)
   if case == "slow_decay":
     x["g"] = x["g"] / 20
-  _, (w, u, dec, aqk, decay, *_) = intra_launches(x, None, scale=K ** -0.5, lower_bound=-5.0)
+  w, u, qs, kd, aqk, decay, *_ = launches(x, None, scale=K ** -0.5, lower_bound=-5.0)
   S0 = jax.random.normal(jax.random.PRNGKey(34), (B, H, K, V))
-  h = fwd.state_forward(w, u, dec, aqk, decay, S0, block_v=16, save=True)[2].reshape(B, H, T // 64, K, V)
-  starts = fwd.segment_starts(w, u, dec, decay, S0, segments=4, block_v=16)
+  h = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, save=True)[2].reshape(B, H, T // 64, K, V)
+  starts = fwd.segment_starts(w, u, kd, decay, S0, segments=4, block_v=16)
   chex.assert_shape(starts, (B, H, 4, K, V))
   assert rel_err(starts[:, :, 1:], h[:, :, 2::2]) <= 1e-5
-  o, S = fwd.state_forward(w, u, dec, aqk, decay, S0, block_v=16)
-  o_c, S_c = fwd.state_forward(w, u, dec, aqk, decay, S0, block_v=16, segments=4)
+  o, S = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16)
+  o_c, S_c = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, segments=4)
   assert rel_err(o_c, o) <= 1e-5 and rel_err(S_c, S) <= 1e-5, (rel_err(o_c, o), rel_err(S_c, S))
 
 
@@ -197,29 +197,11 @@ def variant_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
-def intra_launches(x, reset, **kw):
-  """The forward's pre-pass and intra launches on (q, k, v, g, β): `prepare`'s outputs and `intra_forward`'s."""
-  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=kw["lower_bound"])
-  return p, fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, **kw)
-
-
-def decayed_rows(dec):
-  """Qs and Kd from `fwd.Decayed`, by XLA: each row times its 16-row tile's factor, Qs zero from a document start
-  inside the chunk on, Kd zero before the chunk's last document."""
-  B, T, H, K = dec.qe.shape
-  qs, kd = (x.astype(jnp.float32) * jnp.repeat(f, 16, axis=1) for x, f in ((dec.qe, dec.q_factor),
-                                                                           (dec.ke, dec.k_factor)))
-  if dec.reset is not None:
-    started = jnp.cumsum(dec.reset.reshape(B, T // 64, 64), axis=-1)             # documents since the chunk start
-    first, last = (m.reshape(B, T, 1, 1) for m in (started == 0, started == started[..., -1:]))
-    qs, kd = jnp.where(first, qs, 0.0), jnp.where(last, kd, 0.0)
-  return qs.astype(dec.qe.dtype), kd.astype(dec.ke.dtype)
-
-
 def launches(x, reset, **kw):
-  """`intra_launches`' outputs in `intra_forward_reference`'s order: w, u, qs, kd, aqk, decay, kk, minv, loc."""
-  p, (w, u, dec, *rest) = intra_launches(x, reset, **kw)
-  return (w, u, *decayed_rows(dec), *rest, p.loc)
+  """The forward's pre-pass and intra launches on (q, k, v, g, β), their outputs in `intra_forward_reference`'s
+  order: w, u, qs, kd, aqk, decay, kk, minv, loc."""
+  p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=kw["lower_bound"])
+  return (*fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, **kw), p.loc)
 
 
 OUTPUTS = ("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc")
@@ -380,9 +362,10 @@ def test_inverting_the_diagonal_blocks_in_the_key_tiles_gives_the_same_solve():
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=-5.0, save=False)
   run = lambda inv: fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, scale=K ** -0.5,
                                       lower_bound=-5.0, save=False, invert_diagonal=inv)
-  (w, u, dec, aqk, decay, kk, _), (w_ref, u_ref, dec_ref, aqk_ref, decay_ref, kk_ref, _) = run(True), run(False)
+  (w, u, qs, kd, aqk, decay, kk, _), (w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, _) = (run(True),
+                                                                                                      run(False))
   assert rel_err(w, w_ref) <= 1e-4 and rel_err(u, u_ref) <= 1e-4, (rel_err(w, w_ref), rel_err(u, u_ref))
-  chex.assert_trees_all_equal((dec, aqk, decay), (dec_ref, aqk_ref, decay_ref))
+  chex.assert_trees_all_equal((qs, kd, aqk, decay), (qs_ref, kd_ref, aqk_ref, decay_ref))
   blocks = lambda m: m[0, :, 0].reshape(2, 4, 16, 4, 16)           # chunk, row tile, row, column tile, column
   diag = jnp.eye(4, dtype=bool)[None, :, None, :, None]
   chex.assert_trees_all_equal(jnp.where(diag, 0.0, blocks(kk)), jnp.where(diag, 0.0, blocks(kk_ref)))

@@ -8,47 +8,44 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda.fwd import ChunkDecay, StateSpecs
+from pallas_kernels.kda.fwd import StateSpecs
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, load, masked, mm, mm_t,
                                       store, t_mm)
 
 
-def _state_bwd_kernel(do_ref, aqk_ref, w_ref, decay_ref, *refs, num_chunks, dtype, has_reset):
-  chunk = ChunkDecay(refs[:4 + has_reset], dtype)
-  dsT_ref, dvn_ref, dh_ref, ds0_ref = refs[4 + has_reset:]
-
+def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref, dvn_ref, dh_ref, ds0_ref, *,
+                      num_chunks, dtype):
   def body(i, dS_KV):
     n = num_chunks - 1 - i
     rows = pl.ds(n * CHUNK, CHUNK)
     do = do_ref[rows, :]
-    dv_new = t_mm(aqk_ref[rows, :], do, dtype) + mm(chunk.kd(n), dS_KV, dtype)
+    dv_new = t_mm(aqk_ref[rows, :], do, dtype) + mm(kd_ref[rows, :], dS_KV, dtype)
     dh_ref[pl.ds(n * dS_KV.shape[0], dS_KV.shape[0]), :] = dS_KV.astype(dh_ref.dtype)
     dvn_ref[rows, :] = dv_new.astype(dvn_ref.dtype)
     decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
-    return t_mm(chunk.qs(n), do, dtype) + decay * dS_KV - t_mm(w_ref[rows, :], dv_new, dtype)
+    return t_mm(qs_ref[rows, :], do, dtype) + decay * dS_KV - t_mm(w_ref[rows, :], dv_new, dtype)
 
   ds0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dsT_ref[...].astype(F32))
 
 
-def state_backward(do, aqk, dec, w, decay, dS_T, *, block_v, num_warps=None):
-  """Reverse pass over chunks, Qs and Kd from `dec` (`fwd.Decayed`). Returns dv_new `[B,T,H,V]` and the gradient
-  w.r.t. the state leaving each chunk `[B,H,N·K,V]` in the input dtype (as FLA keeps them: at bf16 the intra
-  backward's reads of these fp32 tensors were its largest traffic), and the gradient w.r.t. the initial state
-  `[B,H,K,V]` fp32."""
+def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None):
+  """Reverse pass over chunks. Returns dv_new `[B,T,H,V]` and the gradient w.r.t. the state leaving each chunk
+  `[B,H,N·K,V]` in the input dtype (as FLA keeps them: at bf16 the intra backward's reads of these fp32 tensors were
+  its largest traffic), and the gradient w.r.t. the initial state `[B,H,K,V]` fp32."""
   B, T, H, K = w.shape
   V = do.shape[-1]
   N = T // CHUNK
   dt = w.dtype
   sp = StateSpecs(H, T, K, block_v)
-  in_specs = [sp.vcols, sp.whole(CHUNK), sp.whole(K), sp.decay] + dec.specs(sp) + [sp.state]
+  in_specs = [sp.vcols, sp.whole(CHUNK), sp.whole(K), sp.whole(K), sp.whole(K), sp.decay, sp.state]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, N * K, V), dt),
                jax.ShapeDtypeStruct((B, H, K, V), F32)]
   out_specs = [sp.vcols, sp.per_chunk_state, sp.state]
-  kernel = functools.partial(_state_bwd_kernel, num_chunks=N, dtype=dt, has_reset=dec.reset is not None)
+  kernel = functools.partial(_state_bwd_kernel, num_chunks=N, dtype=dt)
   num_warps = num_warps or (8 if block_v > 64 else 4)
   return triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, name="kda_state_bwd", num_warps=num_warps, num_stages=2)(
-                         do, aqk, w, decay, *dec.args(), dS_T)
+                         do, aqk, kd, qs, w, decay, dS_T)
 
 
 def _state_grad_kernel(h_ref, dh_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref, dkd_ref, dd_ref, *, dtype):

@@ -75,10 +75,10 @@ def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   # Without the backward, the key tiles invert B's diagonal blocks: the Mosaic solve's chain is then 4 products long,
   # not 10 (−0.09 ms at 8x4096, BUILD_NOTES KDA run 14); the backward reads B as it is.
   invert = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
-  w, u, dec, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
-                                                      lower_bound=lower_bound, save=save, invert_diagonal=invert)
-  o, S, *saved = fwd.state_forward(w, u, dec, aqk, decay, S0, block_v=block_v, save=save, segments=segments)
-  intra = (p.q, p.k, p.beta, w, u, dec, aqk, decay, kk, minv, p.loc)
+  w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
+                                                         lower_bound=lower_bound, save=save, invert_diagonal=invert)
+  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments)
+  intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, decay, kk, minv, p.loc)
   return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
 
 
@@ -88,10 +88,10 @@ def _kda_fwd(cfg, q, k, v, g, beta, gate, S0, reset):
 
 def _kda_bwd(cfg, res, cotangents):
   scale, lower_bound, _, block_v_bwd, _, valid_len, has_state = cfg
-  raw, v, reset, (q, k, beta, w, u, dec, aqk, decay, kk, minv, loc), (h, v_new) = res
+  raw, v, reset, (q, k, beta, w, u, qs, kd, aqk, decay, kk, minv, loc), (h, v_new) = res
   do, dS_T = cotangents
   do = do.astype(q.dtype)
-  dv_new, dh, dS0 = bwd.state_backward(do, aqk, dec, w, decay, dS_T.astype(jnp.float32), block_v=block_v_bwd)
+  dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v_bwd)
   dw, dqs, dkd, dd = bwd.state_grad_products(h, dh, v_new, dv_new, do)
   dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs,
                                              dkd, dd, scale=scale, lower_bound=lower_bound)

@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda import solve_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
-                                      mm_t, per_tile, store, store_block_diagonal, t_mm, unit_lower_inverse,
+                                      mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
                                       unit_lower_inverse_16, write_tile_cumsum)
 
 L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
@@ -181,16 +181,16 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
 def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype,
                      block_k, invert_diagonal, beta_by_head):
   """The forward's second launch, one program per (query tile I, chunk): row block I of A_qk and B, tile I's
-  queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, tile I's
-  rows of βΓK and its factors of Qs and Kd (`Decayed`), `block_k` columns of K at a time; the chunk's state decay
-  from tile 0's program; with
+  queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
+  I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time; the chunk's state decay from tile 0's program; with
   `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K]
   tile: `prepare` took them (v10 took them here for every anchor, four times the chunk's, and was issue-bound:
   BUILD_NOTES run 10). With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the
   Mosaic solve's `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  aqk_ref, kk_ref, qf_ref, kf_ref, kgb_ref, decay_ref, *beta_t_ref = refs
+  aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref, decay_ref, *beta_t_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
+  rows = pl.ds(docs.i * SUB, SUB)
   beta_i = beta_ref[...].astype(F32)[:, None]
   if beta_by_head:
     beta_t_ref[0][...] = beta_ref[...].astype(F32)
@@ -202,9 +202,10 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
     qe_i, kq_i = qe_ref[:, cols].astype(F32), kq_ref[:, cols].astype(F32)
     acc_qk = acc[0] + mm_t(qe_i, keys, dtype)
     acc_kk = acc[1] + mm_t(kq_i, keys, dtype)
-    kgb_ref[:, cols] = (beta_i * kq_i * an.from_anchor()).astype(kgb_ref.dtype)
-    qf_ref[:, cols] = scale * an.query_factor()
-    kf_ref[:, cols] = an.key_factor()
+    start = an.from_anchor()
+    qs_ref[:, cols] = (scale * qe_i * start).astype(qs_ref.dtype)
+    kgb_ref[:, cols] = (beta_i * kq_i * start).astype(kgb_ref.dtype)
+    kd_ref[:, cols] = (ke_ref[rows, cols].astype(F32) * an.to_end_from_anchor()).astype(kd_ref.dtype)
 
     @pl.when(docs.i == 0)
     def _():   # e^{G_C}, zero where a document starts inside the chunk (the state entering it reaches no row after)
@@ -245,7 +246,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
-  queries Qs and the keys decayed to the chunk end Kd as `Decayed`, A_qk (input dtype), the chunks' state decay (fp32
+  queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), the chunks' state decay (fp32
   `[B,N,H,K]`: e^{G_C}, zero where a document starts inside the chunk), B = A_kk/β (fp32) and, with
   `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
   otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
@@ -270,16 +271,14 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
-  factor = jax.ShapeDtypeStruct((B, T // SUB, H, K), F32)
-  outs = [shape(CHUNK), shape(CHUNK, F32), factor, factor, shape(K), jax.ShapeDtypeStruct((B, N, H, K), F32)]
-  factor_spec = pl.BlockSpec((None, 1, None, K), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
-  out_specs = [tile(CHUNK), tile(CHUNK), factor_spec, factor_spec, tile(K),
-               pl.BlockSpec((None, None, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0))]
+  outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * 3 + [jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  out_specs = [tile(CHUNK), tile(CHUNK)] + [tile(K)] * 3 + [
+      pl.BlockSpec((None, None, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0))]
   mosaic = solve == "mosaic"
   if mosaic:
     outs.append(jax.ShapeDtypeStruct((B, H, T), F32))
     out_specs.append(pl.BlockSpec((None, None, SUB), lambda i, n, bh: (bh // H, bh % H, n * NT + i)))
-  aqk, kk, q_factor, k_factor, kgb, decay, *beta_t = triton_call(
+  aqk, kk, qs, kd, kgb, decay, *beta_t = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
                         dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal, beta_by_head=mosaic),
       grid=(NT, N, B * H),
@@ -290,7 +289,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
       num_warps=num_warps or 2, num_stages=3)(qe, kq, ke, tot, beta, *resets)   # warps 2 (run 12), stages 3 (run 15)
   if mosaic:
     w, u, minv = solve_mosaic.solve(beta_t[0], kk, kgb, v, save=save, diagonal_inverted=invert_diagonal)
-    return w, u, Decayed(qe, ke, q_factor, k_factor, reset), aqk, decay, kk, minv
+    return w, u, qs, kd, aqk, decay, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
   out_shape, out_specs = [shape(K), shape(V)], [row2(K), row2(V)]
@@ -302,59 +301,10 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
                 row2(V)],
       out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve", num_warps=4,
       num_stages=1)(beta, kk, kgb, v)
-  return w, u, Decayed(qe, ke, q_factor, k_factor, reset), aqk, decay, kk, (minv[0] if save else None)
+  return w, u, qs, kd, aqk, decay, kk, (minv[0] if save else None)
 
 
-class Decayed(NamedTuple):
-  """Qs = scale·q ⊙ e^{G} and Kd = k ⊙ e^{G_C - G} as the sequential passes read them: `prepare`'s qe, ke (each row
-  against its tile's anchor) times their tile's factor (fp32 `[B,T/16,H,K]`: scale·e^{R_I + c} and e^{G_C - R_I -
-  c}), masked by the chunk's documents (`reset`, `[B,T]` int32 or None). Writing Qs and Kd out cost the key tiles
-  0.12 ms at 8x4096 (BUILD_NOTES KDA run 14)."""
-  qe: jax.Array
-  ke: jax.Array
-  q_factor: jax.Array
-  k_factor: jax.Array
-  reset: jax.Array | None
-
-  def specs(self, sp):
-    return [sp.whole(self.qe.shape[-1])] * 2 + [sp.tile_factor] * 2 + ([] if self.reset is None else [sp.reset])
-
-  def args(self):
-    return [self.qe, self.ke, self.q_factor, self.k_factor] + ([] if self.reset is None else [self.reset])
-
-
-class ChunkDecay:
-  """Inside a sequential pass: chunk n's Qs and Kd ([64,K] in `dtype`) from `Decayed`'s refs."""
-
-  def __init__(self, refs, dtype):
-    self.qe_ref, self.ke_ref, self.qf_ref, self.kf_ref, *reset = refs
-    self.reset_ref, self.dtype = (reset or [None])[0], dtype
-
-  def _rows(self, x_ref, f_ref, n):
-    factor = per_tile([f_ref[pl.ds(n * NT + i, 1), :] for i in range(NT)])
-    return x_ref[pl.ds(n * CHUNK, CHUNK), :].astype(F32) * factor
-
-  def _documents(self, n):   # [64,1] documents started since the chunk's start, and their count
-    reset = self.reset_ref[pl.ds(n * CHUNK, CHUNK)].astype(jnp.int32)
-    return jnp.cumsum(reset, axis=0)[:, None], jnp.sum(reset)
-
-  def qs(self, n):
-    """Zero past a document start inside the chunk: the state entering it reaches no row after."""
-    x = self._rows(self.qe_ref, self.qf_ref, n)
-    if self.reset_ref is not None:
-      x = jnp.where(self._documents(n)[0] == 0, x, 0.0)
-    return x.astype(self.dtype)
-
-  def kd(self, n):
-    """Zero unless the row is in the chunk's last document: no other row reaches the state leaving it."""
-    x = self._rows(self.ke_ref, self.kf_ref, n)
-    if self.reset_ref is not None:
-      doc, count = self._documents(n)
-      x = jnp.where(doc == count, x, 0.0)
-    return x.astype(self.dtype)
-
-
-def _state_step(n, S_KV, w_ref, u_ref, chunk, decay_ref, dtype, u_scale=None):
+def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):
   """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after).
   `u_scale` (a traced 0 or 1) multiplies U, for the segment maps' identity columns."""
   rows = pl.ds(n * CHUNK, CHUNK)
@@ -362,22 +312,20 @@ def _state_step(n, S_KV, w_ref, u_ref, chunk, decay_ref, dtype, u_scale=None):
   u = u_ref[rows, :].astype(F32)
   v_new = (u if u_scale is None else u_scale * u) - mm(w_ref[rows, :], S_in, dtype)
   decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
-  return S_in, v_new, decay * S_KV + t_mm(chunk.kd(n), v_new, dtype)
+  return S_in, v_new, decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
 
 
-def _state_kernel(w_ref, u_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dtype, has_reset, has_start):
-  chunk = ChunkDecay(refs[:4 + has_reset], dtype)
-  refs = refs[4 + has_reset:]
+def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dtype, has_start):
   s0_ref, (o_ref, sT_ref, *saved) = (refs[0], refs[1:]) if has_start else (None, refs)
 
   def body(n, S_KV):
     rows = pl.ds(n * CHUNK, CHUNK)
-    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, chunk, decay_ref, dtype)
+    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype)
     if save:
       h_ref, vn_ref = saved
       h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    o = mm(chunk.qs(n), S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
+    o = mm(qs_ref[rows, :], S_in, dtype) + mm(aqk_ref[rows, :], v_new, dtype)
     o_ref[rows, :] = o.astype(o_ref.dtype)
     return S_next
 
@@ -385,18 +333,17 @@ def _state_kernel(w_ref, u_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dty
   sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S)
 
 
-def _segment_map_kernel(w_ref, u_ref, decay_ref, *refs, num_chunks, value_blocks, dtype):
+def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks, value_blocks, dtype):
   """The state at a segment's end as an affine map of its start, S -> A S + F: column blocks below `value_blocks`
   run the recurrence on u from zero (F), the others on zero values from the identity's columns (A = the product of
   the chunks' diag(decay) - Kdᵀ W)."""
-  chunk, ends_ref = ChunkDecay(refs[:-1], dtype), refs[-1]
   K, block_v = ends_ref.shape
   vb = pl.program_id(0)
   keep = (vb < value_blocks).astype(F32)
   # The identity's columns (vb - value_blocks) * block_v onwards; none in the value blocks (negative offsets).
   S0 = jnp.where(iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v, 1.0, 0.0)
 
-  body = lambda n, S_KV: _state_step(n, S_KV, w_ref, u_ref, chunk, decay_ref, dtype, u_scale=keep)[2]
+  body = lambda n, S_KV: _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=keep)[2]
   ends_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S0)
 
 
@@ -414,13 +361,10 @@ class StateSpecs:
     self.per_chunk_state = pl.BlockSpec((None, None, Ts // CHUNK * K, block_v),
                                         lambda vb, bh, s=0: (bh // H, bh % H, s, vb))
     self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
-    self.tile_factor = pl.BlockSpec((None, Ts // SUB, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
-    self.reset = pl.BlockSpec((None, Ts), lambda vb, bh, s=0: (bh // H, s))
 
 
-def state_forward(w, u, dec, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
-  """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new, Qs and Kd
-  from `dec` (`Decayed`).
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
+  """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
   `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
@@ -435,9 +379,9 @@ def state_forward(w, u, dec, aqk, decay, S0, *, block_v, save=False, num_warps=N
     raise ValueError(f"state_forward: segments={segments} must divide the {N} chunks")
   dt = w.dtype
   sp = StateSpecs(H, T, K, block_v, segments)
-  in_specs = [sp.whole(K), sp.vcols, sp.whole(CHUNK), sp.decay] + dec.specs(sp)
+  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay]
   if segments > 1:   # XLA's scan gives each segment its start
-    S0 = segment_starts(w, u, dec, decay, jnp.zeros((B, H, K, V), F32) if S0 is None else S0, segments=segments,
+    S0 = segment_starts(w, u, kd, decay, jnp.zeros((B, H, K, V), F32) if S0 is None else S0, segments=segments,
                         block_v=block_v)
     start_spec = sp.segment_state
   else:
@@ -449,16 +393,15 @@ def state_forward(w, u, dec, aqk, decay, S0, *, block_v, save=False, num_warps=N
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt,
-                             has_reset=dec.reset is not None, has_start=S0 is not None)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, has_start=S0 is not None)
   num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
   o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
-                                num_stages=2)(w, u, aqk, decay, *dec.args(), *starts)
+                                num_stages=2)(w, u, qs, kd, aqk, decay, *starts)
   return (o, ends[:, :, -1], *saved)
 
 
-def segment_starts(w, u, dec, decay, S0, *, segments, block_v):
+def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
   """[B,H,segments,K,V] fp32: the state entering each segment. One parallel pass gives each segment's map
   S -> A S + F (`_segment_map_kernel`); an associative scan over segments then composes them (log2(segments)
   rounds of batched K x K products, fp32)."""
@@ -471,9 +414,9 @@ def segment_starts(w, u, dec, decay, S0, *, segments, block_v):
   kernel = functools.partial(_segment_map_kernel, num_chunks=T // CHUNK // segments, value_blocks=value_blocks,
                              dtype=w.dtype)
   ends = triton_call(kernel, grid=((V + K) // block_v, B * H, segments),
-                     in_specs=[sp.whole(K), u_spec, sp.decay] + dec.specs(sp), out_specs=sp.segment_state,
+                     in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay], out_specs=sp.segment_state,
                      out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
-                     num_warps=4, num_stages=2)(w, u, decay, *dec.args())
+                     num_warps=4, num_stages=2)(w, u, kd, decay)
   F, A = ends[..., :V], ends[..., V:]
   hi = jax.lax.Precision.HIGHEST
 

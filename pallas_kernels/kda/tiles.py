@@ -227,17 +227,15 @@ class TileAnchors:
     (`prepare`'s ke), rescaled for anchor i. Exponentials of [1,K] rows only."""
     return per_tile([jnp.where(j <= self.i, jnp.exp(self.key_span[j]), 0.0) for j in range(NT)])
 
-  def query_factor(self):
-    """[1,K]: e^{R_i + c}. q ⊙ e^{G - R_i - c} times this is q ⊙ e^{G}."""
-    return jnp.exp(self.prefix + self.c)
-
-  def key_factor(self):
-    """[1,K]: e^{G_C - R_i - c}. k ⊙ e^{c - (G - R_i)} times this is k ⊙ e^{G_C - G}."""
-    return jnp.exp(self.rest - self.c)
-
   def from_anchor(self):
-    """[1,K] or [16,K]: `query_factor`, zero past a document start inside the chunk."""
-    return masked(self.query_factor(), self.docs.first)
+    """[1,K] or [16,K]: e^{R_i + c}, zero past a document start inside the chunk: q ⊙ e^{G - R_i - c} times this
+    is q ⊙ e^{G}."""
+    return masked(jnp.exp(self.prefix + self.c), self.docs.first)
+
+  def to_end_from_anchor(self):
+    """[1,K] or [16,K]: e^{G_C - R_i - c}, zero unless the row is in the chunk's last document: k ⊙ e^{c - (G - R_i)}
+    times this is k ⊙ e^{G_C - G}."""
+    return masked(jnp.exp(self.rest - self.c), self.docs.last)
 
 
 class TileGates(TileAnchors):
