@@ -8,24 +8,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda.fwd import StateSpecs
+from pallas_kernels.kda.fwd import StateSpecs, walk_chunks
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, load, masked, mm, mm_t,
                                       store, t_mm)
 
 
 def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref, dvn_ref, dh_ref, ds0_ref, *,
                       num_chunks, dtype):
-  def body(i, dS_KV):
-    n = num_chunks - 1 - i
+  def body(n, dS_KV, decay_row):
     rows = pl.ds(n * CHUNK, CHUNK)
     do = do_ref[rows, :]
     dv_new = t_mm(aqk_ref[rows, :], do, dtype) + mm(kd_ref[rows, :], dS_KV, dtype)
     dh_ref[pl.ds(n * dS_KV.shape[0], dS_KV.shape[0]), :] = dS_KV.astype(dh_ref.dtype)
     dvn_ref[rows, :] = dv_new.astype(dvn_ref.dtype)
-    decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
+    decay = decay_row.astype(F32).T
     return t_mm(qs_ref[rows, :], do, dtype) + decay * dS_KV - t_mm(w_ref[rows, :], dv_new, dtype)
 
-  ds0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dsT_ref[...].astype(F32))
+  ds0_ref[...] = walk_chunks(num_chunks, body, dsT_ref[...].astype(F32), decay_ref, reverse=True)
 
 
 def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None):

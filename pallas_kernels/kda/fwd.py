@@ -304,23 +304,36 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   return w, u, qs, kd, aqk, decay, kk, (minv[0] if save else None)
 
 
-def _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=None):
+def walk_chunks(num_chunks, step, S, decay_ref, reverse=False):
+  """S <- step(n, S, decay_row) over the chunks n (last to first with `reverse`), decay_row chunk n's state decay
+  ([1,K], as loaded) read one chunk ahead: Triton pipelines only loads that feed products, so this row's load would
+  otherwise be waited for in every chunk."""
+  chunk = (lambda i: num_chunks - 1 - i) if reverse else (lambda i: i)
+  row = lambda i: decay_ref[pl.ds(chunk(jnp.minimum(i, num_chunks - 1)), 1), :]
+
+  def body(i, carry):
+    S, decay_row = carry
+    ahead = row(i + 1)
+    return step(chunk(i), S, decay_row), ahead
+  return jax.lax.fori_loop(0, num_chunks, body, (S, row(0)))[0]
+
+
+def _state_step(n, S_KV, decay_row, w_ref, u_ref, kd_ref, dtype, u_scale=None):
   """One chunk of the recurrence: (the state entering chunk n as the products' operand, v_new, the state after).
   `u_scale` (a traced 0 or 1) multiplies U, for the segment maps' identity columns."""
   rows = pl.ds(n * CHUNK, CHUNK)
   S_in = S_KV.astype(dtype)
   u = u_ref[rows, :].astype(F32)
   v_new = (u if u_scale is None else u_scale * u) - mm(w_ref[rows, :], S_in, dtype)
-  decay = decay_ref[pl.ds(n, 1), :].astype(F32).T
-  return S_in, v_new, decay * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
+  return S_in, v_new, decay_row.astype(F32).T * S_KV + t_mm(kd_ref[rows, :], v_new, dtype)
 
 
 def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_chunks, save, dtype, has_start):
   s0_ref, (o_ref, sT_ref, *saved) = (refs[0], refs[1:]) if has_start else (None, refs)
 
-  def body(n, S_KV):
+  def body(n, S_KV, decay_row):
     rows = pl.ds(n * CHUNK, CHUNK)
-    S_in, v_new, S_next = _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype)
+    S_in, v_new, S_next = _state_step(n, S_KV, decay_row, w_ref, u_ref, kd_ref, dtype)
     if save:
       h_ref, vn_ref = saved
       h_ref[pl.ds(n * S_KV.shape[0], S_KV.shape[0]), :] = S_in.astype(h_ref.dtype)
@@ -330,7 +343,7 @@ def _state_kernel(w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, *refs, num_c
     return S_next
 
   S = s0_ref[...].astype(F32) if has_start else jnp.zeros(sT_ref.shape, F32)
-  sT_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S)
+  sT_ref[...] = walk_chunks(num_chunks, body, S, decay_ref)
 
 
 def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks, value_blocks, dtype):
@@ -343,8 +356,8 @@ def _segment_map_kernel(w_ref, u_ref, kd_ref, decay_ref, ends_ref, *, num_chunks
   # The identity's columns (vb - value_blocks) * block_v onwards; none in the value blocks (negative offsets).
   S0 = jnp.where(iota((K, block_v), 0) == iota((K, block_v), 1) + (vb - value_blocks) * block_v, 1.0, 0.0)
 
-  body = lambda n, S_KV: _state_step(n, S_KV, w_ref, u_ref, kd_ref, decay_ref, dtype, u_scale=keep)[2]
-  ends_ref[...] = jax.lax.fori_loop(0, num_chunks, body, S0)
+  step = lambda n, S_KV, decay_row: _state_step(n, S_KV, decay_row, w_ref, u_ref, kd_ref, dtype, u_scale=keep)[2]
+  ends_ref[...] = walk_chunks(num_chunks, step, S0, decay_ref)
 
 
 class StateSpecs:
