@@ -306,16 +306,11 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
 
 def walk_chunks(num_chunks, step, S, decay_ref, reverse=False):
   """S <- step(n, S, decay_row) over the chunks n (last to first with `reverse`), decay_row chunk n's state decay
-  ([1,K], as loaded) read one chunk ahead: Triton pipelines only loads that feed products, so this row's load would
-  otherwise be waited for in every chunk."""
+  ([1,K], as loaded) read first in the chunk: Triton pipelines only loads that feed products, and this one, issued
+  where used, was waited for in every chunk (the state pass 0.246 ms against 0.265 at 8x4096; carried a chunk ahead
+  0.308: BUILD_NOTES KDA run 16)."""
   chunk = (lambda i: num_chunks - 1 - i) if reverse else (lambda i: i)
-  row = lambda i: decay_ref[pl.ds(chunk(jnp.minimum(i, num_chunks - 1)), 1), :]
-
-  def body(i, carry):
-    S, decay_row = carry
-    ahead = row(i + 1)
-    return step(chunk(i), S, decay_row), ahead
-  return jax.lax.fori_loop(0, num_chunks, body, (S, row(0)))[0]
+  return jax.lax.fori_loop(0, num_chunks, lambda i, S: step(chunk(i), S, decay_ref[pl.ds(chunk(i), 1), :]), S)
 
 
 def _state_step(n, S_KV, decay_row, w_ref, u_ref, kd_ref, dtype, u_scale=None):
