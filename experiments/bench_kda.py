@@ -159,8 +159,9 @@ def check_pallas(x, case):
   state and every gradient (SPEC.md §8). The q/k L2 norm, gate and β sigmoid are applied first, as the layer does.
   Cases: random gates; every gate at the bound; the fused entry on the raw projections (the kernels' own norm, gate
   and sigmoid, and the gradients through them to A_log and dt_bias); packed documents (about 300 tokens each, starts
-  anywhere in a tile); one key repeated through the sequence with β ≈ 1 and no decay (I + A_kk is then as far from
-  the identity as it gets). The fused and packed cases also check the undifferentiated forward (no residuals)."""
+  anywhere in a tile, one always mid-tile); one key repeated through the sequence with β ≈ 1 and no decay (I + A_kk
+  is then as far from the identity as it gets). The fused and packed cases also check the undifferentiated forward
+  (no residuals)."""
   B, T, H, K = x["q"].shape
   S0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, x["v"].shape[-1]), jnp.float32)
   seg = None
@@ -175,7 +176,8 @@ def check_pallas(x, case):
       k = jnp.broadcast_to(k[:, :1], k.shape)
       g, beta = jnp.full_like(g, -1e-3), jnp.full_like(beta, 0.99)
     elif case == "packed":
-      seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(4), 1 / 300, (B, T)), axis=1, dtype=jnp.int32)
+      starts = jax.random.bernoulli(jax.random.PRNGKey(4), 1 / 300, (B, T)).at[:, min(T - 1, T // 2 + 7)].set(True)
+      seg = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
     inputs = dict(q=q, k=k, v=x["v"], g=g, beta=beta)
     run = lambda backend: lambda **kw: kda.chunk_kda(**kw, lower_bound=LOWER_BOUND, backend=backend)
   o, S, grads = kda_outputs_and_grads(run("pallas"), inputs, S0, seg)

@@ -32,7 +32,8 @@ def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
   kernels = [r for r in rows if r["kind"] == "kernel"]
   assert [r["kernel"] for r in kernels] == ["intra_fwd"] and kernels[0]["ms"] > 0 and kernels[0]["compile_s"] > 0
   checks = [r for r in rows if r["kind"] == "check"]
-  assert checks and all(r["ok"] for r in checks if r["case"] != "repeated_keys")
+  assert {r["case"] for r in checks} == {"random", "gates_at_bound", "fused", "packed", "repeated_keys"}
+  assert all(r["ok"] for r in checks if r["case"] != "repeated_keys")
 
 
 @pytest.mark.xdist_group("benchmarks")
