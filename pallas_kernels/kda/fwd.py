@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
-from pallas_kernels.kda import solve_mosaic
+from pallas_kernels.kda import solve_mosaic, state_mosaic
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
                                       mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
                                       unit_lower_inverse_16, write_tile_cumsum)
@@ -120,7 +120,7 @@ def _prepare_kernel(*refs, fused, lower_bound, valid_len, save):
     g = lower_bound / (1.0 + jnp.exp(-z))
     store(outs.pop(0), None, 1.0 / (1.0 + jnp.exp(-load(b_ref))))
   if valid_len is not None:   # padding rows decay nothing (a zero gate projection would)
-    g = jnp.where(pl.program_id(0) * SUB + iota((SUB, 1), 0) < valid_len, g, 0.0)
+    g = jnp.where(pl.program_id(1) * SUB + iota((SUB, 1), 0) < valid_len, g, 0.0)
   qe_ref, kq_ref, ke_ref, tot_ref, *loc_ref = outs
   loc = jnp.cumsum(g, axis=0)
   if save:
@@ -152,25 +152,25 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   the backward reads (normalised q, k and loc). 4 warps: 0.242 ms against 8's 0.273 at 8x4096 (H200, KDA run 15)."""
   B, T, H, K = g.shape
   fused = gate is not None
-  row = lambda d: pl.BlockSpec((None, SUB, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, SUB, None), lambda n, bh: (bh // H, n, bh % H))
-  head = pl.BlockSpec((None, K), lambda n, bh: (bh % H, 0))
+  row = lambda d: pl.BlockSpec((None, SUB, None, d), lambda bh, n: (bh // H, n, bh % H, 0))
+  tok = pl.BlockSpec((None, SUB, None), lambda bh, n: (bh // H, n, bh % H))
+  head = pl.BlockSpec((None, K), lambda bh, n: (bh % H, 0))
   args, in_specs = [q, k, g], [row(K)] * 3
   out_shape, out_specs = [], []
   if fused:
     A_log, dt_bias = gate
-    a_spec = pl.BlockSpec((None, 1), lambda n, bh: (bh % H, 0))
+    a_spec = pl.BlockSpec((None, 1), lambda bh, n: (bh % H, 0))
     args = args + [beta, A_log.astype(F32).reshape(H, 1), dt_bias.astype(F32)]
     in_specs = in_specs + [tok, a_spec, head]
     if save:
       out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 2, [row(K)] * 2
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H), F32)], out_specs + [tok]
   out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [jax.ShapeDtypeStruct((B, T // SUB, H, K), F32)]
-  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, 1, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
+  out_specs += [row(K)] * 3 + [pl.BlockSpec((None, 1, None, K), lambda bh, n: (bh // H, n, bh % H, 0))]
   if save:
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, K), F32)], out_specs + [row(K)]
   kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, valid_len=valid_len, save=save)
-  outs = list(triton_call(kernel, grid=(T // SUB, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+  outs = list(triton_call(kernel, grid=(B * H, T // SUB), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           name="kda_prepare", num_warps=num_warps or 4, num_stages=1)(*args))
   q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
   beta = outs.pop(0) if fused else beta.astype(F32)
@@ -267,37 +267,37 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
   block_k = block_k or min(K, 32)
   if K % block_k or block_k % SUB:
     raise ValueError(f"intra_forward: block_k={block_k} must be a multiple of {SUB} dividing K={K}")
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda i, n, bh: (bh // H, n, bh % H, 0))
-  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, n, bh: (bh // H, n * NT + i, bh % H, 0))
+  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda i, bh, n: (bh // H, n, bh % H, 0))
+  tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, bh, n: (bh // H, n * NT + i, bh % H, 0))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
   resets = [] if reset is None else [reset]
   outs = [shape(CHUNK), shape(CHUNK, F32)] + [shape(K)] * 3 + [jax.ShapeDtypeStruct((B, N, H, K), F32)]
   out_specs = [tile(CHUNK), tile(CHUNK)] + [tile(K)] * 3 + [
-      pl.BlockSpec((None, None, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0))]
+      pl.BlockSpec((None, None, None, K), lambda i, bh, n: (bh // H, n, bh % H, 0))]
   mosaic = solve == "mosaic"
   if mosaic:
     outs.append(jax.ShapeDtypeStruct((B, H, T), F32))
-    out_specs.append(pl.BlockSpec((None, None, SUB), lambda i, n, bh: (bh // H, bh % H, n * NT + i)))
+    out_specs.append(pl.BlockSpec((None, None, SUB), lambda i, bh, n: (bh // H, bh % H, n * NT + i)))
   aqk, kk, qs, kd, kgb, decay, *beta_t = triton_call(
       functools.partial(_key_tile_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
                         dtype=dt, block_k=block_k, invert_diagonal=invert_diagonal, beta_by_head=mosaic),
-      grid=(NT, N, B * H),
-      in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, n, bh: (bh // H, n, bh % H, 0)),
-                pl.BlockSpec((None, SUB, None), lambda i, n, bh: (bh // H, n * NT + i, bh % H))]
-      + [pl.BlockSpec((None, CHUNK), lambda i, n, bh: (bh // H, n))] * len(resets),
+      grid=(NT, B * H, N),
+      in_specs=[tile(K), tile(K), row(K), pl.BlockSpec((None, NT, None, K), lambda i, bh, n: (bh // H, n, bh % H, 0)),
+                pl.BlockSpec((None, SUB, None), lambda i, bh, n: (bh // H, n * NT + i, bh % H))]
+      + [pl.BlockSpec((None, CHUNK), lambda i, bh, n: (bh // H, n))] * len(resets),
       out_specs=out_specs, out_shape=outs, name="kda_intra_fwd_key_tiles",
       num_warps=num_warps or 2, num_stages=3)(qe, kq, ke, tot, beta, *resets)   # warps 2 (run 12), stages 3 (run 15)
   if mosaic:
     w, u, minv = solve_mosaic.solve(beta_t[0], kk, kgb, v, save=save, diagonal_inverted=invert_diagonal)
     return w, u, qs, kd, aqk, decay, kk, minv
   bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
-  row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
+  row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda bh, n: (bh // H, n, bh % H, 0))
   out_shape, out_specs = [shape(K), shape(V)], [row2(K), row2(V)]
   if save:
     out_shape, out_specs = out_shape + [shape(CHUNK, F32)], out_specs + [row2(CHUNK)]
   w, u, *minv = triton_call(
-      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(N, B * H),
-      in_specs=[pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H)), row2(CHUNK), row2(K),
+      functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(B * H, N),
+      in_specs=[pl.BlockSpec((None, CHUNK, None), lambda bh, n: (bh // H, n, bh % H)), row2(CHUNK), row2(K),
                 row2(V)],
       out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve", num_warps=4,
       num_stages=1)(beta, kk, kgb, v)
@@ -371,14 +371,15 @@ class StateSpecs:
     self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1, mosaic=None):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
   `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
   Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
-  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros.
+  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros. `mosaic`: the Mosaic GPU pass
+  (`state_mosaic`, wgmma) or the Triton one; None: Mosaic GPU's where `state_mosaic.available`.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -386,22 +387,25 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   if N % segments:
     raise ValueError(f"state_forward: segments={segments} must divide the {N} chunks")
   dt = w.dtype
-  sp = StateSpecs(H, T, K, block_v, segments)
-  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay]
   if segments > 1:   # XLA's scan gives each segment its start
     S0 = segment_starts(w, u, kd, decay, jnp.zeros((B, H, K, V), F32) if S0 is None else S0, segments=segments,
                         block_v=block_v)
-    start_spec = sp.segment_state
-  else:
-    start_spec = pl.BlockSpec((None, None, K, block_v), lambda vb, bh, s: (bh // H, bh % H, 0, vb))
+  elif S0 is not None:
+    S0 = S0[:, :, None]
   starts = [] if S0 is None else [S0.astype(F32)]
-  in_specs += [start_spec] * len(starts)
+  if state_mosaic.available(dt, K, V, block_v) if mosaic is None else mosaic:
+    o, ends, *saved = state_mosaic.state_forward(w, u, qs, kd, aqk, decay, *starts or [None], save=save,
+                                                 segments=segments)
+    return (o, ends[:, :, -1], *saved)
+  sp = StateSpecs(H, T, K, block_v, segments)
+  in_specs = [sp.whole(K), sp.vcols, sp.whole(K), sp.whole(K), sp.whole(CHUNK), sp.decay]
+  in_specs += [sp.segment_state] * len(starts)
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
   out_specs = [sp.vcols, sp.segment_state]
   if save:
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
-  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, has_start=S0 is not None)
+  kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, has_start=bool(starts))
   num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
   o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,

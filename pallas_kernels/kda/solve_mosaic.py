@@ -56,8 +56,8 @@ def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save, diagonal_inverted=False)
   out = [jax.ShapeDtypeStruct((B, T, H, K), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
   out += [jax.ShapeDtypeStruct((B, T, H, CHUNK), F32)] if save else []
   w, u, *m = plgpu.kernel(
-      functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted), out_type=out, grid=(T // CHUNK, B * H),
-      grid_names=("n", "bh"), compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      functools.partial(_chunk, H=H, diagonal_inverted=diagonal_inverted), out_type=out, grid=(B * H, T // CHUNK),
+      grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       kernel_name="kda_intra_fwd_solve_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
   )(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV)
   return w, u, (m[0] if save else None)

@@ -1,0 +1,152 @@
+"""The forward's sequential state pass as a Mosaic GPU kernel (wgmma, TMA), as `fwd.state_forward`: one warpgroup per
+(batch·head, segment) keeps its [K,V] fp32 state in registers (the S update's wgmma accumulator) and walks the chunks
+while TMA brings the next chunk's operands. The Triton pass issues its products with mma.sync from 4 warps that hold
+the state (BUILD_NOTES KDA run 17). On the CPU the kernel runs in Mosaic GPU's interpret mode (tests only).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import interpret_mode
+from pallas_kernels.kda.solve_mosaic import BF16, WGMMA, _swizzled
+from pallas_kernels.kda.tiles import CHUNK, F32
+
+STAGES = 2   # chunks whose operands are in shared memory at once: 2 x 72.5 KB at K = V = 128
+
+
+def _takes(dtype, K, V, block_v):
+  return jnp.dtype(dtype) == BF16 and K in (64, 128) and V in (64, 128) and block_v == V
+
+
+def available(dtype, K, V, block_v):
+  """Whether `fwd.state_forward` runs this kernel: bf16, K and V of 64 or 128 with all of V in one program, on a
+  Hopper GPU, in interpret mode, or lowered for the GPU from a machine without one."""
+  if not _takes(dtype, K, V, block_v):
+    return False
+  if interpret_mode() or jax.default_backend() != "gpu":
+    return True
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def state_forward(w, u, qs, kd, aqk, decay, starts, *, save, segments):
+  """`fwd.state_forward` for `available` inputs: `starts` fp32 `[B,H,segments,K,V]` or None (zeros). Returns o,
+  the states at the segments' ends `[B,H,segments,K,V]` fp32 and, with `save`, the states entering each chunk
+  `[B,H,N·K,V]` and v_new `[B,T,H,V]` (bf16)."""
+  B, T, H, K = w.shape
+  V = u.shape[-1]
+  N = T // CHUNK
+  if not _takes(w.dtype, K, V, V):
+    raise ValueError(f"state_mosaic: bf16 with K, V in (64, 128), got {jnp.dtype(w.dtype).name}, K={K}, V={V}")
+  out = [jax.ShapeDtypeStruct((B, T, H, V), BF16), jax.ShapeDtypeStruct((B, H, segments, K, V), F32)]
+  if save:
+    out += [jax.ShapeDtypeStruct((B, H, N * K, V), BF16), jax.ShapeDtypeStruct((B, T, H, V), BF16)]
+  args = [w, u, qs, kd, aqk, decay] + ([] if starts is None else [starts])
+  return plgpu.kernel(
+      functools.partial(_walk, H=H, num_chunks=N // segments, save=save, has_start=starts is not None),
+      out_type=out, grid=(B * H, segments), grid_names=("bh", "s"),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      kernel_name="kda_state_fwd_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
+  )(*args)
+
+
+def _accumulate(init, *pairs):
+  """init + Σ a·b over the (a, b) pairs of shared-memory operands, waited for. On the GPU the wgmma accumulator
+  starts from `init` (no second [K,V] fp32 value beside it); Mosaic GPU's interpret mode has no initialised
+  accumulators (`pl.run_state`), so there the sum is added after."""
+  def products(acc):
+    for a, b in pairs:
+      plgpu.wgmma(acc, a, b)
+    plgpu.wgmma_wait(0)
+  if interpret_mode():
+    return init + pl.run_scoped(lambda acc: (products(acc), acc[...])[1], plgpu.ACC(init.shape, F32))
+  return pl.run_state(products)(plgpu.ACC.init(init))
+
+
+def _square_f32(K, V):
+  return plgpu.SMEM((K, V), F32, transforms=_swizzled(F32))
+
+
+def _walk(w_g, u_g, qs_g, kd_g, aqk_g, decay_g, *refs, H, num_chunks, save, has_start):
+  start_g, (o_g, ends_g, *saved_g) = (refs[0], refs[1:]) if has_start else (None, refs)
+  bh, seg = lax.axis_index("bh"), lax.axis_index("s")
+  b, h = bh // H, bh % H
+  K, V = kd_g.shape[-1], u_g.shape[-1]
+  first = seg * num_chunks
+
+  def load_start(buf, loaded):
+    plgpu.copy_gmem_to_smem(start_g.at[b, h, seg], buf, loaded.at[0])
+    plgpu.barrier_wait(loaded.at[0])
+    return plgpu.load(buf, (), layout=WGMMA)
+
+  if has_start:
+    S = pl.run_scoped(load_start, _square_f32(K, V), plgpu.Barrier(num_barriers=1))
+  else:
+    S = plgpu.layout_cast(jnp.zeros((K, V), F32), WGMMA)
+
+  tiles = lambda d, stages=STAGES: plgpu.SMEM((stages, CHUNK, d), BF16, transforms=_swizzled(BF16))
+  inputs = (w_g, u_g, qs_g, kd_g, aqk_g)
+
+  def pipeline(w_s, u_s, qs_s, kd_s, aqk_s, decay_s, S_s, vn_s, o_s, loaded):
+    buffers = (w_s, u_s, qs_s, kd_s, aqk_s)
+
+    def fetch(n, slot):
+      rows = pl.ds((first + n) * CHUNK, CHUNK)
+      for i, (src, dst) in enumerate(zip(inputs, buffers)):
+        plgpu.copy_gmem_to_smem(src.at[b, rows, h], dst.at[slot], loaded.at[i * STAGES + slot])
+      plgpu.copy_gmem_to_smem(decay_g.at[b, first + n, h], decay_s.at[slot], loaded.at[len(inputs) * STAGES + slot])
+
+    fetch(0, 0)
+
+    def chunk(n, S_KV):
+      slot = lax.rem(n, STAGES)
+
+      @pl.when(n + 1 < num_chunks)
+      def _():
+        fetch(n + 1, lax.rem(n + 1, STAGES))
+
+      for i in range(len(inputs) + 1):
+        plgpu.barrier_wait(loaded.at[i * STAGES + slot])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores have read S_s, vn_s and o_s
+      rows = pl.ds((first + n) * CHUNK, CHUNK)
+      S_s[...] = S_KV.astype(BF16)
+      plgpu.commit_smem()
+      if save:
+        plgpu.copy_smem_to_gmem(S_s, saved_g[0].at[b, h, pl.ds((first + n) * K, K)])
+      u_in = plgpu.load(u_s.at[slot], (), layout=WGMMA).astype(F32)
+      v_new = -_accumulate(-u_in, (w_s.at[slot], S_s))
+      vn_s[...] = v_new.astype(BF16)
+      plgpu.commit_smem()
+      if save:
+        plgpu.copy_smem_to_gmem(vn_s, saved_g[1].at[b, rows, h])
+      o = _accumulate(plgpu.layout_cast(jnp.zeros((CHUNK, V), F32), WGMMA), (qs_s.at[slot], S_s),
+                      (aqk_s.at[slot], vn_s))
+      decay_row = plgpu.load(decay_s.at[slot], (), layout=WGMMA.reduce(1))
+      S_next = _accumulate(lax.broadcast_in_dim(decay_row, (K, V), [0]) * S_KV,
+                           (kd_s.at[slot].transpose((1, 0)), vn_s))
+      o_s[...] = o.astype(BF16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_s, o_g.at[b, rows, h])
+      return S_next
+
+    S_T = lax.fori_loop(0, num_chunks, chunk, S)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return S_T
+
+  S = pl.run_scoped(pipeline, tiles(K), tiles(V), tiles(K), tiles(K), tiles(CHUNK),
+                    plgpu.SMEM((STAGES, K), F32), plgpu.SMEM((K, V), BF16, transforms=_swizzled(BF16)),
+                    plgpu.SMEM((CHUNK, V), BF16, transforms=_swizzled(BF16)),
+                    plgpu.SMEM((CHUNK, V), BF16, transforms=_swizzled(BF16)),
+                    plgpu.Barrier(num_barriers=(len(inputs) + 1) * STAGES))
+
+  def store_end(buf):
+    buf[...] = S
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buf, ends_g.at[b, h, seg])
+    plgpu.wait_smem_to_gmem(0)
+  pl.run_scoped(store_end, _square_f32(K, V))
