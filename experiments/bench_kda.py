@@ -295,7 +295,7 @@ def use_variants(intra_bwd, solve):
 
 def per_kernel_times(x, do, shape):
   """Each Pallas kernel alone on the layer's inputs, over a few launch parameters (where the time goes)."""
-  from pallas_kernels.kda import bwd, fwd, solve_mosaic
+  from pallas_kernels.kda import bwd, fwd, solve_mosaic, state_mosaic
   from pallas_kernels.kda.chunk import default_block_v, default_segments
   B, T, H, D = x["q"].shape
   scale, lb = D ** -0.5, LOWER_BOUND
@@ -329,25 +329,29 @@ def per_kernel_times(x, do, shape):
   for b in sorted({16, 32, 64, 128, bv}) if FLAGS.sweep else (bv,):
     for nw in ((4, 8) if b >= 64 else (4,)) if FLAGS.sweep else (None,):
       if b <= D:
-        cases.append(("state_fwd", dict(block_v=b, num_warps=nw),
-                      lambda *a, b=b, nw=nw: fwd.state_forward(*a, block_v=b, num_warps=nw),
+        cases.append(("state_fwd", dict(block_v=b, num_warps=nw, mosaic=False),
+                      lambda *a, b=b, nw=nw: fwd.state_forward(*a, block_v=b, num_warps=nw, mosaic=False),
                       (w, u, qs, kd, aqk, decay, S0)))
         cases.append(("state_bwd", dict(block_v=b, num_warps=nw),
                       lambda *a, b=b, nw=nw: bwd.state_backward(*a, block_v=b, num_warps=nw),
                       (do, aqk, kd, qs, w, decay, S0)))
+  mosaic = lambda b: state_mosaic.available(v.dtype, D, D, b)   # the state pass the defaults run
+  if mosaic(D):
+    cases.append(("state_fwd", dict(block_v=D, mosaic=True), lambda *a: fwd.state_forward(*a, block_v=D),
+                  (w, u, qs, kd, aqk, decay, S0)))
   N = T // 64
   for segments in (2, 4, 8, 16, 32) if FLAGS.sweep else ():
     for b in sorted({default_block_v(B * segments, H, D), 64}):
       if N % segments == 0 and N // segments >= 4:
-        cases.append(("state_fwd", dict(block_v=b, segments=segments),
+        cases.append(("state_fwd", dict(block_v=b, segments=segments, mosaic=mosaic(b)),
                       lambda *a, b=b, s=segments: fwd.state_forward(*a, block_v=b, segments=s),
                       (w, u, qs, kd, aqk, decay, S0)))
   segments = default_segments(B, H, N)
   if segments > 1 and not FLAGS.sweep:
     b = default_block_v(B * segments, H, D)
-    cases.append(("state_fwd", dict(block_v=b, segments=segments),
+    cases.append(("state_fwd", dict(block_v=b, segments=segments, mosaic=mosaic(b)),
                   lambda *a: fwd.state_forward(*a, block_v=b, segments=segments), (w, u, qs, kd, aqk, decay, S0)))
-  cases.append(("state_fwd_save", dict(block_v=bv), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
+  cases.append(("state_fwd_save", dict(block_v=bv, mosaic=mosaic(bv)), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
                 (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
   split = (32, 64) if FLAGS.sweep else (32,)

@@ -391,8 +391,9 @@ def test_the_solve_is_mosaic_only_where_it_can_run():
 
 
 def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeypatch):
-  """The Mosaic solve, with and without resets and M, and from the key tiles' inverted diagonal blocks: lowering
-  checks the shared-memory layouts and transfers that interpret mode does not."""
+  """The Mosaic solve, with and without resets and M, and from the key tiles' inverted diagonal blocks, and the Mosaic
+  state pass, with the backward's residuals and in segments: lowering checks the shared-memory layouts and transfers
+  that interpret mode does not."""
   B, T, H, K, V = 1, 128, 2, 128, 64
   shapes = [((B, T, H, K), jnp.bfloat16)] * 3 + [((B, T // 16, H, K), jnp.float32), ((B, T, H, V), jnp.bfloat16),
                                                   ((B, T, H), jnp.float32), ((B, T), jnp.int32)]
@@ -403,11 +404,77 @@ def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeyp
   f = functools.partial(fwd.intra_forward, scale=K ** -0.5, lower_bound=-5.0, save=False, invert_diagonal=True)
   text = cuda_module_text(monkeypatch, f, *args)
   assert "kda_intra_fwd_solve_mosaic" in text and 'name = "kda_intra_fwd_key_tiles"' in text
+  state_args = [jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16) for d in (K, V, K, K, 64)]
+  state_args += [jax.ShapeDtypeStruct((B, T // 64, H, K), jnp.float32), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)]
+  for save, segments in ((True, 1), (False, 2)):   # the states entering chunks and v_new; segments' starts
+    f = functools.partial(fwd.state_forward, block_v=V, save=save, segments=segments)
+    assert "kda_state_fwd_mosaic" in cuda_module_text(monkeypatch, f, *state_args)
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, None, lower_bound=-5.0)
   with pytest.raises(ValueError, match="Mosaic GPU"):
     fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, solve="mosaic")
+
+
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("segments,start", [(1, True), (1, False), (2, True)])
+def test_mosaic_state_pass_gives_the_triton_passes_outputs(segments, start, save):
+  """The Mosaic GPU state pass (wgmma, interpret mode) against the Triton one on the same bf16 launches' outputs:
+  o, the final state and, with `save`, the states entering each chunk and v_new; 4 chunks with documents, from a
+  state or from zeros, in one segment and in two; and it is the default there."""
+  from pallas_kernels.kda import state_mosaic
+  B, T, H, K, V = 1, 256, 2, 64, 64
+  x, _, _ = random_inputs(49, B, T, H, K, V, dtype=jnp.bfloat16)
+  reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 70, 200])].set(1)
+  w, u, qs, kd, aqk, decay, *_ = launches(x, reset, scale=K ** -0.5, lower_bound=-5.0)
+  S0 = jax.random.normal(jax.random.PRNGKey(50), (B, H, K, V)) if start else None
+  assert state_mosaic.available(jnp.bfloat16, K, V, V)
+  run = lambda mosaic: fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=V, save=save, segments=segments,
+                                         mosaic=mosaic)
+  got, ref = run(True), run(False)
+  assert len(got) == len(ref) == (4 if save else 2)
+  for name, a, b in zip(("o", "S", "h", "v_new"), got, ref):
+    chex.assert_equal_shape((a, b))
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+  chex.assert_trees_all_equal(run(None), got)
+
+
+def test_bf16_with_the_mosaic_state_pass_matches_the_recurrence(monkeypatch):
+  """The whole operator in bf16 with the forward's state pass on Mosaic GPU (all of V in one program, 3 segments,
+  interpret mode): outputs and every gradient against the recurrence within SPEC §8's bf16 tolerances, with packed
+  documents, an initial state and T = 380; the pass ran with and without the backward's residuals."""
+  from pallas_kernels.kda import chunk, state_mosaic
+  monkeypatch.setattr(chunk, "default_block_v", lambda B, H, V: V)
+  monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: 3)
+  calls = []
+  base = state_mosaic.state_forward
+  monkeypatch.setattr(state_mosaic, "state_forward", lambda *a, **kw: (calls.append(kw["save"]), base(*a, **kw))[1])
+  x, S0, seg = random_inputs(51, 1, 380, 2, 64, 64, dtype=jnp.bfloat16, segments=True)
+  _compare(x, S0, seg, BF16_TOL.get)
+  assert True in calls
+  _pallas(**x, initial_state=S0, segment_ids=seg)
+  assert calls[-1] is False
+
+
+def test_mosaic_state_pass_takes_only_what_it_can_run():
+  """bf16 with K and V of 64 or 128 and all of V in one program takes the Mosaic state pass; fp32, K = 32, V = 256
+  or a narrower column block the Triton one; asked for anyway, or given Triton's warps, it refuses before any
+  compute."""
+  from pallas_kernels.kda import state_mosaic
+  assert state_mosaic.available(jnp.bfloat16, 128, 128, 128) and state_mosaic.available(jnp.bfloat16, 64, 128, 128)
+  for dtype, K, V, block_v in ((jnp.float32, 128, 128, 128), (jnp.bfloat16, 32, 64, 64),
+                               (jnp.bfloat16, 128, 256, 256), (jnp.bfloat16, 128, 128, 64)):
+    assert not state_mosaic.available(dtype, K, V, block_v), (dtype, K, V, block_v)
+
+  def args(dtype, K):   # w, u, qs, kd, aqk, decay and no start, one chunk, K = V
+    x = jnp.ones((1, 64, 1, K), dtype)
+    return x, x, x, x, jnp.ones((1, 64, 1, 64), dtype), jnp.ones((1, 1, 1, K)), None
+  with pytest.raises(ValueError, match="bf16 with K, V in"):
+    fwd.state_forward(*args(jnp.float32, 32), block_v=32, mosaic=True)
+  with pytest.raises(ValueError, match="block_v=32"):
+    fwd.state_forward(*args(jnp.bfloat16, 64), block_v=32, mosaic=True)
+  with pytest.raises(ValueError, match="num_warps"):
+    fwd.state_forward(*args(jnp.bfloat16, 64), block_v=64, num_warps=8)
 
 
 @pytest.mark.parametrize("size", [64, 16])

@@ -63,7 +63,7 @@ def solve(beta_BHT, kk_BTHC, kgb_BTHK, v_BTHV, *, save, diagonal_inverted=False)
   return w, u, (m[0] if save else None)
 
 
-def _swizzled(dtype):
+def swizzled(dtype):
   """Shared-memory transforms for wgmma operands and TMA: 128-byte rows, swizzled."""
   return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
 
@@ -132,8 +132,8 @@ def _chunk(beta_gmem, kk_gmem, kgb_gmem, v_gmem, w_gmem, u_gmem, *m_gmem, H, dia
   n, bh = lax.axis_index("n"), lax.axis_index("bh")
   b, h, rows = bh // H, bh % H, pl.ds(n * CHUNK, CHUNK)
   K, V = kgb_gmem.shape[-1], v_gmem.shape[-1]
-  square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=_swizzled(dtype))
-  wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=_swizzled(BF16))
+  square = lambda dtype: plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=swizzled(dtype))
+  wide = lambda d: plgpu.SMEM((CHUNK, d), BF16, transforms=swizzled(BF16))
 
   # M, W and U overwrite B, βΓK and V once read: 80 KB at K = V = 128, two programs per SM.
   def scoped(kk, beta, kgb, v, a_hi, a_lo, b_hi, b_lo, loaded):
