@@ -409,6 +409,9 @@ def test_mosaic_launches_lower_for_cuda_and_refuse_what_they_cannot_take(monkeyp
   for save, segments in ((True, 1), (False, 2)):   # the states entering chunks and v_new; segments' starts
     f = functools.partial(fwd.state_forward, block_v=V, save=save, segments=segments)
     assert "kda_state_fwd_mosaic" in cuda_module_text(monkeypatch, f, *state_args)
+  do, aqk, kd = (jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16) for d in (V, 64, K))
+  f = functools.partial(bwd.state_backward, block_v=V)
+  assert "kda_state_bwd_mosaic" in cuda_module_text(monkeypatch, f, do, aqk, kd, kd, kd, *state_args[5:])
   monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "1")
   x, _, _ = random_inputs(41, 1, 64, 1, 32, 32)
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, None, lower_bound=-5.0)
@@ -439,27 +442,46 @@ def test_mosaic_state_pass_gives_the_triton_passes_outputs(segments, start, save
   chex.assert_trees_all_equal(run(None), got)
 
 
+def test_mosaic_backward_state_pass_gives_the_triton_passes_gradients():
+  """The Mosaic GPU reverse pass (interpret mode) against the Triton one on the same bf16 operands: dv_new, the
+  gradients w.r.t. the states entering each chunk and w.r.t. the initial state; and it is the default there."""
+  B, T, H, K, V = 1, 256, 2, 64, 64
+  x, _, _ = random_inputs(52, B, T, H, K, V, dtype=jnp.bfloat16)
+  w, u, qs, kd, aqk, decay, *_ = launches(x, None, scale=K ** -0.5, lower_bound=-5.0)
+  do = jax.random.normal(jax.random.PRNGKey(53), (B, T, H, V), jnp.bfloat16)
+  dS_T = jax.random.normal(jax.random.PRNGKey(54), (B, H, K, V))
+  run = lambda mosaic: bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T, block_v=V, mosaic=mosaic)
+  got, ref = run(True), run(False)
+  for name, a, b in zip(("dv_new", "dh", "dS0"), got, ref):
+    chex.assert_equal_shape((a, b))
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+  chex.assert_trees_all_equal(run(None), got)
+
+
 def test_bf16_with_the_mosaic_state_pass_matches_the_recurrence(monkeypatch):
-  """The whole operator in bf16 with the forward's state pass on Mosaic GPU (all of V in one program, 3 segments,
-  interpret mode): outputs and every gradient against the recurrence within SPEC §8's bf16 tolerances, with packed
-  documents, an initial state and T = 380; the pass ran with and without the backward's residuals."""
+  """The whole operator in bf16 with both state passes on Mosaic GPU (all of V in one program, the forward's in 3
+  segments, interpret mode): outputs and every gradient against the recurrence within SPEC §8's bf16 tolerances,
+  with packed documents, an initial state and T = 380; the forward's pass ran with and without the backward's
+  residuals, and the reverse pass ran."""
   from pallas_kernels.kda import chunk, state_mosaic
   monkeypatch.setattr(chunk, "default_block_v", lambda B, H, V: V)
   monkeypatch.setattr(chunk, "default_segments", lambda B, H, N: 3)
   calls = []
   base = state_mosaic.state_forward
   monkeypatch.setattr(state_mosaic, "state_forward", lambda *a, **kw: (calls.append(kw["save"]), base(*a, **kw))[1])
+  base_bwd = state_mosaic.state_backward
+  monkeypatch.setattr(state_mosaic, "state_backward", lambda *a: (calls.append("bwd"), base_bwd(*a))[1])
   x, S0, seg = random_inputs(51, 1, 380, 2, 64, 64, dtype=jnp.bfloat16, segments=True)
   _compare(x, S0, seg, BF16_TOL.get)
-  assert True in calls
+  assert True in calls and "bwd" in calls, calls
   _pallas(**x, initial_state=S0, segment_ids=seg)
   assert calls[-1] is False
 
 
 def test_mosaic_state_pass_takes_only_what_it_can_run():
-  """bf16 with K and V of 64 or 128 and all of V in one program takes the Mosaic state pass; fp32, K = 32, V = 256
-  or a narrower column block the Triton one; asked for anyway, or given Triton's warps, it refuses before any
-  compute."""
+  """bf16 with K and V of 64 or 128 and all of V in one program takes the Mosaic state passes; fp32, K = 32,
+  V = 256 or a narrower column block the Triton ones; asked for anyway, or given Triton's warps, they refuse before
+  any compute."""
   from pallas_kernels.kda import state_mosaic
   assert state_mosaic.available(jnp.bfloat16, 128, 128, 128) and state_mosaic.available(jnp.bfloat16, 64, 128, 128)
   for dtype, K, V, block_v in ((jnp.float32, 128, 128, 128), (jnp.bfloat16, 32, 64, 64),
@@ -475,6 +497,10 @@ def test_mosaic_state_pass_takes_only_what_it_can_run():
     fwd.state_forward(*args(jnp.bfloat16, 64), block_v=32, mosaic=True)
   with pytest.raises(ValueError, match="num_warps"):
     fwd.state_forward(*args(jnp.bfloat16, 64), block_v=64, num_warps=8)
+  with pytest.raises(ValueError, match="block_v=32"):
+    bwd.state_backward(*args(jnp.bfloat16, 64)[:6], jnp.ones((1, 1, 64, 64)), block_v=32, mosaic=True)
+  with pytest.raises(ValueError, match="num_warps"):
+    bwd.state_backward(*args(jnp.bfloat16, 64)[:6], jnp.ones((1, 1, 64, 64)), block_v=64, num_warps=8)
 
 
 @pytest.mark.parametrize("size", [64, 16])

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import barrier, triton_call
+from pallas_kernels.kda import state_mosaic
 from pallas_kernels.kda.fwd import StateSpecs, walk_chunks
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, load, masked, mm, mm_t,
                                       store, t_mm)
@@ -27,14 +28,20 @@ def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref
   ds0_ref[...] = walk_chunks(num_chunks, body, dsT_ref[...].astype(F32), decay_ref, reverse=True)
 
 
-def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None):
+def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None, mosaic=None):
   """Reverse pass over chunks. Returns dv_new `[B,T,H,V]` and the gradient w.r.t. the state leaving each chunk
   `[B,H,N·K,V]` in the input dtype (as FLA keeps them: at bf16 the intra backward's reads of these fp32 tensors were
-  its largest traffic), and the gradient w.r.t. the initial state `[B,H,K,V]` fp32."""
+  its largest traffic), and the gradient w.r.t. the initial state `[B,H,K,V]` fp32. `mosaic`: the Mosaic GPU pass
+  (`state_mosaic.state_backward`) or the Triton one; None: Mosaic GPU's where `state_mosaic.available`."""
   B, T, H, K = w.shape
   V = do.shape[-1]
   N = T // CHUNK
   dt = w.dtype
+  if state_mosaic.available(dt, K, V, block_v) if mosaic is None else mosaic:
+    state_mosaic.check_supported(dt, K, V, block_v)
+    if num_warps is not None:
+      raise ValueError("state_backward: num_warps is a Triton launch parameter; the Mosaic GPU pass takes none")
+    return state_mosaic.state_backward(do, aqk, kd, qs, w, decay, dS_T)
   sp = StateSpecs(H, T, K, block_v)
   in_specs = [sp.vcols, sp.whole(CHUNK), sp.whole(K), sp.whole(K), sp.whole(K), sp.decay, sp.state]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, V), dt), jax.ShapeDtypeStruct((B, H, N * K, V), dt),

@@ -74,8 +74,49 @@ def _accumulate(init, *pairs):
   return pl.run_state(products)(plgpu.ACC.init(init))
 
 
-def _square_f32(K, V):
-  return plgpu.SMEM((K, V), F32, transforms=swizzled(F32))
+def _square(rows, cols, dtype):
+  return plgpu.SMEM((rows, cols), dtype, transforms=swizzled(dtype))
+
+
+def _tiles(cols):
+  """A chunk's rows of one operand, in each of the STAGES slots."""
+  return plgpu.SMEM((STAGES, CHUNK, cols), BF16, transforms=swizzled(BF16))
+
+
+class _ChunkLoader:
+  """TMA of one chunk's [64, ·] rows of each source (`[B,T,H,·]`) and its decay row into a slot's buffers, each
+  copy on its own barrier (`loaded`: one per source and slot, the decay row's last)."""
+
+  def __init__(self, sources, buffers, decay_g, decay_s, loaded, b, h):
+    self.pairs = tuple(zip(sources, buffers)) + ((decay_g, decay_s),)
+    self.loaded, self.b, self.h = loaded, b, h
+
+  def fetch(self, chunk, slot):
+    for i, (src, dst) in enumerate(self.pairs):
+      rows = chunk if i == len(self.pairs) - 1 else pl.ds(chunk * CHUNK, CHUNK)
+      plgpu.copy_gmem_to_smem(src.at[self.b, rows, self.h], dst.at[slot], self.loaded.at[i * STAGES + slot])
+
+  def wait(self, slot):
+    for i in range(len(self.pairs)):
+      plgpu.barrier_wait(self.loaded.at[i * STAGES + slot])
+
+
+def _load_state(src_g):
+  """[K,V] fp32 from global memory into registers (wgmma layout), through shared memory."""
+  def scoped(buf, loaded):
+    plgpu.copy_gmem_to_smem(src_g, buf, loaded.at[0])
+    plgpu.barrier_wait(loaded.at[0])
+    return plgpu.load(buf, layout=WGMMA)
+  return pl.run_scoped(scoped, _square(*src_g.shape, F32), plgpu.Barrier(num_barriers=1))
+
+
+def _store_state(S, dst_g):
+  def scoped(buf):
+    buf[...] = S
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buf, dst_g)
+    plgpu.wait_smem_to_gmem(0)
+  pl.run_scoped(scoped, _square(*S.shape, F32))
 
 
 def _walk(w_g, u_g, qs_g, kd_g, aqk_g, decay_g, *refs, H, num_chunks, save, has_start):
@@ -85,39 +126,24 @@ def _walk(w_g, u_g, qs_g, kd_g, aqk_g, decay_g, *refs, H, num_chunks, save, has_
   K, V = kd_g.shape[-1], u_g.shape[-1]
   first = seg * num_chunks
 
-  def load_start(buf, loaded):
-    plgpu.copy_gmem_to_smem(start_g.at[b, h, seg], buf, loaded.at[0])
-    plgpu.barrier_wait(loaded.at[0])
-    return plgpu.load(buf, layout=WGMMA)
-
   if has_start:
-    S = pl.run_scoped(load_start, _square_f32(K, V), plgpu.Barrier(num_barriers=1))
+    S = _load_state(start_g.at[b, h, seg])
   else:
     S = plgpu.layout_cast(jnp.zeros((K, V), F32), WGMMA)
 
-  tiles = lambda d: plgpu.SMEM((STAGES, CHUNK, d), BF16, transforms=swizzled(BF16))
-  inputs = (w_g, u_g, qs_g, kd_g, aqk_g)
-
   def pipeline(w_s, u_s, qs_s, kd_s, aqk_s, decay_s, S_s, vn_s, o_s, loaded):
-    buffers = (w_s, u_s, qs_s, kd_s, aqk_s)
-
-    def fetch(n, slot):
-      rows = pl.ds((first + n) * CHUNK, CHUNK)
-      for i, (src, dst) in enumerate(zip(inputs, buffers)):
-        plgpu.copy_gmem_to_smem(src.at[b, rows, h], dst.at[slot], loaded.at[i * STAGES + slot])
-      plgpu.copy_gmem_to_smem(decay_g.at[b, first + n, h], decay_s.at[slot], loaded.at[len(inputs) * STAGES + slot])
-
-    fetch(0, 0)
+    load_chunk = _ChunkLoader((w_g, u_g, qs_g, kd_g, aqk_g), (w_s, u_s, qs_s, kd_s, aqk_s), decay_g, decay_s,
+                               loaded, b, h)
+    load_chunk.fetch(first, 0)
 
     def chunk(n, S_KV):
       slot = lax.rem(n, STAGES)
 
       @pl.when(n + 1 < num_chunks)
       def _():
-        fetch(n + 1, lax.rem(n + 1, STAGES))
+        load_chunk.fetch(first + n + 1, lax.rem(n + 1, STAGES))
 
-      for i in range(len(inputs) + 1):
-        plgpu.barrier_wait(loaded.at[i * STAGES + slot])
+      load_chunk.wait(slot)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores have read S_s, vn_s and o_s
       rows = pl.ds((first + n) * CHUNK, CHUNK)
       S_s[...] = S_KV.astype(BF16)
@@ -144,15 +170,67 @@ def _walk(w_g, u_g, qs_g, kd_g, aqk_g, decay_g, *refs, H, num_chunks, save, has_
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     return S_T
 
-  S = pl.run_scoped(pipeline, tiles(K), tiles(V), tiles(K), tiles(K), tiles(CHUNK),
-                    plgpu.SMEM((STAGES, K), F32), plgpu.SMEM((K, V), BF16, transforms=swizzled(BF16)),
-                    plgpu.SMEM((CHUNK, V), BF16, transforms=swizzled(BF16)),
-                    plgpu.SMEM((CHUNK, V), BF16, transforms=swizzled(BF16)),
-                    plgpu.Barrier(num_barriers=(len(inputs) + 1) * STAGES))
+  S = pl.run_scoped(pipeline, _tiles(K), _tiles(V), _tiles(K), _tiles(K), _tiles(CHUNK), plgpu.SMEM((STAGES, K), F32),
+                    _square(K, V, BF16), _square(CHUNK, V, BF16), _square(CHUNK, V, BF16),
+                    plgpu.Barrier(num_barriers=6 * STAGES))
+  _store_state(S, ends_g.at[b, h, seg])
 
-  def store_end(buf):
-    buf[...] = S
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buf, ends_g.at[b, h, seg])
-    plgpu.wait_smem_to_gmem(0)
-  pl.run_scoped(store_end, _square_f32(K, V))
+
+def state_backward(do, aqk, kd, qs, w, decay, dS_T):
+  """`bwd.state_backward` for `available` inputs (all of V in one program): dv_new `[B,T,H,V]`, the gradient w.r.t.
+  the state entering each chunk `[B,H,N·K,V]` (bf16) and w.r.t. the initial state `[B,H,K,V]` (fp32)."""
+  B, T, H, K = w.shape
+  V = do.shape[-1]
+  N = T // CHUNK
+  check_supported(w.dtype, K, V, V)
+  out = [jax.ShapeDtypeStruct((B, T, H, V), BF16), jax.ShapeDtypeStruct((B, H, N * K, V), BF16),
+         jax.ShapeDtypeStruct((B, H, K, V), F32)]
+  return plgpu.kernel(
+      functools.partial(_walk_back, H=H, num_chunks=N), out_type=out, grid=(B * H,), grid_names=("bh",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      kernel_name="kda_state_bwd_mosaic", interpret=plgpu.InterpretGPUParams() if interpret_mode() else None,
+  )(do, aqk, kd, qs, w, decay, dS_T)
+
+
+def _walk_back(do_g, aqk_g, kd_g, qs_g, w_g, decay_g, dsT_g, dvn_g, dh_g, ds0_g, *, H, num_chunks):
+  """Chunks last to first: dv_new = A_qkᵀ dO + Kd dS, then dS ← decay ⊙ dS + Qsᵀ dO − Wᵀ dv_new."""
+  bh = lax.axis_index("bh")
+  b, h = bh // H, bh % H
+  K, V = kd_g.shape[-1], do_g.shape[-1]
+  T = lambda ref: ref.transpose((1, 0))
+
+  def pipeline(do_s, aqk_s, kd_s, qs_s, w_s, decay_s, dS_s, dvn_s, neg_dvn_s, loaded):
+    load_chunk = _ChunkLoader((do_g, aqk_g, kd_g, qs_g, w_g), (do_s, aqk_s, kd_s, qs_s, w_s), decay_g, decay_s,
+                              loaded, b, h)
+    load_chunk.fetch(num_chunks - 1, 0)
+
+    def chunk(n, dS_KV):
+      c, slot = num_chunks - 1 - n, lax.rem(n, STAGES)
+
+      @pl.when(n + 1 < num_chunks)
+      def _():
+        load_chunk.fetch(c - 1, lax.rem(n + 1, STAGES))
+
+      load_chunk.wait(slot)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's stores have read dS_s and dvn_s
+      dS_s[...] = dS_KV.astype(BF16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dS_s, dh_g.at[b, h, pl.ds(c * K, K)])
+      dv_new = _accumulate(plgpu.layout_cast(jnp.zeros((CHUNK, V), F32), WGMMA), (T(aqk_s.at[slot]), do_s.at[slot]),
+                           (kd_s.at[slot], dS_s))
+      dvn_s[...] = dv_new.astype(BF16)
+      neg_dvn_s[...] = (-dv_new).astype(BF16)   # wgmma only adds: Wᵀ dv_new is subtracted as Wᵀ (−dv_new)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dvn_s, dvn_g.at[b, pl.ds(c * CHUNK, CHUNK), h])
+      decay_row = plgpu.load(decay_s.at[slot], layout=WGMMA.reduce(1))
+      return _accumulate(lax.broadcast_in_dim(decay_row, (K, V), [0]) * dS_KV, (T(qs_s.at[slot]), do_s.at[slot]),
+                         (T(w_s.at[slot]), neg_dvn_s))
+
+    dS0 = lax.fori_loop(0, num_chunks, chunk, _load_state(dsT_g.at[b, h]))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return dS0
+
+  dS0 = pl.run_scoped(pipeline, _tiles(V), _tiles(CHUNK), _tiles(K), _tiles(K), _tiles(K),
+                      plgpu.SMEM((STAGES, K), F32), _square(K, V, BF16), _square(CHUNK, V, BF16),
+                      _square(CHUNK, V, BF16), plgpu.Barrier(num_barriers=6 * STAGES))
+  _store_state(dS0, ds0_g.at[b, h])
