@@ -198,6 +198,7 @@ def _walk_back(do_g, aqk_g, kd_g, qs_g, w_g, decay_g, dsT_g, dvn_g, dh_g, ds0_g,
   b, h = bh // H, bh % H
   K, V = kd_g.shape[-1], do_g.shape[-1]
   T = lambda ref: ref.transpose((1, 0))
+  dS_T = _load_state(dsT_g.at[b, h])   # before the pipeline's buffers: its 64 KB would not fit beside them
 
   def pipeline(do_s, aqk_s, kd_s, qs_s, w_s, decay_s, dS_s, dvn_s, neg_dvn_s, loaded):
     load_chunk = _ChunkLoader((do_g, aqk_g, kd_g, qs_g, w_g), (do_s, aqk_s, kd_s, qs_s, w_s), decay_g, decay_s,
@@ -226,7 +227,7 @@ def _walk_back(do_g, aqk_g, kd_g, qs_g, w_g, decay_g, dsT_g, dvn_g, dh_g, ds0_g,
       return _accumulate(lax.broadcast_in_dim(decay_row, (K, V), [0]) * dS_KV, (T(qs_s.at[slot]), do_s.at[slot]),
                          (T(w_s.at[slot]), neg_dvn_s))
 
-    dS0 = lax.fori_loop(0, num_chunks, chunk, _load_state(dsT_g.at[b, h]))
+    dS0 = lax.fori_loop(0, num_chunks, chunk, dS_T)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     return dS0
 
