@@ -332,13 +332,15 @@ def per_kernel_times(x, do, shape):
         cases.append(("state_fwd", dict(block_v=b, num_warps=nw, mosaic=False),
                       lambda *a, b=b, nw=nw: fwd.state_forward(*a, block_v=b, num_warps=nw, mosaic=False),
                       (w, u, qs, kd, aqk, decay, S0)))
-        cases.append(("state_bwd", dict(block_v=b, num_warps=nw),
-                      lambda *a, b=b, nw=nw: bwd.state_backward(*a, block_v=b, num_warps=nw),
+        cases.append(("state_bwd", dict(block_v=b, num_warps=nw, mosaic=False),
+                      lambda *a, b=b, nw=nw: bwd.state_backward(*a, block_v=b, num_warps=nw, mosaic=False),
                       (do, aqk, kd, qs, w, decay, S0)))
   mosaic = lambda b: state_mosaic.available(v.dtype, D, D, b)   # the state pass the defaults run
   if mosaic(D):
     cases.append(("state_fwd", dict(block_v=D, mosaic=True), lambda *a: fwd.state_forward(*a, block_v=D),
                   (w, u, qs, kd, aqk, decay, S0)))
+    cases.append(("state_bwd", dict(block_v=D, mosaic=True), lambda *a: bwd.state_backward(*a, block_v=D),
+                  (do, aqk, kd, qs, w, decay, S0)))
   N = T // 64
   for segments in (2, 4, 8, 16, 32) if FLAGS.sweep else ():
     for b in sorted({default_block_v(B * segments, H, D), 64}):

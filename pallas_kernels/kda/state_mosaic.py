@@ -1,7 +1,8 @@
-"""The forward's sequential state pass as a Mosaic GPU kernel (wgmma, TMA), as `fwd.state_forward`: one warpgroup per
-(batch·head, segment) keeps its [K,V] fp32 state in registers (the S update's wgmma accumulator) and walks the chunks
-while TMA brings the next chunk's operands: 0.183 ms against the Triton pass's 0.245 (mma.sync from 4 warps that hold
-the state) at 8×4096 on the H200 (BUILD_NOTES KDA run 17). On the CPU it runs in Mosaic GPU's interpret mode.
+"""The sequential state passes as Mosaic GPU kernels (wgmma, TMA), as `fwd.state_forward` and `bwd.state_backward`:
+one warpgroup per (batch·head, segment) keeps its [K,V] fp32 state (or its gradient) in registers, as the update's
+wgmma accumulator, and walks the chunks while TMA brings the next chunk's operands. At 8×4096 on the H200 the
+forward's takes 0.183 ms against the Triton pass's 0.245 (mma.sync from 4 warps that hold the state), the reverse
+pass 0.262 against 0.381 (BUILD_NOTES KDA run 17). On the CPU they run in Mosaic GPU's interpret mode.
 """
 from __future__ import annotations
 
