@@ -170,7 +170,8 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   if save:
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, K), F32)], out_specs + [row(K)]
   kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, valid_len=valid_len, save=save)
-  # Heads first in every intra launch: programs launched together read a token's neighbouring heads (BUILD_NOTES KDA run 17).
+  # Heads first in every intra launch: programs launched together read a token's neighbouring heads
+  # (BUILD_NOTES KDA run 17).
   outs = list(triton_call(kernel, grid=(B * H, T // SUB), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           name="kda_prepare", num_warps=num_warps or 4, num_stages=1)(*args))
   q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
