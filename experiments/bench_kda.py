@@ -353,8 +353,8 @@ def per_kernel_times(x, do, shape):
     b = default_block_v(B * segments, H, D)
     cases.append(("state_fwd", dict(block_v=b, segments=segments, mosaic=mosaic(b)),
                   lambda *a: fwd.state_forward(*a, block_v=b, segments=segments), (w, u, qs, kd, aqk, decay, S0)))
-  cases.append(("state_fwd_save", dict(block_v=bv, mosaic=mosaic(bv)), lambda *a: fwd.state_forward(*a, block_v=bv, save=True),
-                (w, u, qs, kd, aqk, decay, S0)))
+  cases.append(("state_fwd_save", dict(block_v=bv, mosaic=mosaic(bv)),
+                lambda *a: fwd.state_forward(*a, block_v=bv, save=True), (w, u, qs, kd, aqk, decay, S0)))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
   split = (32, 64) if FLAGS.sweep else (32,)
   bwd_blocks = {"v3": (None,), "v5": split}

@@ -37,10 +37,7 @@ def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None, 
   V = do.shape[-1]
   N = T // CHUNK
   dt = w.dtype
-  if state_mosaic.available(dt, K, V, block_v) if mosaic is None else mosaic:
-    state_mosaic.check_supported(dt, K, V, block_v)
-    if num_warps is not None:
-      raise ValueError("state_backward: num_warps is a Triton launch parameter; the Mosaic GPU pass takes none")
+  if state_mosaic.chosen(dt, K, V, block_v, mosaic, num_warps):
     return state_mosaic.state_backward(do, aqk, kd, qs, w, decay, dS_T)
   sp = StateSpecs(H, T, K, block_v)
   in_specs = [sp.vcols, sp.whole(CHUNK), sp.whole(K), sp.whole(K), sp.whole(K), sp.decay, sp.state]

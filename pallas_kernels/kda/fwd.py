@@ -395,11 +395,8 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   elif S0 is not None:
     S0 = S0[:, :, None]
   starts = [] if S0 is None else [S0.astype(F32)]
-  if state_mosaic.available(dt, K, V, block_v) if mosaic is None else mosaic:
-    state_mosaic.check_supported(dt, K, V, block_v)
-    if num_warps is not None:
-      raise ValueError("state_forward: num_warps is a Triton launch parameter; the Mosaic GPU pass takes none")
-    o, ends, *saved = state_mosaic.state_forward(w, u, qs, kd, aqk, decay, *starts or [None], save=save,
+  if state_mosaic.chosen(dt, K, V, block_v, mosaic, num_warps):
+    o, ends, *saved = state_mosaic.state_forward(w, u, qs, kd, aqk, decay, starts[0] if starts else None, save=save,
                                                  segments=segments)
     return (o, ends[:, :, -1], *saved)
   sp = StateSpecs(H, T, K, block_v, segments)
