@@ -12,6 +12,7 @@ run alone.
 """
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 import time
@@ -165,10 +166,24 @@ def config_from_json(d: dict) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(tuples(d))
 
 
-def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None = None,
-                        overrides: dict | None = None) -> dict:
-  """Evaluates a run's checkpoint (default: the newest usable step of the last stage that has one) with the config
-  saved in it; `overrides` maps dotted config fields (e.g. "eval.lengths") to new values."""
+def override(config, overrides: dict | None) -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted fields set (e.g. {"eval.lengths": (64, 256), "model.remat": False}); a field
+  that does not exist is a ValueError naming it."""
+  config = copy.deepcopy(config)
+  for dotted, value in (overrides or {}).items():
+    *path, last = dotted.split(".")
+    node = config
+    for p in path:
+      node = node[p] if p in node else {}
+    if last not in node:
+      raise ValueError(f"config has no field {dotted!r}")
+    node[last] = value
+  return config
+
+
+def restore(workdir, *, stage: int | None = None, step: int | None = None, overrides: dict | None = None):
+  """(Run, train state, checkpoint meta) of a run's checkpoint (default: the newest usable step of the last stage
+  that has one), the Run built from the config saved in it with `overrides` applied (see `override`)."""
   root = pathlib.Path(workdir) / "checkpoints"
   if stage is None:
     found = sorted(int(p.name.split("_")[1]) for p in root.glob("stage_*") if p.name.split("_")[1].isdigit()
@@ -180,22 +195,25 @@ def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None =
     steps = [s for s in ckpt.steps() if step is None or s == step]
     if not steps:
       raise FileNotFoundError(f"no checkpoint step {step or ''} in {ckpt.directory} (have {ckpt.steps()})")
-    config = config_from_json(ckpt.read_meta(steps[-1])["config"])
-    for dotted, value in (overrides or {}).items():
-      *path, last = dotted.split(".")
-      node = config
-      for p in path:
-        node = node[p]
-      node[last] = value
+    config = override(config_from_json(ckpt.read_meta(steps[-1])["config"]), overrides)
     run = Run(config)
     restored = ckpt.restore_latest(run.abstract, at=step)
     if restored is None:
       raise FileNotFoundError(f"no usable checkpoint in {ckpt.directory}")
   state, meta = restored
+  return run, state, meta
+
+
+def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None = None,
+                        overrides: dict | None = None) -> dict:
+  """Evaluates a run's checkpoint (see `restore`) with the config saved in it; `overrides` maps dotted config
+  fields (e.g. "eval.lengths") to new values."""
+  run, state, meta = restore(workdir, stage=stage, step=step, overrides=overrides)
+  config = run.config
   result = evaluate.evaluate(run.eval_step, state, config, meta["seq_len"], run.mesh)
-  print(f"stage {stage}, step {meta['step']}:\n"
+  print(f"stage {meta['stage']}, step {meta['step']}:\n"
         + evaluate.format_table(result, config.data.task_length or meta["seq_len"]), flush=True)
-  return {"stage": stage, "step": meta["step"], "seq_len": meta["seq_len"], **result}
+  return {"stage": meta["stage"], "step": meta["step"], "seq_len": meta["seq_len"], **result}
 
 
 def init_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:
