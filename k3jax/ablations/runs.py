@@ -1,0 +1,221 @@
+"""Config variants trained side by side, and what their runs logged.
+
+`train_variants({"a": config_a, "b": config_b}, workdir, seeds=(0, 1))` trains each config once per seed with
+`k3jax.train.trainer.Run`, in `workdir/<name>/seed_<s>/` (a run directory: config.json, metrics.jsonl, eval.jsonl,
+checkpoints), and returns every run's history. Calling it again reuses the finished runs and continues unfinished
+ones; a directory that holds a run of another config is an error, raised before anything trains.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from k3jax.train import benchmark
+from k3jax.train import stages as stages_lib
+from k3jax.train import state as state_lib
+from k3jax.train import trainer
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """One ablation at one scale: a base config, its variants as dotted overrides of it (e.g. {"softplus":
+  {"model.kda.gate": "softplus"}}), the seeds, and the study's own settings (timed shapes, lengths, ...)."""
+  name: str
+  scale: str
+  base: ml_collections.ConfigDict
+  variants: Mapping[str, Mapping]
+  seeds: tuple[int, ...] = (0,)
+  settings: Mapping = dataclasses.field(default_factory=dict)
+
+  def configs(self) -> dict[str, ml_collections.ConfigDict]:
+    """{variant: the base config with the variant's overrides}."""
+    return {name: trainer.override(self.base, dict(o)) for name, o in self.variants.items()}
+
+  def describe(self) -> str:
+    """The study as text: the base model and training sizes, each variant's overrides and training tokens."""
+    c, m = self.base, self.base.model
+    lines = [f"{self.name} at scale {self.scale!r}, seeds {list(self.seeds)}",
+             f"model: d={m.d_model}, {m.num_layers} layers {'/'.join(m.layer_pattern)} (last: {m.last_layer}), "
+             f"MoE {'on' if m.moe.enabled else 'off'}, residual {m.residual.mode}, {m.dtype}",
+             f"training: lr {c.optimizer.lr}, data mix {dict((k, v) for k, v in c.data.mix.items() if v)}"]
+    for name, config in self.configs().items():
+      stages = ", ".join(f"{s.seq_len}x{s.batch_size}x{s.steps}" for s in stages_lib.stages_of(config))
+      overrides = ", ".join(f"{k}={v}" for k, v in self.variants[name].items() if k not in ("stages", "steps"))
+      lines.append(f"  {name}: {overrides or 'the base config'}; stages (T x rows x steps) {stages}; "
+                   f"{train_tokens(config):,} tokens")
+    lines += [f"  {k}: {v}" for k, v in self.settings.items()]
+    return "\n".join(lines)
+
+  def summary(self) -> str:
+    """One line for a results table: the model, steps and tokens per variant, seeds."""
+    m, configs = self.base.model, self.configs().values()
+    steps = "/".join(str(n) for n in sorted({c.steps for c in configs}))
+    tokens = "/".join(f"{t / 1e6:.2f}M" if t >= 1e6 else f"{t:,}" for t in sorted({train_tokens(c) for c in configs}))
+    moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe.enabled else ""
+    return (f"d={m.d_model}, {m.num_layers} layers{moe}, {m.dtype}; {steps} steps, {tokens} tokens per variant; "
+            f"seeds {', '.join(map(str, self.seeds))}")
+
+
+def train_tokens(config) -> int:
+  """Tokens a config trains on: the sum over its stages of steps × rows × sequence length."""
+  return sum(s.steps * s.batch_size * s.seq_len for s in stages_lib.stages_of(config))
+
+
+def run_dir(workdir, name: str, seed: int) -> pathlib.Path:
+  return pathlib.Path(workdir) / name / f"seed_{seed}"
+
+
+def with_seed(config, seed: int):
+  c = copy.deepcopy(config)
+  c.seed = seed
+  return c
+
+
+def check_reusable(directory, config) -> None:
+  """ValueError when `directory` holds a run of a config other than `config`."""
+  saved = pathlib.Path(directory) / "config.json"
+  if saved.exists() and json.loads(saved.read_text()) != json.loads(config.to_json_best_effort()):
+    raise ValueError(f"{directory} holds a run of another config: use another work directory, or the same "
+                     f"settings as that run")
+
+
+def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
+                   precompile: bool = False) -> dict[str, list[dict]]:
+  """Trains every config of `configs` ({name: config}) once per seed (the seed replaces `config.seed`); returns
+  {name: [history of each seed, in `seeds` order]}, each history as `read_history` gives it plus `wall_s` (this
+  call's time on the run, compilation included; small for a run that was already finished). `precompile`: first
+  compile the unfinished variants' train steps all at once (`precompile_variants`; needs the persistent cache)."""
+  if not configs:
+    raise ValueError("configs is empty")
+  bad = [n for n in configs if not isinstance(n, str) or not _NAME.match(n)]
+  if bad:
+    raise ValueError(f"variant names must be directory names (letters, digits, _ . -), got {bad}")
+  seeds = list(seeds)
+  if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) and s >= 0 for s in seeds):
+    raise ValueError(f"seeds must be distinct non-negative ints, got {seeds}")
+  plan = [(name, s, run_dir(workdir, name, s), with_seed(c, s)) for name, c in configs.items() for s in seeds]
+  for _, _, directory, c in plan:
+    check_reusable(directory, c)
+  if precompile:
+    todo = {}
+    for name, _, directory, c in plan:
+      if not finished(directory, c):
+        todo.setdefault(name, c)    # the seeds share their train step
+    if todo:
+      print(f"precompiling {len(todo)} variants, one process each: {sorted(todo)}", flush=True)
+      print(precompile_variants(todo), flush=True)
+  out = {name: [] for name in configs}
+  for name, s, directory, c in plan:
+    print(f"== {name}, seed {s}: {directory}", flush=True)
+    start = time.perf_counter()
+    trainer.Run(c).train(directory)
+    out[name].append({**read_history(directory), "wall_s": time.perf_counter() - start})
+  return out
+
+
+def finished(directory, config) -> bool:
+  """Whether `directory` holds a run of `config` that has evaluated its last stage."""
+  directory = pathlib.Path(directory)
+  if not (directory / "config.json").exists():
+    return False
+  check_reusable(directory, config)
+  evals = _jsonl(directory / "eval.jsonl")
+  return bool(evals) and evals[-1]["step"] == stages_lib.stages_of(config)[-1].end
+
+
+def read_history(directory) -> dict:
+  """{"metrics": {field: [value per logged step]}, "evals": [evaluation records]} of a run directory; a field
+  missing from a record (e.g. MoE metrics of a dense model) reads as None there."""
+  directory = pathlib.Path(directory)
+  records = _jsonl(directory / "metrics.jsonl")
+  if not records:
+    raise FileNotFoundError(f"{directory / 'metrics.jsonl'} has no records: the run has not logged a step")
+  fields = list(dict.fromkeys(k for r in records for k in r))
+  return {"metrics": {k: [r.get(k) for r in records] for k in fields}, "evals": _jsonl(directory / "eval.jsonl")}
+
+
+def _jsonl(path: pathlib.Path) -> list[dict]:
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def trained_model(directory, *, stage: int | None = None, step: int | None = None, overrides: dict | None = None):
+  """(config, model) of a run's checkpoint (default: the newest usable step of its last stage), the model an
+  `nnx.Module` with the trained parameters and balancer state; `overrides` as in `trainer.restore` (e.g.
+  {"model.remat": False}: the parameters do not depend on it)."""
+  run, state, _ = trainer.restore(directory, stage=stage, step=step, overrides=overrides)
+  return run.config, state_lib.merge(run.graphdef, state)
+
+
+def summarize(histories: Mapping[str, list[dict]]) -> dict[str, dict]:
+  """Per variant of `train_variants`' result: its logged steps, every seed's loss curve and wall time, and over
+  seeds the spread of the last evaluation's held-out loss (None where it was not measured), of the mean training
+  loss over the last 20% of the steps, and of the training tokens/s over the second half."""
+  out = {}
+  for name, hs in histories.items():
+    heldout = [h["evals"][-1]["heldout_loss"] if h["evals"] else None for h in hs]
+    out[name] = {"step": hs[0]["metrics"]["step"], "loss": [h["metrics"]["loss"] for h in hs],
+                 "heldout_loss": None if None in heldout else spread(heldout),
+                 "tail_loss": spread(tail_mean(h["metrics"]["loss"], 0.2) for h in hs),
+                 "tokens_per_s": spread(tail_mean(h["metrics"]["tokens_per_s"], 0.5) for h in hs),
+                 "wall_s": [h["wall_s"] for h in hs]}
+  return out
+
+
+def spread(values) -> dict:
+  """Mean, sample standard deviation (None for one value), min, max and count of a list of numbers."""
+  x = np.asarray([float(v) for v in values])
+  if x.size == 0:
+    raise ValueError("spread of no values")
+  return {"mean": float(x.mean()), "std": float(x.std(ddof=1)) if x.size > 1 else None,
+          "min": float(x.min()), "max": float(x.max()), "n": int(x.size)}
+
+
+def tail_mean(values, fraction: float = 0.5) -> float:
+  """Mean of the last `fraction` of `values` (None entries dropped; the last ceil(n·fraction), at least one): a
+  steadier end-of-run figure than the last value."""
+  if not 0 < fraction <= 1:
+    raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+  x = [float(v) for v in values if v is not None]
+  if not x:
+    raise ValueError("tail_mean of no values")
+  return float(np.mean(x[min(int(len(x) * (1 - fraction)), len(x) - 1):]))
+
+
+def precompile_variants(configs: Mapping, *, timeout_s: float = 3600.0) -> dict[str, float | str]:
+  """Compiles every config's init and first train step at once, one process each, into JAX's persistent
+  compilation cache (which must be on: `jax_compilation_cache_dir`), so that `train_variants` then finds them
+  compiled instead of compiling one after another (a GPU train step takes minutes). Returns {name: compile
+  seconds, or the error text of a config whose process failed (its run then compiles as usual)}."""
+  cache_dir = jax.config.jax_compilation_cache_dir
+  if not cache_dir:
+    raise ValueError("precompile needs JAX's persistent compilation cache: set jax_compilation_cache_dir first "
+                     "(experiments.harness.enable_compilation_cache)")
+  names = list(configs)
+  saved = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)   # the spawned processes read it at import
+  try:
+    rows = list(benchmark.measure_in_turn([configs[n] for n in names], _compile_seconds, timeout_s=timeout_s))
+  finally:
+    if saved is None:
+      os.environ.pop("JAX_COMPILATION_CACHE_DIR")
+    else:
+      os.environ["JAX_COMPILATION_CACHE_DIR"] = saved
+  return {n: r.get("compile_s", r.get("error")) for n, r in zip(names, rows)}
+
+
+def _compile_seconds(compiled) -> dict:
+  return {"compile_s": compiled.compile_s}
