@@ -1,0 +1,217 @@
+"""The research-fidelity table of docs/results.md from the notebooks' JSON: one row per claim, what was run, the
+numbers with their spread, and a verdict by rules fixed before the runs (`VERDICT_RULES`).
+
+  python -m experiments.results_table --results=notebooks/results --scale=gpu            # print the table
+  python -m experiments.results_table --results=notebooks/results --scale=cpu --write    # into docs/results.md
+
+Numbers are means over seeds, ± the sample standard deviation and [min, max] when there are several. The noise of
+a comparison is the largest seed-to-seed range (max − min) among the variants compared; with one seed there is no
+noise estimate, and a comparison that needs one is "inconclusive". At the CPU scale every verdict is "smoke run (not
+evidence)". `--write` replaces the text between the table's markers for that scale in docs/results.md.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from absl import app, flags
+
+from experiments import harness
+
+VERDICT_RULES = {
+    "gate_speed": "reproduced if the bounded gate on its kernels runs forward+backward at least 1.5x faster than the "
+                  "softplus gate at every timed shape; not reproduced if it is not faster at some shape",
+    "gate_loss": "reproduced (no loss in quality) if the bounded gate's held-out loss is at most the softplus "
+                 "gate's plus the noise; not reproduced if it is higher by more than twice the noise",
+    "gate_finite": "reproduced if o, the final state and every gradient are finite with the bounded gate at "
+                   "saturation and o is within 5e-3 (bf16) of the recurrence",
+    "balance": "reproduced if both quantile forms hold MaxVio (mean over the last half) below every baseline's "
+               "and their held-out loss is at most the best baseline's plus the noise; not reproduced if a "
+               "baseline balances better",
+    "residual": "reproduced if Block AttnRes's held-out loss is below the pre-norm residual's by more than the "
+                "noise; not reproduced if it is not below it",
+    "context": "reproduced if the staged run's held-out loss is at most the direct run's plus the noise and its "
+               "mean retrieval accuracy at the final length at least the direct run's minus the noise; not "
+               "reproduced if either is worse by more than twice the noise",
+    "hybrid": "reproduced if 3:1 prefill is at least 1.5x all-MLA's tokens/s at the longest length and its MQAR "
+              "accuracy exceeds all-KDA's by more than the noise; not reproduced if it is slower than all-MLA "
+              "there or recalls no better than all-KDA",
+}
+SMOKE = "smoke run (not evidence)"
+MARKERS = "<!-- results:{scale}:begin -->", "<!-- results:{scale}:end -->"
+
+_RESULTS = flags.DEFINE_string("results", "notebooks/results", "directory holding <scale>/<notebook>.json")
+_SCALE = flags.DEFINE_enum("scale", "gpu", ["cpu", "gpu"], "which results")
+_WRITE = flags.DEFINE_bool("write", False, "write the table into docs/results.md between its markers")
+_DOC = flags.DEFINE_string("doc", str(pathlib.Path(__file__).resolve().parent.parent / "docs" / "results.md"),
+                           "the results page")
+
+
+def fmt(s: dict | None, digits: int = 4) -> str:
+  """A runs.spread summary as text: mean, ± std and [min, max] with several seeds."""
+  if s is None:
+    return "—"
+  if s["n"] == 1:
+    return f"{s['mean']:.{digits}f}"
+  return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+def noise(*summaries) -> float | None:
+  """The largest seed-to-seed range of the summaries; None with a single seed."""
+  if any(s["n"] < 2 for s in summaries):
+    return None
+  return max(s["max"] - s["min"] for s in summaries)
+
+
+def _verdict(scale, good: bool | None, bad: bool | None) -> str:
+  if scale == "cpu":
+    return SMOKE
+  if good is None or bad is None:
+    return "inconclusive (one seed)"
+  return "reproduced" if good else "not reproduced" if bad else "inconclusive"
+
+
+def gate_rows(r: dict) -> list[dict]:
+  rows = []
+  scale = r["scale"]
+  if "speed" in r:
+    by_shape = {}
+    for x in r["speed"]:
+      by_shape.setdefault(x["shape"], {})[(x["gate"], x["backend"])] = x["ms"]
+    # softplus (XLA, pairwise tiles) over bounded on its fastest path (the kernels where they were timed)
+    ratios = {s: t[("softplus", "xla")] / t.get(("bounded", "auto"), t[("bounded", "xla")])
+              for s, t in by_shape.items()}
+    text = "; ".join(f"{s}: " + ", ".join(f"{g}/{b} {ms:.3f} ms" for (g, b), ms in t.items())
+                     + f" (softplus / bounded {ratios[s]:.2f}x)" for s, t in by_shape.items())
+    on_kernels = r["platform"] == "gpu" and all(("bounded", "auto") in t for t in by_shape.values())
+    if scale == "cpu" or not on_kernels:
+      verdict = SMOKE if scale == "cpu" else "inconclusive (the kernels were not timed)"
+    else:
+      verdict = _verdict(scale, all(v >= 1.5 for v in ratios.values()), any(v <= 1.0 for v in ratios.values()))
+    rows.append({"claim": "bounded gate: faster KDA op (fwd+bwd)", "run": f"{r['device']}, {r['speed'][0]['dtype']}",
+                 "numbers": text, "verdict": verdict})
+  if "training" in r:
+    b, s = r["training"]["bounded"]["heldout_loss"], r["training"]["softplus"]["heldout_loss"]
+    n = noise(b, s)
+    delta = b["mean"] - s["mean"]
+    rows.append({"claim": "bounded gate: no loss in quality", "run": r["run"],
+                 "numbers": f"held-out loss bounded {fmt(b)}, softplus {fmt(s)}",
+                 "verdict": _verdict(scale, None if n is None else delta <= n, None if n is None else delta > 2 * n)})
+  if "finiteness" in r:
+    bounded = r["finiteness"][0]
+    ok = bounded["finite_o"] and bounded["finite_state"] and all(bounded["finite_grads"].values())
+    ok = ok and bounded["rel_err_o"] <= 5e-3
+    text = "; ".join(f"{x['case']}: " + ("all finite" if x["finite_o"] and x["finite_state"]
+                                         and all(x["finite_grads"].values()) else "non-finite")
+                     + f", rel err o {x['rel_err_o']:.1e}" for x in r["finiteness"])
+    shape = f"B={bounded['B']} T={bounded['T']} H={bounded['H']} D={bounded['D']} {bounded['dtype']}, saturated gates"
+    rows.append({"claim": "bounded gate: finite at long T", "run": shape, "numbers": text,
+                 "verdict": _verdict(scale, ok, not ok)})
+  return rows
+
+
+def balance_rows(r: dict) -> list[dict]:
+  m = r["methods"]
+  vio = {k: v["summary"]["mean_max_vio_last_half"] for k, v in m.items()}
+  loss = {k: v["summary"]["heldout_loss"] for k, v in m.items()}
+  quantile = [k for k in m if k.startswith("quantile")]
+  baselines = [k for k in m if k not in quantile]
+  n = noise(*loss.values())
+  good = bad = None
+  if n is not None and quantile and baselines:
+    good = (max(vio[q]["mean"] for q in quantile) < min(vio[b]["mean"] for b in baselines)
+            and max(loss[q]["mean"] for q in quantile) <= min(loss[b]["mean"] for b in baselines) + n)
+    bad = max(vio[q]["mean"] for q in quantile) >= min(vio[b]["mean"] for b in baselines)
+  text = "; ".join(f"{k}: MaxVio {fmt(vio[k], 3)}, held-out {fmt(loss[k])}" for k in m)
+  return [{"claim": "quantile balancing: balanced load, no aux loss", "run": r["run"], "numbers": text,
+           "verdict": _verdict(r["scale"], good, bad)}]
+
+
+def residual_rows(r: dict) -> list[dict]:
+  t = {k: v["heldout_loss"] for k, v in r["training"].items()}
+  n = noise(*t.values())
+  delta = t["prenorm"]["mean"] - t["block"]["mean"]
+  return [{"claim": "Block AttnRes: lower loss than pre-norm (full AttnRes lower still)", "run": r["run"],
+           "numbers": "; ".join(f"{k} {fmt(v)}" for k, v in t.items()),
+           "verdict": _verdict(r["scale"], None if n is None else delta > n, None if n is None else delta <= 0)}]
+
+
+def context_rows(r: dict) -> list[dict]:
+  s = r["summary"]
+  staged, direct = s["staged"], s["direct"]
+  final = min(int(k.split("@")[1]) for k in staged["accuracy"])
+  acc = {v: [a for k, a in s[v]["accuracy"].items() if int(k.split("@")[1]) == final] for v in ("staged", "direct")}
+  mean_acc = {v: sum(a["mean"] for a in x) / len(x) for v, x in acc.items()}
+  n_loss = noise(staged["heldout_loss"], direct["heldout_loss"])
+  n_acc = noise(*acc["staged"], *acc["direct"])
+  good = bad = None
+  if n_loss is not None and n_acc is not None:
+    d_loss = staged["heldout_loss"]["mean"] - direct["heldout_loss"]["mean"]
+    d_acc = mean_acc["direct"] - mean_acc["staged"]
+    good, bad = d_loss <= n_loss and d_acc <= n_acc, d_loss > 2 * n_loss or d_acc > 2 * n_acc
+  stages = " → ".join(str(e["seq_len"]) for e in staged["stage_evals"][0])
+  text = (f"held-out loss staged {fmt(staged['heldout_loss'])}, direct {fmt(direct['heldout_loss'])}; accuracy "
+          + "; ".join(f"{k} staged {fmt(staged['accuracy'][k], 3)} / direct {fmt(direct['accuracy'][k], 3)}"
+                      for k in staged["accuracy"]))
+  return [{"claim": "staged context extension: as good as direct at equal tokens",
+           "run": f"{r['run']}; staged {stages} vs direct {final}", "numbers": text,
+           "verdict": _verdict(r["scale"], good, bad)}]
+
+
+def hybrid_rows(r: dict) -> list[dict]:
+  speed = {k: {x["seq_len"]: x["tokens_per_s"] for x in rows} for k, rows in r.get("forward_tokens_per_s", {}).items()}
+  recall = {k: v["accuracy"] for k, v in r["recall"].items()}
+  key = max(recall["3to1"], key=lambda k: int(k.split("@")[1]))
+  n = noise(*(recall[v][key] for v in recall))
+  good = bad = None
+  if speed and n is not None:
+    longest = max(speed["3to1"])
+    ratio = speed["3to1"][longest] / speed["all_mla"][longest]
+    d_recall = recall["3to1"][key]["mean"] - recall["all_kda"][key]["mean"]
+    good, bad = ratio >= 1.5 and d_recall > n, ratio < 1.0 or d_recall <= 0
+  text = "; ".join(f"{k}: " + ", ".join(f"T={t} {v:,.0f} tok/s" for t, v in speed.get(k, {}).items())
+                   + f"; MQAR {key} {fmt(recall[k][key], 3)}" for k in recall)
+  return [{"claim": "3:1 hybrid: fast at long context, recalls like attention", "run": r["run"], "numbers": text,
+           "verdict": _verdict(r["scale"], good, bad)}]
+
+
+ROWS = {"01_gate": gate_rows, "02_balance": balance_rows, "03_residual": residual_rows, "04_context": context_rows,
+        "05_hybrid": hybrid_rows}
+
+
+def table(results_dir, scale: str) -> str:
+  """The markdown table of the notebooks' JSON under `results_dir/scale/`; a notebook without JSON is "not run
+  yet"."""
+  lines = ["| notebook | claim | what was run | numbers (mean ± std [min, max] over seeds) | verdict |",
+           "|---|---|---|---|---|"]
+  for name, make in ROWS.items():
+    path = pathlib.Path(results_dir) / scale / f"{name}.json"
+    if not path.exists():
+      lines.append(f"| {name} | see notebooks/{name}.ipynb | — | — | not run yet |")
+      continue
+    for row in make(json.loads(path.read_text())):
+      lines.append(f"| {name} | {row['claim']} | {row['run']} | {row['numbers']} | {row['verdict']} |")
+  return "\n".join(lines)
+
+
+def write_into(doc: pathlib.Path, scale: str, text: str) -> None:
+  """Replaces the text between the scale's markers in `doc`."""
+  begin, end = (m.format(scale=scale) for m in MARKERS)
+  page = doc.read_text()
+  if page.count(begin) != 1 or page.count(end) != 1:
+    raise ValueError(f"{doc} needs one {begin} and one {end} line")
+  head, rest = page.split(begin)
+  _, tail = rest.split(end)
+  doc.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+
+
+def main(argv):
+  harness.check_argv(argv)
+  text = table(_RESULTS.value, _SCALE.value)
+  print(text)
+  if _WRITE.value:
+    write_into(pathlib.Path(_DOC.value), _SCALE.value, text)
+
+
+if __name__ == "__main__":
+  app.run(main)
