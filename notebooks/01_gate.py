@@ -92,8 +92,9 @@ plt.show()
 # initialises `dt_bias` so that `g` agrees at `z = 0`).
 
 # %%
-# The variants' train steps first compile side by side, one process each (on a GPU, minutes each otherwise).
-histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=True)
+# On a GPU the variants' train steps first compile side by side, one process each (minutes each otherwise; on a
+# CPU of two cores that gains nothing).
+histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=SCALE == "gpu")
 training = results["training"] = runs.summarize(histories)
 session.save()
 for name, r in training.items():

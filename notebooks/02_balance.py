@@ -47,9 +47,11 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # update, so its loss and MaxVio agree across methods.
 
 # %%
-# The methods' train steps first compile side by side, one process each (on a GPU, minutes each otherwise).
+# On a GPU the methods' train steps first compile side by side, one process each (minutes each otherwise; on a CPU
+# of two cores that gains nothing).
 table = balance.run_ablation(study.base, WORKDIR, list(study.variants), steps=study.settings["steps"],
-                             seeds=study.seeds, data_seed=study.settings["data_seed"], precompile=True)
+                             seeds=study.seeds, data_seed=study.settings["data_seed"],
+                             precompile=SCALE == "gpu")
 print(balance.format_table(table))
 
 # %%

@@ -11,8 +11,8 @@
 # weight it puts on each source (`k3jax.ablations.residual.depth_weights`; zero-initialised pseudo-queries start
 # uniform, so any structure is learned).
 #
-# **Scale.** `SCALE = "cpu"` is a smoke run (4 layers, d = 64, a few dozen steps): it checks that the notebook runs;
-# its numbers are not evidence. `SCALE = "gpu"` is the research setting (one H200).
+# **Scale.** `SCALE = "cpu"` is a smoke run (4 MLA layers, d = 64, 40 steps): it checks that the notebook runs; its
+# numbers are not evidence. `SCALE = "gpu"` is the research setting (one H200, 8 layers of KDA and MLA 3:1).
 
 # %%
 # Installs k3jax where it is not importable (Colab, a fresh VM). The repository has no public URL yet: set
@@ -49,8 +49,9 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # Same seeds and batches for the three residual schemes; held-out loss at the end on the held-out split.
 
 # %%
-# The variants' train steps first compile side by side, one process each (on a GPU, minutes each otherwise).
-histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=True)
+# On a GPU the variants' train steps first compile side by side, one process each (minutes each otherwise; on a
+# CPU of two cores that gains nothing).
+histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=SCALE == "gpu")
 training = results["training"] = runs.summarize(histories)
 for name in training:
   s = training[name]["heldout_loss"]

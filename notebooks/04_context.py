@@ -49,8 +49,9 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # comparison (same tokens, same final length).
 
 # %%
-# The variants' train steps first compile side by side, one process each (on a GPU, minutes each otherwise).
-histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=True)
+# On a GPU the variants' train steps first compile side by side, one process each (minutes each otherwise; on a
+# CPU of two cores that gains nothing).
+histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=SCALE == "gpu")
 tasks = study.base.eval.tasks
 lengths = study.settings["eval_lengths"]
 final_length = lengths[0]

@@ -47,8 +47,9 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # Same seeds and batches; accuracy on the answer tokens (the values to recall), chance 0.1.
 
 # %%
-# The variants' train steps first compile side by side, one process each (on a GPU, minutes each otherwise).
-histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=True)
+# On a GPU the variants' train steps first compile side by side, one process each (minutes each otherwise; on a
+# CPU of two cores that gains nothing).
+histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=SCALE == "gpu")
 training = results["training"] = runs.summarize(histories)
 recall = results["recall"] = {}
 for name, hs in histories.items():

@@ -3,6 +3,7 @@ logged, reuse of finished runs and refusal of another config, the trained model 
 weights, forward throughput; the Study's configs and the summaries."""
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -80,6 +81,17 @@ def test_a_second_call_reuses_finished_runs_and_refuses_a_directory_of_another_c
       runs.train_variants(bad, workdir)
   with pytest.raises(ValueError, match="seeds"):
     runs.train_variants(study().configs(), workdir, seeds=[0, 0])
+
+
+def test_a_run_stopped_between_its_last_checkpoint_and_its_evaluation_is_evaluated_on_the_next_call(trained,
+                                                                                                  tmp_path):
+  workdir, histories = trained
+  shutil.copytree(runs.run_dir(workdir, "block", 0), runs.run_dir(tmp_path, "block", 0))
+  (runs.run_dir(tmp_path, "block", 0) / "eval.jsonl").unlink()
+  (h,) = runs.train_variants({"block": study().configs()["block"]}, tmp_path)["block"]
+  assert h["metrics"] == histories["block"][0]["metrics"]
+  assert h["evals"][0]["step"] == STEPS
+  assert h["evals"][0]["heldout_loss"] == pytest.approx(histories["block"][0]["evals"][0]["heldout_loss"], rel=1e-6)
 
 
 def test_trained_model_reproduces_the_runs_held_out_loss(trained):

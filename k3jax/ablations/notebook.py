@@ -36,8 +36,8 @@ class Session:
   """One notebook run: its study at the chosen scale, where its results and runs go, and the results so far.
 
   Creating it prints the platform and the study's settings and turns on JAX's persistent compilation cache under
-  the work directory (the variants then compile side by side before training, and later seeds reuse the programs;
-  JAX_COMPILATION_CACHE_DIR, when set, wins). `save()` writes `results` to `<out>/<name>.json`; the notebooks save
+  the work directory (later seeds reuse the first one's programs, and `runs.train_variants(..., precompile=True)`
+  needs it; JAX_COMPILATION_CACHE_DIR, when set, wins). `save()` writes `results` to `<out>/<name>.json`; the notebooks save
   after every section, so a notebook cut short keeps what it finished.
   """
 

@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from k3jax.train import benchmark
+from k3jax.train import metrics as metrics_lib
 from k3jax.train import stages as stages_lib
 from k3jax.train import state as state_lib
 from k3jax.train import trainer
@@ -121,6 +122,10 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
     print(f"== {name}, seed {s}: {directory}", flush=True)
     start = time.perf_counter()
     trainer.Run(c).train(directory)
+    if not finished(directory, c):   # trained to its end earlier, but stopped before its evaluation was logged
+      log = metrics_lib.RunLog(directory, stages_lib.stages_of(c)[-1].end)
+      log.evaluation(trainer.evaluate_checkpoint(directory))
+      log.close()
     out[name].append({**read_history(directory), "wall_s": time.perf_counter() - start})
   return out
 
