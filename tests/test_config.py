@@ -3,6 +3,7 @@ import pytest
 
 from experiments import plan
 from k3jax import config as config_lib
+from k3jax.layers import moe
 from model_testing import small_config
 
 
@@ -12,7 +13,7 @@ from model_testing import small_config
     ({"layer_pattern": ("kda", "gla")}, r"unknown layer type 'gla'"),
     ({"layer_pattern": ()}, r"model.layer_pattern must be a non-empty tuple"),
     ({"last_layer": "attention"}, r"model.last_layer must be one of"),
-    ({"moe.enabled": True, "moe.latent_dim": None}, r"model.moe.latent_dim .* must be set"),
+    ({"moe.enabled": True, "moe.latent_dim": None}, r"model.moe.latent_dim must be set"),
     ({"moe.enabled": True, "moe.latent_dim": 8, "moe.top_k": 9}, r"model.moe.top_k=9 exceeds"),
     ({"residual.mode": "hyper"}, r"model.residual.mode must be one of"),
     ({"residual.block_size": 0}, r"model.residual.block_size must be a positive int"),
@@ -24,6 +25,21 @@ from model_testing import small_config
 def test_bad_config_raises_a_clear_value_error(changes, match):
   with pytest.raises(ValueError, match=match):
     config_lib.validate(small_config(**changes))
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"moe.expert_hidden": None}, r"moe.expert_hidden must be set"),
+    ({"moe.num_shared_experts": None}, r"moe.num_shared_experts must be an int >= 0"),
+    ({"moe.balancer": "loss_free"}, r"moe.balancer must be one of"),
+    ({"moe.balancer_method": "median"}, r"moe.balancer_method must be one of"),
+])
+def test_the_moe_layer_and_the_model_config_raise_the_same_error(changes, match):
+  cfg = small_config(**{"moe.enabled": True, "moe.latent_dim": 8, **changes})
+  with pytest.raises(ValueError, match="model." + match) as from_model:
+    config_lib.validate(cfg)
+  with pytest.raises(ValueError, match=match) as from_layer:
+    moe.check_config(cfg.d_model, cfg.moe)
+  assert str(from_model.value) == "model." + str(from_layer.value)
 
 
 def test_explicit_head_dim_allows_heads_that_do_not_divide_the_width():

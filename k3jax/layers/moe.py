@@ -17,13 +17,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx, struct
 
-from k3jax import balancer, parallel
+from k3jax import balancer, config as config_lib, parallel
 from k3jax.layers.common import Linear, RMSNorm
 from k3jax.layers.ffn import SiTUGLU, situ_glu
 from pallas_kernels.grouped_gemm import grouped_matmul
-
-BALANCERS = ("quantile", "none", "aux_loss", "sign")
-
 
 @struct.dataclass
 class MoEStats:
@@ -33,26 +30,11 @@ class MoEStats:
 
 
 def check_config(d_model: int, cfg: ml_collections.ConfigDict, mesh=None) -> None:
-  """ValueErrors for a MoE config (and mesh) the layer cannot be built from, naming the field."""
-  def get(name):
-    if name not in cfg or cfg[name] is None:
-      raise ValueError(f"moe.{name} must be set for the MoE layer")
-    return cfg[name]
-  for name in ("num_experts", "top_k", "latent_dim", "expert_hidden"):
-    if not isinstance(get(name), int) or get(name) < 1:
-      raise ValueError(f"moe.{name} must be a positive int, got {get(name)!r}")
-  if get("top_k") > get("num_experts"):
-    raise ValueError(f"moe.top_k={cfg.top_k} exceeds moe.num_experts={cfg.num_experts}")
-  if not isinstance(get("num_shared_experts"), int) or cfg.num_shared_experts < 0:
-    raise ValueError(f"moe.num_shared_experts must be an int >= 0, got {cfg.num_shared_experts!r}")
-  if cfg.num_shared_experts and (not isinstance(get("shared_hidden"), int) or cfg.shared_hidden < 1):
-    raise ValueError(f"moe.shared_hidden must be a positive int with shared experts, got {cfg.shared_hidden!r}")
-  if get("balancer") not in BALANCERS:
-    raise ValueError(f"moe.balancer must be one of {BALANCERS}, got {cfg.balancer!r}")
-  if cfg.balancer == "quantile" and get("balancer_method") not in ("exact", "histogram"):
-    raise ValueError(f"moe.balancer_method must be 'exact' or 'histogram', got {cfg.balancer_method!r}")
+  """ValueErrors for a MoE config (`k3jax.config.validate_moe`) and mesh the layer cannot be built from, naming
+  the field."""
   if not isinstance(d_model, int) or d_model < 1:
     raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+  config_lib.validate_moe(cfg, root="moe")
   if mesh is not None and cfg.num_experts % parallel.expert_parallel_size(mesh):
     raise ValueError(f"moe.num_experts={cfg.num_experts} is not divisible by the expert-parallel size "
                      f"{parallel.expert_parallel_size(mesh)}")
