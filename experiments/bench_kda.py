@@ -6,7 +6,7 @@ Each implementation runs the layer's fused operator (q/k L2 norm, bounded gate, 
 `--check` first compares the Pallas kernels in bf16 with the XLA path in fp32 (outputs and every gradient).
 Times are device time per call: CUDA events for FLA (`triton.testing.do_bench`), back-to-back calls for JAX
 (`harness.pipelined_seconds`); `host_ms` is JAX's older per-call host timer around `block_until_ready`, which adds
-the launch and the synchronisation (the `ms` of BUILD_NOTES' KDA runs 1-8).
+the launch and the synchronisation.
 """
 import functools
 import os
@@ -144,7 +144,7 @@ def fla_runner(x, do):
 
 
 CHECK_CASES = ("random", "gates_at_bound", "fused", "packed", "repeated_keys")
-# SPEC.md §8 tolerances are for random inputs; repeated keys are reported, not held to them.
+# The tolerances (docs/design.md, tolerances) hold for random inputs; repeated keys are reported, not held to them.
 GATED_CASES = ("random", "gates_at_bound", "fused", "packed")
 
 
@@ -156,12 +156,12 @@ def fused_inputs(x):
 
 def check_pallas(x, case):
   """The Pallas kernels in the input dtype against the XLA path in fp32 on the same (upcast) inputs: o, the final
-  state and every gradient (SPEC.md §8). The q/k L2 norm, gate and β sigmoid are applied first, as the layer does.
+  state and every gradient. The q/k L2 norm, gate and β sigmoid are applied first, as the layer does.
   Cases: random gates; every gate at the bound; the fused entry on the raw projections (the kernels' own norm, gate
   and sigmoid, and the gradients through them to A_log and dt_bias); packed documents (about 300 tokens each, starts
   anywhere in a tile, one always mid-tile); one key repeated through the sequence with β ≈ 1 and no decay (I + A_kk
   is then as far from the identity as it gets). The fused and packed cases also check the undifferentiated forward
-  (no residuals)."""
+  (no residuals). The bounds: docs/design.md, tolerances."""
   B, T, H, K = x["q"].shape
   S0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, x["v"].shape[-1]), jnp.float32)
   seg = None
@@ -192,8 +192,8 @@ def check_pallas(x, case):
 
 
 def model_counts(B, T, H, D, mode):
-  """FLOPs (SPEC.md §2: ~6KV + 3CK + C² per token and head forward; backward taken as twice that) and the fewest
-  bytes: forward reads the five inputs and writes o; forward+backward reads the inputs and dO and writes the five
+  """FLOPs (docs/design.md, KDA: ~6KV + 3CK + C² per token and head forward; backward taken as twice that) and the
+  fewest bytes: forward reads the five inputs and writes o; forward+backward reads the inputs and dO and writes the five
   input gradients."""
   C, el = 64, 2
   flops = B * T * H * (6 * D * D + 3 * C * D + C * C)
@@ -244,7 +244,7 @@ def main(argv):
         print(row, flush=True)
         save(rows)
         if FLAGS.profile and "error" not in row:
-          if impl == "fla":  # last: torch's profiler keeps CUPTI, and JAX's then cannot subscribe (run 7, call 2)
+          if impl == "fla":  # last: torch's profiler keeps CUPTI, and JAX's then cannot subscribe
             fla_profiles.append((shape, mode, fla["kernels"][mode]))
           else:
             profile_rows(rows, shape, impl, mode, lambda: harness.device_kernel_times(compiled, *args))

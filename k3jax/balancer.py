@@ -1,9 +1,9 @@
-"""Loss-free quantile balancing of MoE routing (SPEC.md §5), its baselines and load metrics, as pure functions.
+"""Loss-free quantile balancing of MoE routing (docs/design.md, quantile balancing), its baselines and load metrics.
 
 The state is a per-expert bias used for selection only. `update` moves it after each optimizer step from the router
 scores of that step: "exact" sets each expert's bias to the quantile that would give it exactly T·k/E of the
 tokens; "histogram" does the same from per-expert histograms that sum across micro-batches and devices; "sign" is
-the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Never differentiated.
+the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Pure functions, never differentiated.
 """
 from __future__ import annotations
 

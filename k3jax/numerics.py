@@ -1,4 +1,4 @@
-"""The error measure of SPEC.md §8 and the output-and-gradient probe used by the KDA tests and benchmarks."""
+"""The error measure (docs/design.md, tolerances) and the output-and-gradient probe of the KDA tests and benchmarks."""
 import jax
 import jax.numpy as jnp
 import numpy as np

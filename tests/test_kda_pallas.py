@@ -1,4 +1,4 @@
-"""Pallas KDA kernels (interpret mode on CPU) against the recurrence: outputs and every gradient (SPEC.md §8)."""
+"""Pallas KDA kernels in interpret mode against the recurrence: outputs and gradients (docs/design.md, tolerances)."""
 import functools
 
 import chex
@@ -460,7 +460,7 @@ def test_mosaic_backward_state_pass_gives_the_triton_passes_gradients():
 
 def test_bf16_with_the_mosaic_state_pass_matches_the_recurrence(monkeypatch):
   """The whole operator in bf16 with both state passes on Mosaic GPU (all of V in one program, the forward's in 3
-  segments, interpret mode): outputs and every gradient against the recurrence within SPEC §8's bf16 tolerances,
+  segments, interpret mode): outputs and every gradient against the recurrence within the bf16 tolerances,
   with packed documents, an initial state and T = 380; the forward's pass ran with and without the backward's
   residuals, and the reverse pass ran."""
   from pallas_kernels.kda import chunk, state_mosaic

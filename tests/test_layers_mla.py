@@ -1,4 +1,4 @@
-"""Gated MLA: shapes and dtypes, the formula of SPEC.md §3, absorbed decode == full forward, packed documents."""
+"""Gated MLA: shapes, dtypes, the formula (docs/design.md, gated MLA), absorbed decode == full forward, documents."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ def layer():
 
 
 def _reference(layer, x, seg):
-  """SPEC.md §3 in float64 NumPy from the layer's parameters."""
+  """The formula (docs/design.md, gated MLA) in float64 NumPy from the layer's parameters."""
   p = lambda v: np.asarray(v[...], np.float64)
   rms = lambda a, w: a / np.sqrt(np.mean(a * a, -1, keepdims=True) + 1e-6) * w
   x = np.asarray(x, np.float64)

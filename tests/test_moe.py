@@ -59,7 +59,7 @@ def rel(a, b):
 
 
 def dense_reference(layer, x_BTD):
-  """Every expert on every token, combined with the routing weights: SPEC.md §4 written out directly."""
+  """Every expert on every token, combined with the routing weights: docs/design.md, LatentMoE, written out directly."""
   cfg = layer.cfg
   x = x_BTD.reshape(-1, D)
   s = jax.nn.sigmoid(x @ layer.router.w[...])

@@ -1,4 +1,4 @@
-"""SiTU-GLU: the bounded SwiGLU used by the dense FFN, the routed experts and the shared experts (SPEC.md §4)."""
+"""SiTU-GLU, the bounded SwiGLU of the dense FFN, the routed and the shared experts (docs/design.md, LatentMoE)."""
 from __future__ import annotations
 
 import jax

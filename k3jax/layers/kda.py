@@ -1,4 +1,4 @@
-"""The KDA layer (SPEC.md §2): projections, causal short convolution, bounded decay gate, chunked/recurrent KDA.
+"""KDA layer (docs/design.md, KDA): projections, causal short convolution, bounded decay gate, chunked/recurrent KDA.
 
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x));  q, k L2-normalised per head
     g = γ_min·σ(e^{A_log}(W_f x + dt_bias))   (or −e^{A_log}·softplus(W_f x + dt_bias)),   β = σ(W_β x)

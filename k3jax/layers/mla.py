@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention, NoPE (SPEC.md §3): the global-attention layers between the KDA layers.
+"""Gated multi-head latent attention, NoPE (docs/design.md, gated MLA): the global-attention layers beside the KDA ones.
 
     c_kv = RMSNorm(W_dkv x)                   latent, rank r_kv: the only thing decoding caches
     k_h = c_kv W_uk,h,   v_h = c_kv W_uv,h,   q_h = RMSNorm(x W_dq) W_uq,h   (or x W_q,h without q-LoRA)

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (SPEC.md §4): sigmoid router with a balancer bias, routed SiTU-GLU experts in a latent space.
+"""Stable LatentMoE (docs/design.md, LatentMoE): sigmoid router with a balancer bias, SiTU-GLU experts in latent space.
 
     s = σ(x W_r) (fp32),  sel = top_k(s + b),  p = s[sel] / Σ s[sel] · routed_scaling
     y = Shared(x) + W_up RMSNorm(Σ_{i∈sel} p_i E_i(W_down x))

@@ -2,7 +2,7 @@
 
     flops/token = 6·N_active                                   matmuls, forward + backward (2 + 4 per weight)
                 + Σ_MLA 3·T·H·(d_qk + d_v)                     causal attention: T/2 keys on average, QKᵀ and PV
-                + Σ_KDA 3·H·(6·K·V + 3·C·K + C²)               chunked KDA (SPEC.md §2, forward ×3), C = 64
+                + Σ_KDA 3·H·(6·K·V + 3·C·K + C²)               chunked KDA (docs/design.md, KDA; ×3), C = 64
 
 N_active counts every weight matrix applied to each token: embeddings are a lookup and are left out (a tied
 head counts once), the short convolutions are left out, routed experts count top_k/E of their weights.

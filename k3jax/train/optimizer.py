@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 from optax import contrib
 
-# SPEC.md §2: the KDA decay parameters take no weight decay; nor do vectors (norm weights, biases, AttnRes queries).
+# The KDA decay parameters take no weight decay (docs/design.md, KDA); nor do vectors (norms, biases, AttnRes queries).
 NO_DECAY_NAMES = ("A_log", "dt_bias")
 # Muon orthogonalises the 2-D hidden matrices; embeddings, the output head and the depthwise short-conv kernels
 # stay with AdamW (as do vectors and the stacked 3-D / 4-D weights: per-head and per-expert tensors).

@@ -246,8 +246,7 @@ def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do,
   state pass's v_new and its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v5"
   (a row pass, a column pass over `block_k` columns and dg's suffix sum, each a program per tile,
   `_intra_backward_passes`) or "v3" (one kernel: the reference the tests hold v5 to); same outputs. The default is
-  the fastest setting checked on the H200 (v5, 4 warps, 64 columns: 5.05 ms at 8×4096 against 6.30 for session 3's
-  v4, a per-chunk row pass and a column pass carrying dg, at its best setting; BUILD_NOTES KDA run 8)."""
+  the fastest setting measured on the H200 (v5, 4 warps, 64 columns: BUILD_NOTES.md, KDA kernels)."""
   if variant not in ("v3", "v5"):
     raise ValueError(f"intra_backward: variant must be 'v3' or 'v5', got {variant!r}")
   if variant == "v5":

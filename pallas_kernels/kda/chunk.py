@@ -2,10 +2,10 @@
 
 Forward: pre-pass (the fused entry's gate, L2 norms and β sigmoid; q, k against their tiles' anchors) -> intra pass
 (parallel over chunks) -> state pass (sequential, writes o). The intra pass's outputs are the residuals (≈ 0.9 GB at
-8×4096×16×128, bf16; recomputing them cost a third of the backward), and under differentiation also the states
-entering each chunk and v_new, which the state pass writes beside o (recomputing them took 0.26 ms of 8.5 at
-8×4096). Backward: a reverse state pass, the state-gradient products, the intra backward, and for the fused entry
-the pre-pass's gradient by XLA.
+8×4096×16×128, bf16; recomputing them cost more than they take), and under differentiation also the states
+entering each chunk and v_new, which the state pass writes beside o (no second pass in the backward). Backward: a
+reverse state pass, the state-gradient products, the intra backward, and for the fused entry the pre-pass's
+gradient by XLA.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from pallas_kernels.kda.tiles import CHUNK
 
 def default_block_v(B, H, V, target_programs=128):
   """Columns of the state per program in the sequential passes: the widest giving `target_programs` programs.
-  Measured on the H200 (BUILD_NOTES KDA run 9, forward, 4 warps): 128 columns best at B·H = 128, 32 at 32, 16 at
-  16; the backward 128 columns (8 warps) at B·H = 128."""
+  The fastest block on the H200 at every B·H measured, forward and backward (BUILD_NOTES.md, KDA kernels)."""
   bv = V
   while bv > 16 and (V // bv) * B * H < target_programs:
     bv //= 2
@@ -73,7 +72,7 @@ def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
   scale, lower_bound, block_v, _, segments, valid_len, _ = cfg
   p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save)
   # Without the backward, the key tiles invert B's diagonal blocks: the Mosaic solve's chain is then 4 products long,
-  # not 10 (−0.09 ms at 8x4096, BUILD_NOTES KDA run 14); the backward reads B as it is.
+  # not 10; the backward reads B as it is.
   invert = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
   w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
                                                          lower_bound=lower_bound, save=save, invert_diagonal=invert)
