@@ -20,13 +20,14 @@ def run_script(module, *flags, out_dir):
 
 @pytest.mark.xdist_group("benchmarks")
 def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
-  done = run_script("experiments.bench_kda", "--impls=xla,pallas", "--shapes=1x128x2x32", "--repeats=1",
-                    "--warmup=1", "--check", "--profile", "--per_kernel", "--sweep=false", "--kernels=intra_fwd",
-                    out_dir=tmp_path)
+  done = run_script("experiments.bench_kda", "--impls=xla,pallas,pallas:unrolled", "--shapes=1x128x2x32",
+                    "--repeats=1", "--warmup=1", "--check", "--profile", "--per_kernel", "--sweep=false",
+                    "--kernels=intra_fwd", out_dir=tmp_path)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   rows = json.loads((tmp_path / "bench_kda.json").read_text())
   times = [r for r in rows if r["kind"] == "time"]
-  assert {(r["impl"], r["mode"]) for r in times} == {(i, m) for i in ("xla", "pallas") for m in ("fwd", "fwdbwd")}
+  assert {(r["impl"], r["mode"]) for r in times} == {(i, m) for i in ("xla", "pallas") for m in ("fwd", "fwdbwd")} | {
+      ("pallas:unrolled", "fwdbwd")}   # a column-pass form times its backward only
   assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in times)
   assert not [r for r in rows if r["kind"] == "error"]  # the profile pass ran (it finds no GPU kernels here)
   kernels = [r for r in rows if r["kind"] == "kernel"]
@@ -34,6 +35,19 @@ def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
   checks = [r for r in rows if r["kind"] == "check"]
   assert {r["case"] for r in checks} == {"random", "gates_at_bound", "fused", "packed", "repeated_keys"}
   assert all(r["ok"] for r in checks if r["case"] != "repeated_keys")
+
+
+def test_bench_kda_error_table_puts_fla_beside_ours_and_marks_ratios_past_the_bar(capsys):
+  from experiments import bench_kda
+  names = ("o", "S", "q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias", "initial_state")
+  check = lambda impl, **errs: dict(kind="check", shape="1x64x1x16", case="fused", impl=impl,
+                                    **{n: errs.get(n, 4e-3) for n in names})
+  bench_kda.print_error_table([check("pallas", g_raw=6e-3), check("fla", g_raw=4e-3), dict(kind="time")])
+  table = capsys.readouterr().out
+  assert "6.00e-03 / 4.00e-03  1.50*" in table and "4.00e-03 / 4.00e-03  1.00 " in table, table
+  assert table.splitlines()[-1].split()[-1] == "1.50", table
+  bench_kda.print_error_table([check("pallas")])                 # no FLA rows (FLA not importable): no table
+  assert capsys.readouterr().out == ""
 
 
 @pytest.mark.xdist_group("benchmarks")

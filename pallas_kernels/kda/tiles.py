@@ -244,19 +244,7 @@ class TileGates(TileAnchors):
 
   def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
     super().__init__(tile_totals(loc_ref, cols), docs, lower_bound)
-    # Queries of tile J >= i against anchor R_i take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
-    zero = jnp.zeros_like(self.tot[0])
-    self.query_span = [sum((jnp.where(p >= self.i, self.tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
-    self.loc_all = loc_ref[:, cols].astype(F32)                                           # tile start -> row
     self.loc = loc_ref[pl.ds(docs.i * SUB, SUB), cols].astype(F32)                        # [16,K], tile i
-
-  def keys_factor(self):
-    """[64,K]: e^{c - (G - R_J) + R_i - R_J} on rows of tiles J <= i, 0 after: the chunk's keys for anchor i."""
-    return jnp.exp(jnp.where(tile_of_row() <= self.i, self.c - self.loc_all + per_tile(self.key_span), -jnp.inf))
-
-  def queries_factor(self):
-    """[64,K]: e^{G - R_J - c + R_J - R_i} on rows of tiles J >= i, 0 before: the chunk's queries for anchor i."""
-    return jnp.exp(jnp.where(tile_of_row() >= self.i, self.loc_all - self.c + per_tile(self.query_span), -jnp.inf))
 
   def e_q(self):
     """[16,K]: the tile's query factor e^{G - R_i - c}."""
