@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from k3jax.ops import moe_dispatch
+
 METHODS = ("exact", "histogram", "sign")
 NUM_BINS = 4096
 
@@ -50,7 +52,7 @@ def select(scores_TE, bias_E, *, top_k: int, routed_scaling: float = 1.0):
 
 def expert_load(expert_ids_TK, num_experts: int):
   """Token-slots routed to each expert, float32 `[E]`."""
-  return jnp.zeros((num_experts,), jnp.float32).at[expert_ids_TK.reshape(-1)].add(1.0)
+  return moe_dispatch.expert_counts(expert_ids_TK, num_experts, jnp.float32)
 
 
 def cutoff_residuals(scores_TE, bias_E, *, top_k: int):
