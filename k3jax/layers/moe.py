@@ -94,6 +94,7 @@ class LatentMoE(nnx.Module):
     self.cfg = ml_collections.FrozenConfigDict(moe_cfg)  # hashable: it is static module data
     self.dtype, self.mesh, self.backend = dtype, mesh, grouped_gemm_backend
 
+  @jax.named_scope("moe")
   def __call__(self, x_BTD):
     b, t, d = x_BTD.shape
     cfg = self.cfg
