@@ -122,6 +122,7 @@ class LatentMoE(nnx.Module):
     stats = MoEStats(scores_TE=scores_TE, aux_loss=aux, load_E=balancer.expert_load(ids_TK, cfg.num_experts))
     return y_BTD, stats
 
+  @jax.named_scope("balancer")
   def update_balance(self, stats_list) -> None:
     """After the optimizer step: the new bias from this step's router scores (a list of stats, or one)."""
     stats_list = [stats_list] if isinstance(stats_list, MoEStats) else list(stats_list)

@@ -9,7 +9,7 @@ Kinds (first rule that matches a kernel's name, its HLO instruction's custom-cal
   dispatch      sorts, scatters and gathers (MoE dispatch under the `moe_dispatch` scope, embedding, top-k)
   other         every other fusion, copy and memset: elementwise and reduction glue
 Glue is everything but gemm, grouped_gemm, attention and kda; it is also split by the layers' named scopes (SCOPES,
-found in a kernel's op_name; "unscoped" for the rest: AttnRes, embedding, loss, optimizer). On a GPU the times are
+found in a kernel's op_name; "unscoped" for the rest: embedding, loss, optimizer, ...). On a GPU the times are
 the device streams' kernel events; on a CPU they are XLA:CPU's thunks (they overlap on its thread pool: proportions,
 not a timeline).
 """
@@ -31,7 +31,7 @@ from pallas_kernels.grouped_gemm.ops import SCOPE as GROUPED_GEMM_SCOPE
 
 KINDS = ("gemm", "grouped_gemm", "attention", "kda", "dispatch", "collective", "other")
 COMPUTE = ("gemm", "grouped_gemm", "attention", "kda")  # the rest is glue
-SCOPES = ("moe", "kda", "mla", "ffn", "attnres")  # named scopes of the layers, outermost first
+SCOPES = ("moe", "kda", "mla", "ffn", "attnres", "balancer")  # the layers' named scopes
 _GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|gemv|cublas|matmul|onednn|^dot\b|^ynn_fusion", re.IGNORECASE)
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|all[-_]?to[-_]?all|reduce[-_]?scatter|"
                          r"collective[-_]?permute", re.IGNORECASE)
