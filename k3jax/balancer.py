@@ -71,8 +71,10 @@ def exact_quantile(residuals_TE, *, top_k: int):
   pos = min(max(t * top_k / e - 0.5, 0.0), t - 1.0)
   lo = int(pos)
   frac = pos - lo
-  r_sorted_TE = jnp.sort(residuals_TE, axis=0)
-  return r_sorted_TE[lo] + frac * (r_sorted_TE[min(lo + 1, t - 1)] - r_sorted_TE[lo])
+  # Each expert's residuals as one row, sorted along the minor axis: XLA's GPU compiler hands only minor-axis sorts to
+  # CUB's radix sort (batched); along the major axis of [T, E] it emits its own sorting network, dozens of passes.
+  r_sorted_ET = jnp.sort(residuals_TE.T, axis=-1)
+  return r_sorted_ET[:, lo] + frac * (r_sorted_ET[:, min(lo + 1, t - 1)] - r_sorted_ET[:, lo])
 
 
 def histogram_range(bias_E):
