@@ -7,7 +7,7 @@
    router's top-k: forward, dX, dW against a dense GEMM of the same FLOPs, and the forward against
    `jax.lax.ragged_dot` (at fewer rows when ragged_dot runs out of memory: the rows used are printed).
 3. layer: LatentMoE forward+backward against a dense SiTU-GLU FFN with the same activated FLOPs per token.
-4. dispatch: the routed part (sort, dispatch, experts, combine) with the custom-VJP dispatch of k3jax.ops.moe_dispatch
+4. dispatch (first E): the routed part (sort, dispatch, experts, combine) with the custom-VJP dispatch of k3jax.ops.moe_dispatch
    and with autodiff of the gather / scatter / einsum it replaced, forward and forward+backward, with the expert GEMMs
    and without (the data movement alone, against the bytes it must move); checks the two agree (bf16).
 5. sweep (GPU, first): tile configurations on both GEMMs at the first E; the sections use the best of each product.
@@ -359,7 +359,7 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
               + " ".join(f"{p} {entry['check'][p]:.2e}" for p in ("fwd", "dx", "dw"))
               + ("  OK" if not bad else f"  FAILED ({', '.join(bad)} > {MAX_REL_ERR})"), flush=True)
       report_gemm(tag, entry, 2 * shapes.tokens * shapes.top_k * k * n)
-    if "dispatch" in shapes.sections:
+    if "dispatch" in shapes.sections and experts == shapes.experts[0]:
       try:
         results[f"E{experts}"]["dispatch"] = d = dispatch_times(shapes, experts, key)
         report_dispatch(f"E={experts}", d)
@@ -431,7 +431,7 @@ def summary(results: dict, shapes: Shapes) -> str:
   if "dispatch" in shapes.sections:
     lines += ["", "| E | routed part | fwd ms: custom VJP / autodiff | fwd+bwd ms: custom VJP / autodiff |",
               "|---|---|---|---|"]
-    for experts in shapes.experts:
+    for experts in shapes.experts[:1]:
       d = results.get(f"E{experts}", {}).get("dispatch")
       for run in ("experts", "movement"):
         cells = [f"{d[run]['custom_vjp'][m] * 1e3:.3f} / {d[run]['autodiff'][m] * 1e3:.3f}" if d else "failed"

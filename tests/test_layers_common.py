@@ -1,21 +1,12 @@
 """The embedding lookup: the table's rows, and a gradient by one-hot product (no scatter-add) that equals autodiff
 of `jnp.take` with many tokens per row, in fp32 and to bf16 rounding."""
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from k3jax.layers import common
-
-
-def primitive_names(fn, *args):
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      yield eqn.primitive.name
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        yield from walk(sub)
-  return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+from test_moe_dispatch import primitives
 
 
 def lookup_case(vocab, d=8, shape=(3, 40), seed=0):
@@ -31,7 +22,7 @@ def test_lookup_gradient_is_a_one_hot_product_equal_to_autodiff_of_take():
   y_ref, pullback_ref = jax.vjp(lambda t: jnp.take(t, tokens, axis=0), table)
   np.testing.assert_array_equal(y, y_ref)
   np.testing.assert_allclose(pullback(dy)[0], pullback_ref(dy)[0], rtol=1e-6, atol=1e-6)
-  assert "scatter-add" not in primitive_names(jax.grad(lambda t: jnp.sum(common.embed(t, tokens) * dy)), table)
+  assert "scatter-add" not in primitives(jax.grad(lambda t: jnp.sum(common.embed(t, tokens) * dy)), table)
 
 
 def test_bfloat16_gradient_rounds_the_cotangent_once():
@@ -46,7 +37,7 @@ def test_bfloat16_gradient_rounds_the_cotangent_once():
 
 def test_large_vocabularies_keep_the_gather_and_its_scatter_add():
   table, tokens, dy = lookup_case(vocab=common.ONE_HOT_GRAD_MAX_VOCAB + 1, shape=(2, 8))
-  assert "scatter-add" in primitive_names(jax.grad(lambda t: jnp.sum(common.embed(t, tokens) * dy)), table)
+  assert "scatter-add" in primitives(jax.grad(lambda t: jnp.sum(common.embed(t, tokens) * dy)), table)
 
 
 @pytest.mark.parametrize("bad", [-1, -14, 13])
