@@ -7,9 +7,9 @@
    router's top-k: forward, dX, dW against a dense GEMM of the same FLOPs, and the forward against
    `jax.lax.ragged_dot` (at fewer rows when ragged_dot runs out of memory: the rows used are printed).
 3. layer: LatentMoE forward+backward against a dense SiTU-GLU FFN with the same activated FLOPs per token.
-4. dispatch (first E): the routed part (sort, dispatch, experts, combine) with the custom-VJP dispatch of k3jax.ops.moe_dispatch
-   and with autodiff of the gather / scatter / einsum it replaced, forward and forward+backward, with the expert GEMMs
-   and without (the data movement alone, against the bytes it must move); checks the two agree (bf16).
+4. dispatch (first E): the routed part (sort, dispatch, experts, combine) with the custom-VJP dispatch of
+   k3jax.ops.moe_dispatch and with autodiff of the gather / scatter / einsum it replaced, forward and forward+backward,
+   with the expert GEMMs and without (the data movement alone, against the bytes it must move); checks they agree.
 5. sweep (GPU, first): tile configurations on both GEMMs at the first E; the sections use the best of each product.
 Times: host timer around `block_until_ready`, median of --repeats after warm-up (dispatch: back-to-back calls).
 JSON to $OUT/bench_moe.json. --sections picks among gemm, layer, dispatch.
@@ -253,8 +253,8 @@ def report_dispatch(tag: str, d: dict) -> None:
   for run in ("experts", "movement"):
     new, old = d[run]["custom_vjp"], d[run]["autodiff"]
     print(f"{tag} routed part ({run}): " + "  ".join(
-        f"{mode} {new[mode] * 1e3:.3f} ms custom VJP vs {old[mode] * 1e3:.3f} ms autodiff ({old[mode] / new[mode]:.2f}x)"
-        for mode in ("fwd", "fwd_bwd")), flush=True)
+        f"{mode} {new[mode] * 1e3:.3f} ms custom VJP vs {old[mode] * 1e3:.3f} ms autodiff "
+        f"({old[mode] / new[mode]:.2f}x)" for mode in ("fwd", "fwd_bwd")), flush=True)
   kind = jax.devices()[0].device_kind
   peak = next((v for name, v in HBM_BYTES_PER_S.items() if name in kind), None)
   for mode, nbytes in d["movement_bytes"].items():

@@ -148,8 +148,15 @@ def test_rematerialised_backward_does_not_sort_again():
   assert hlo.count("stablehlo.sort") == 1
 
 
-def test_plan_rejects_non_integer_or_flat_ids():
+def test_bad_ids_and_rows_that_do_not_fit_the_plan_are_value_errors():
   with pytest.raises(ValueError, match="integer"):
     moe_dispatch.plan(jnp.zeros((4, 2)), E)
   with pytest.raises(ValueError, match=r"\[T, k\]"):
     moe_dispatch.plan(jnp.zeros((8,), jnp.int32), E)
+  p = moe_dispatch.plan(routed_ids(12), E)
+  with pytest.raises(ValueError, match=rf"z must be \[{T}, L\]"):
+    moe_dispatch.dispatch(jnp.ones((T + 1, L)), p)
+  with pytest.raises(ValueError, match=rf"y must be \[{T * K}, L\]"):
+    moe_dispatch.combine(jnp.ones((T * K + 2, L)), jnp.ones((T, K)), p)
+  with pytest.raises(ValueError, match="weights must be"):
+    moe_dispatch.combine(jnp.ones((T * K, L)), jnp.ones((T, K + 1)), p)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+SCOPE = "moe_dispatch"  # the named scope of the ops' forward and backward (profiles count it as dispatch)
+
 
 @struct.dataclass
 class Plan:
@@ -48,9 +50,6 @@ def plan(expert_ids_TK, num_experts: int) -> Plan:
   return Plan(order_M=order, inverse_TK=inverse.reshape(t, k), group_sizes_E=expert_counts(expert_ids_TK, num_experts))
 
 
-SCOPE = "moe_dispatch"  # the named scope of the ops' forward and backward (profiles count it as dispatch)
-
-
 def _rows(a, index):
   return a.at[index].get(mode="promise_in_bounds")
 
@@ -60,15 +59,25 @@ def _sum_over_slots(rows_of_slot, k: int):
   return functools.reduce(jnp.add, (rows_of_slot(j).astype(jnp.float32) for j in range(k)))
 
 
-@jax.custom_vjp
-@jax.named_scope(SCOPE)
+def _check_rows(name, a, rows: int):
+  if a.ndim != 2 or a.shape[0] != rows:
+    raise ValueError(f"{name} must be [{rows}, L] for this plan, got {list(a.shape)}")
+
+
 def dispatch(z_TL, p: Plan):
   """Each slot's token row in sorted order, `[T·k, L]`: `x[i] = z[order[i] // k]`."""
+  _check_rows("z", z_TL, p.inverse_TK.shape[0])
+  return _dispatch(z_TL, p)
+
+
+@jax.custom_vjp
+@jax.named_scope(SCOPE)
+def _dispatch(z_TL, p: Plan):
   return _rows(z_TL, p.order_M // p.inverse_TK.shape[1])
 
 
 def _dispatch_fwd(z_TL, p):
-  return dispatch(z_TL, p), p
+  return _dispatch(z_TL, p), p
 
 
 @jax.named_scope(SCOPE)
@@ -77,7 +86,7 @@ def _dispatch_bwd(p, dx_ML):
   return dz_TL.astype(dx_ML.dtype), None
 
 
-dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -110,6 +119,9 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def combine(y_ML, weights_TK, p: Plan, out_dtype=None):
   """The slots' rows (`[T·k, L]`, sorted order) weighted and summed per token, `[T, L]`, accumulated in fp32 and
   returned in `out_dtype` (y's dtype when None): `u[t] = Σ_j w[t, j] · y[inverse[t, j]]`."""
+  _check_rows("y", y_ML, p.order_M.shape[0])
+  if weights_TK.shape != p.inverse_TK.shape:
+    raise ValueError(f"weights must be {list(p.inverse_TK.shape)} for this plan, got {list(weights_TK.shape)}")
   return _combine(y_ML, weights_TK, p, jnp.dtype(out_dtype or y_ML.dtype))
 
 
