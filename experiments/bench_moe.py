@@ -221,19 +221,20 @@ def dispatch_times(shapes: Shapes, experts: int, key) -> dict:
   args = (jax.random.normal(keys[2], (t, l), jnp.bfloat16), w,
           (jax.random.normal(keys[3], (experts, l, 2 * h)) * l ** -0.5).astype(jnp.bfloat16),
           (jax.random.normal(keys[4], (experts, h, l)) * h ** -0.5).astype(jnp.bfloat16),
-          jax.random.normal(keys[5], (t, l), jnp.bfloat16))
+          jax.random.normal(keys[5], (t, l), jnp.bfloat16), ids)  # ids an argument: XLA would fold a constant's sort
   runs = {"experts": expert_ffn, "movement": lambda x_ML, group_sizes_G, *_: x_ML}
   out, results = {}, {}
   for run, expert_fn in runs.items():
     for impl, (dispatch, combine) in DISPATCH_IMPLS.items():
-      def forward(z, w, w_gate_up, w_down, dispatch=dispatch, combine=combine, expert_fn=expert_fn):
+      def forward(z, w, w_gate_up, w_down, ids, dispatch=dispatch, combine=combine, expert_fn=expert_fn):
         p = moe_dispatch.plan(ids, experts)
         return combine(expert_fn(dispatch(z, p), p.group_sizes_E, w_gate_up, w_down), w, p)
 
-      def forward_backward(z, w, w_gate_up, w_down, du, forward=forward):
-        u, pullback = jax.vjp(forward, z, w, w_gate_up, w_down)
+      def forward_backward(z, w, w_gate_up, w_down, du, ids, forward=forward):
+        u, pullback = jax.vjp(lambda *a: forward(*a, ids), z, w, w_gate_up, w_down)
         return u, pullback(du.astype(u.dtype))
-      fwd, fwd_bwd = jax.jit(lambda *a, forward=forward: forward(*a[:4])), jax.jit(forward_backward)
+      fwd = jax.jit(lambda z, w, wg, wd, du, ids, forward=forward: forward(z, w, wg, wd, ids))
+      fwd_bwd = jax.jit(forward_backward)
       entry = out.setdefault(run, {}).setdefault(impl, {})
       entry["fwd"] = harness.pipelined_seconds(fwd, *args, repeats=shapes.repeats)
       entry["fwd_bwd"] = harness.pipelined_seconds(fwd_bwd, *args, repeats=shapes.repeats)
