@@ -59,6 +59,8 @@ def test_time_train_step_reports_finite_throughput_and_profiles_the_step_by_kind
     ("grouped_ragged_dot_mosaic_gpu_kernel", "mosaic_gpu_v2", "", "grouped_gemm"),
     ("body_mosaic_gpu_kernel", "mosaic_gpu_v2", "jit(step)/transpose(jvp(moe))/grouped_gemm/pallas_call",
      "grouped_gemm"),
+    ("body_mosaic_gpu_kernel", "", "", "grouped_gemm"),  # a trace without HLO op names
+    ("body_mosaic_gpu_kernel", "mosaic_gpu_v2", "jit(step)/jvp(kda)/pallas_call", "other"),
     ("loop_pad_fusion_3", "fusion", "jit(step)/jvp(moe)/grouped_gemm/pad", "other"),  # glue beside the kernels
     ("DeviceRadixSortOnesweepKernel", "", "", "dispatch"),
     ("input_scatter_fusion_2", "fusion", "", "dispatch"),

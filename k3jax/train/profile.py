@@ -61,7 +61,9 @@ def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:
   in_scope = lambda scope: re.search(rf"\b{scope}\b", op_name) is not None
   if name.startswith("kda_"):
     return "kda"
-  if "ragged_dot" in name or (target.startswith("mosaic_gpu") and in_scope(GROUPED_GEMM_SCOPE)):
+  mosaic = target.startswith("mosaic_gpu") or "mosaic_gpu" in name
+  # Without an op_name (a trace that names no HLO op), the model's only other Mosaic kernels are KDA's, named above.
+  if "ragged_dot" in name or (mosaic and (in_scope(GROUPED_GEMM_SCOPE) or not op_name)):
     return "grouped_gemm"
   if re.search(r"cudnn|fmha|flash|sdpa", f"{name} {target}", re.IGNORECASE):
     return "attention"
