@@ -77,3 +77,7 @@ def test_bench_moe_small_runs_its_sections_and_checks(tmp_path):
   for experts in (8, 16):
     entry = result[f"E{experts}"]
     assert set(entry["gate_up"]) >= {"check", "times", "vs_ragged_dot"} and entry["layer"]["moe"] > 0
+  dispatch = result["E8"]["dispatch"]
+  assert all(dispatch[run][impl][mode] > 0 for run in ("experts", "movement") for impl in ("custom_vjp", "autodiff")
+             for mode in ("fwd", "fwd_bwd"))
+  assert max(dispatch["errors"].values()) < 2e-2  # the two dispatches agree to bf16 rounding

@@ -87,6 +87,7 @@ class KDALayer(nnx.Module):
     self.o_norm = RMSNorm(self.V, eps=model_cfg.norm_eps)
     self.w_o = lin(H * self.V, d)
 
+  @jax.named_scope("kda")
   def __call__(self, x_BTD, *, segment_ids_BT=None):
     raw, _ = self._projections(x_BTD, None, segment_ids_BT)
     o, _ = fused_kda(*raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound,

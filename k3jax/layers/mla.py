@@ -48,6 +48,7 @@ class GatedMLA(nnx.Module):
     self.w_g = lin(d, H * self.Dv)
     self.w_o = lin(H * self.Dv, d)
 
+  @jax.named_scope("mla")
   def __call__(self, x_BTD, *, segment_ids_BT=None):
     return self._forward(x_BTD, segment_ids_BT)[0]
 

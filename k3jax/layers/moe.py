@@ -3,8 +3,9 @@
     s = σ(x W_r) (fp32),  sel = top_k(s + b),  p = s[sel] / Σ s[sel] · routed_scaling
     y = Shared(x) + W_up RMSNorm(Σ_{i∈sel} p_i E_i(W_down x))
 
-Dropless: token-slots are sorted by expert and run through grouped GEMMs (`pallas_kernels.grouped_gemm`);
-with a mesh, experts are sharded over its `expert` axis (`k3jax.parallel`). The shared experts are one SiTU-GLU of
+Dropless: token-slots are sorted by expert once (`k3jax.ops.moe_dispatch`), run through grouped GEMMs
+(`pallas_kernels.grouped_gemm`) and combined per token in fp32, returned in the compute dtype; with a mesh, experts
+are sharded over its `expert` axis (`k3jax.parallel`). The shared experts are one SiTU-GLU of
 width `num_shared_experts · shared_hidden`: a sum of GLUs on the same input is one GLU over their concatenated
 hidden units.
 """
@@ -75,31 +76,35 @@ class LatentMoE(nnx.Module):
     self.cfg = ml_collections.FrozenConfigDict(moe_cfg)  # hashable: it is static module data
     self.dtype, self.mesh, self.backend = dtype, mesh, grouped_gemm_backend
 
+  @jax.named_scope("moe")
   def __call__(self, x_BTD):
     b, t, d = x_BTD.shape
     cfg = self.cfg
     x_TD = x_BTD.reshape(b * t, d)
-    scores_TE = jax.nn.sigmoid(self.router(x_TD))
-    weights_TK, ids_TK = balancer.select(scores_TE, self.balancer.get_value().bias, top_k=cfg.top_k,
-                                         routed_scaling=cfg.routed_scaling)
+    with jax.named_scope("router"):
+      scores_TE = jax.nn.sigmoid(self.router(x_TD))
+      weights_TK, ids_TK = balancer.select(scores_TE, self.balancer.get_value().bias, top_k=cfg.top_k,
+                                           routed_scaling=cfg.routed_scaling)
     z_TL = self.latent_down(x_TD)
     e, l, _, h = self.w_gate_up.shape
     experts = (self.w_gate_up[...].reshape(e, l, 2 * h).astype(self.dtype), self.w_down[...].astype(self.dtype))
     expert_fn = functools.partial(expert_ffn, backend=self.backend)
-    if self.mesh is None:
-      y_TKL = parallel.local_slot_outputs(z_TL, ids_TK, experts, num_experts=e, expert_fn=expert_fn)
-    else:
-      y_TKL = parallel.expert_parallel_slot_outputs(z_TL, ids_TK, experts, mesh=self.mesh, num_experts=e,
-                                                    expert_fn=expert_fn)
-    u_TL = jnp.einsum("tkl,tk->tl", y_TKL.astype(jnp.float32), weights_TK)
+    with jax.named_scope("routed_experts"):
+      if self.mesh is None:
+        u_TL = parallel.local_routed_outputs(z_TL, ids_TK, weights_TK, experts, num_experts=e, expert_fn=expert_fn)
+      else:
+        u_TL = parallel.expert_parallel_routed_outputs(z_TL, ids_TK, weights_TK, experts, mesh=self.mesh,
+                                                       num_experts=e, expert_fn=expert_fn)
     y_BTD = self.latent_up(self.norm(u_TL)).reshape(b, t, d)
     if self.shared is not None:
-      y_BTD = y_BTD + self.shared(x_BTD)
+      with jax.named_scope("shared_experts"):
+        y_BTD = y_BTD + self.shared(x_BTD)
     aux = (cfg.aux_loss_coef * balancer.switch_aux_loss(scores_TE, ids_TK) if cfg.balancer == "aux_loss"
            else jnp.zeros((), jnp.float32))
     stats = MoEStats(scores_TE=scores_TE, aux_loss=aux, load_E=balancer.expert_load(ids_TK, cfg.num_experts))
     return y_BTD, stats
 
+  @jax.named_scope("balancer")
   def update_balance(self, stats_list) -> None:
     """After the optimizer step: the new bias from this step's router scores (a list of stats, or one)."""
     stats_list = [stats_list] if isinstance(stats_list, MoEStats) else list(stats_list)
