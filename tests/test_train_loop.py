@@ -168,11 +168,15 @@ def test_a_changed_config_or_missing_metrics_is_refused_before_anything_is_writt
   shutil.copytree(trained.workdir, workdir)
   config = load_config(trained.config_path)
   config.seed, config.data.mix.stack, config.optimizer.lr = 1, 0.5, 1e-3
-  before = snapshot(workdir)
-  with pytest.raises(workdir_lib.ConfigChanged) as changed:
-    trainer.Run(config).train(workdir, stage=0)
-  assert all(f"{f}:" in str(changed.value) for f in ("seed", "data.mix.stack", "optimizer.lr"))
-  assert snapshot(workdir) == before
+  changed_run = trainer.Run(config)
+  for remembered_by in ("config.json", "the newest checkpoint"):
+    if remembered_by != "config.json":
+      (workdir / "config.json").unlink()
+    before = snapshot(workdir)
+    with pytest.raises(workdir_lib.ConfigChanged) as changed:
+      changed_run.train(workdir, stage=0)
+    assert all(f"{f}:" in str(changed.value) for f in ("seed", "data.mix.stack", "optimizer.lr")), remembered_by
+    assert snapshot(workdir) == before
 
   (workdir / "metrics.jsonl").unlink()
   before = snapshot(workdir)

@@ -1,10 +1,11 @@
 """A run directory's memory of its config, and the guard that keeps a resumed run the same run.
 
-`config.json` holds the config the directory was trained with. Starting it again with a config that changes what
-training computes stops with `ConfigChanged`, listing the differing fields, before anything in the directory is
-written. Fields that only change how the run is observed or stored (`RESUMABLE`) may change freely. With
-`allow_change` (`--allow_config_change`) the run continues and the change is appended to `config_changes.jsonl`;
-a change of the run's length or of its schedule must still keep the learning rate of the steps already taken.
+`config.json` holds the config the directory was trained with (without it, the newest checkpoint's config counts).
+Starting it again with a config that changes what training computes stops with `ConfigChanged`, listing the
+differing fields, before anything in the directory is written. Fields that only change how the run is observed or
+stored (`RESUMABLE`) may change freely. With `allow_change` (`--allow_config_change`) the run continues and the
+change is appended to `config_changes.jsonl`; a change of the run's length or of its schedule must still keep the
+learning rate of the steps already taken.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from k3jax.train import optimizer, stages as stages_lib
+from k3jax.train import checkpoint, optimizer, stages as stages_lib
 
 CONFIG, CHANGES = "config.json", "config_changes.jsonl"
 # Dotted fields (a prefix covers its subfields) that never change what a step computes.
@@ -67,9 +68,17 @@ def _under(field: str, prefixes) -> bool:
 
 
 def remembered(workdir) -> dict | None:
-  """The config `workdir` was trained with (its config.json), None for a new directory."""
+  """The config `workdir` was trained with: its config.json, else the one saved in its newest checkpoint; None for
+  a new directory."""
   path = pathlib.Path(workdir) / CONFIG
-  return json.loads(path.read_text()) if path.exists() else None
+  if path.exists():
+    return json.loads(path.read_text())
+  found = checkpointed_stages(workdir)
+  if not found:
+    return None
+  stage = max(found)
+  with checkpoint.Checkpointer(stage_directory(workdir, stage), keep=1, read_only=True) as ckpt:
+    return ckpt.read_meta(found[stage][-1])["config"]
 
 
 def stage_directory(workdir, stage: int) -> pathlib.Path:
