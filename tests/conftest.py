@@ -18,3 +18,21 @@ def trained(tmp_path_factory):
   import train_testing
   with train_testing.trained_run(tmp_path_factory.mktemp("train")) as t:
     yield t
+
+
+def pytest_collection_modifyitems(config, items):
+  """`--dist loadgroup` sends the tests of one `xdist_group` to one worker by a `@group` suffix on their node ids.
+  pytest-xdist 3.8 adds it by setting `item._nodeid`, which pytest 9 no longer reads (node ids are `item._id`),
+  so every group was spread over the workers and each built its fixtures; the suffix is added here where missing."""
+  if not getattr(config.option, "loadgroup", False):
+    return
+  for item in items:
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    if groups and "@" not in item.nodeid:
+      grouped = f"{item.nodeid}@{'_'.join(groups)}"
+      try:
+        from _pytest.nodeid import NodeId   # pytest >= 9
+        item._id = NodeId.parse(grouped)
+      except ImportError:                  # pytest 8: where xdist puts it
+        item._nodeid = grouped
