@@ -1,7 +1,9 @@
 """The model's configuration: every field with its default (`model_config`), checks (`validate`), derived values.
 
-`config.model` is an ml_collections ConfigDict. Experiment configs start from `model_config()` and change fields;
-`K3Model` calls `validate` before building anything, so a bad config fails with a ValueError naming the field.
+`config.model` is an ml_collections ConfigDict, locked: setting a field it does not have raises (so a typo such as
+`m.d_modle = 32` is an error); `with m.unlocked():` adds one deliberately. Experiment configs start from
+`model_config()` and change fields; `K3Model` calls `validate` before building anything, so a bad config fails
+with a ValueError naming the field.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.residual = ml_collections.ConfigDict()
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
   m.residual.block_size = 2               # decoder layers per AttnRes block
-  return m
+  return m.lock()                         # setting a field it does not have is an error (a typo, not a new field)
 
 
 def validate(m: ml_collections.ConfigDict) -> None:
