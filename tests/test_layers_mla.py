@@ -149,3 +149,16 @@ def test_prefill_chunk_rejects_writes_past_the_cache(layer):
     layer.prefill_chunk(normal(8, (1, 4, 32)), cache, jnp.asarray([6]), jnp.asarray([4]))
   with pytest.raises(ValueError, match="need 0 <= lengths <= T=4"):
     layer.prefill_chunk(normal(8, (1, 4, 32)), cache, jnp.asarray([0]), jnp.asarray([5]))
+
+
+def test_decode_with_the_pallas_kernel_equals_the_xla_path():
+  """mla.decode_impl = "pallas" (interpret mode here) decodes like "xla" at per-row positions (R = 16, L = 20)."""
+  layers = {impl: random_module(lambda rngs: GatedMLA(small_config(**{"mla.decode_impl": impl}), rngs=rngs), seed=2)
+            for impl in ("xla", "pallas")}
+  x = normal(9, (2, 1, 32))
+  cache = layers["xla"].init_cache(2, 20)
+  cache = type(cache)(normal(10, cache.ckv_BLR.shape))
+  pos = jnp.asarray([3, 17], jnp.int32)
+  (y_x, c_x), (y_p, c_p) = (decode_rows(layers[i], x, cache, pos) for i in ("xla", "pallas"))
+  assert rel_err(y_p, y_x) < TOL
+  np.testing.assert_array_equal(c_p.ckv_BLR, c_x.ckv_BLR)

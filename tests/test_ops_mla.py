@@ -69,10 +69,13 @@ def test_decode_attention_xla_matches_dense_formula_with_per_row_lengths():
 
 
 def test_decode_impl_choice_and_refusals():
-  assert mla.pick_decode_impl("xla", 256) == "xla"
-  assert mla.pick_decode_impl("auto", 256) == ("pallas" if jax.default_backend() == "gpu" else "xla")
-  with pytest.raises(ValueError, match="multiple of 16"):
-    mla.pick_decode_impl("pallas", 24)
+  assert mla.pick_decode_impl("xla", 256, 4096) == "xla"
+  assert mla.pick_decode_impl("auto", 256, 4096) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+  assert mla.pick_decode_impl("auto", 96, 4096) == "xla"
+  with pytest.raises(ValueError, match="power of two >= 16"):
+    mla.pick_decode_impl("pallas", 24, 4096)
+  with pytest.raises(ValueError, match="cache of >= 16"):
+    mla.pick_decode_impl("pallas", 32, 8)
   with pytest.raises(ValueError, match="impl must be one of"):
     mla.decode_attention(jnp.zeros((1, 1, 16)), jnp.zeros((1, 4, 16)), jnp.ones((1,), jnp.int32), scale=1.0,
                          impl="cuda")

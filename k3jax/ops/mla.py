@@ -94,7 +94,7 @@ def decode_attention(q_BHR, ckv_BLR, lengths_B, *, scale: float, impl: str = "au
   row's own length), "auto" (the kernel on a GPU when it applies, else XLA)."""
   if impl not in DECODE_IMPLS:
     raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
-  if pick_decode_impl(impl, q_BHR.shape[-1]) == "pallas":
+  if pick_decode_impl(impl, q_BHR.shape[-1], ckv_BLR.shape[1]) == "pallas":
     from pallas_kernels.mla_decode import mla_decode
     return mla_decode(q_BHR, ckv_BLR, lengths_B, scale=scale)
   return decode_attention_xla(q_BHR, ckv_BLR, lengths_B, scale=scale)
@@ -109,13 +109,16 @@ def decode_attention_xla(q_BHR, ckv_BLR, lengths_B, *, scale: float):
   return jnp.einsum("bhl,blr->bhr", p, ckv_BLR.astype(q_BHR.dtype))
 
 
-def pick_decode_impl(impl: str, R: int) -> str:
-  """"xla" or "pallas" for `impl`: "auto" takes the kernel on a GPU when R is a multiple of 16 (its loads' width)."""
+def pick_decode_impl(impl: str, R: int, L: int) -> str:
+  """"xla" or "pallas" for `impl`: "auto" takes the kernel on a GPU where it applies (R a power of two ≥ 16, a cache
+  of ≥ 16 positions); "pallas" refuses the rest (the kernel's own checks, before any compute)."""
+  fits = R >= 16 and not R & (R - 1) and L >= 16
   if impl == "pallas":
-    if R % 16:
-      raise ValueError(f"the Pallas MLA decode kernel needs kv_lora_rank a multiple of 16, got {R}")
+    if not fits:
+      raise ValueError(f"the Pallas MLA decode kernel needs kv_lora_rank a power of two >= 16 and a cache of >= 16 "
+                       f"positions, got R={R}, L={L}; use mla.decode_impl='xla'")
     return "pallas"
-  if impl == "auto" and jax.default_backend() == "gpu" and R % 16 == 0 and _kernel_available():
+  if impl == "auto" and jax.default_backend() == "gpu" and fits and _kernel_available():
     return "pallas"
   return "xla"
 
