@@ -28,6 +28,14 @@ def test_kernel_matches_reference_in_fp32_with_per_row_lengths(config):
   assert rel_err(got, mla_decode_reference(q, ckv, lengths, scale=0.2)) < 1e-5
 
 
+def test_heads_in_several_blocks():
+  """20 heads in blocks of 16: the second block is mostly padding, which must not leak into the output."""
+  q, ckv = _inputs(3, 2, 20, 16, 37)
+  lengths = jnp.asarray([37, 5], jnp.int32)
+  got = mla_decode(q, ckv, lengths, scale=0.3, config=DecodeConfig(block_l=16, block_h=16, num_splits=2))
+  assert rel_err(got, mla_decode_reference(q, ckv, lengths, scale=0.3)) < 1e-5
+
+
 def test_kernel_in_bf16_is_within_the_xla_paths_rounding():
   """bf16 q̃ and cache: both the kernel and XLA's einsums round the probabilities to bf16 for the second product;
   against the fp32 reference on the same inputs the kernel's error is that of the XLA path (and ~2^-9)."""
@@ -52,11 +60,14 @@ def test_bad_inputs_raise_before_any_compute():
     mla_decode(q, ckv, jnp.ones((1,)), scale=1.0)
   with pytest.raises(ValueError, match="block_l must be a power of two"):
     mla_decode(q, ckv, ok, scale=1.0, config=DecodeConfig(block_l=24))
+  with pytest.raises(ValueError, match="block_h must be a power of two"):
+    mla_decode(q, ckv, ok, scale=1.0, config=DecodeConfig(block_h=8))
 
 
 def test_kernel_lowers_to_triton_for_the_gpu(monkeypatch):
-  """Through Pallas's Triton lowering (not interpret mode) for a GPU described as an H200, at R = 512 and an odd L."""
-  args = (jax.ShapeDtypeStruct((2, 6, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, 1001, 512), jnp.bfloat16),
+  """Through Pallas's Triton lowering (not interpret mode) for a GPU described as an H200, at R = 512 (K3's), 64 heads
+  (four head blocks) and an odd L."""
+  args = (jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, 1001, 512), jnp.bfloat16),
           jax.ShapeDtypeStruct((2,), jnp.int32))
   text = cuda_module_text(monkeypatch, lambda q, c, n: mla_decode(q, c, n, scale=0.1), *args)
   assert 'name = "mla_decode_split"' in text

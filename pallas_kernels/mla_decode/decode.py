@@ -5,9 +5,10 @@
 Decoding one token is bound by reading the cache. The latents are both the keys and the values (one shared
 head of width R), so each block of the cache is loaded once and used for both products; XLA's einsums read the
 cache twice and write the scores between. Each row's own length is cut into `num_splits` equal parts, one program
-per (row, part), so every program has work whatever the row's length and no program reads past it. A program runs
-the online softmax over its part in blocks of `block_l` latents (all heads at once, padded to 16 rows for the
-tensor cores) and writes its running max, sum and unnormalised accumulator (fp32); `combine` merges the parts.
+per (row, head block, part), so every program has work whatever the row's length and no program reads past it. A
+program runs the online softmax over its part in blocks of `block_l` latents for `block_h` heads at once (padded to
+at least 16 rows for the tensor cores; up to 16 heads in one block, so a small model reads its cache once) and writes
+its running max, sum and unnormalised accumulator (fp32); `combine` merges the parts.
 Scores, softmax and accumulation in fp32; the probabilities enter the second product in the cache's dtype, as in
 the XLA path.
 """
@@ -24,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import triton_call
 
 F32 = jnp.float32
-HEAD_ROWS = 16          # tl.dot's smallest M: the heads are padded to it
+MIN_ROWS = 16           # tl.dot's smallest M: a head block is padded to it
 PROGRAMS = 528          # about four per SM of an H200 (132 SMs)
 
 
@@ -32,20 +33,30 @@ PROGRAMS = 528          # about four per SM of an H200 (132 SMs)
 class DecodeConfig:
   """Launch parameters; None picks the defaults (`default_config`)."""
   block_l: int | None = None       # latents per inner step
+  block_h: int | None = None       # heads per program (a power of two ≥ 16)
   num_splits: int | None = None    # parts of each row's length
   num_warps: int = 4
   num_stages: int = 2
 
 
-def default_config(B: int, L: int, R: int, config: DecodeConfig | None = None) -> DecodeConfig:
-  """Blocks of 64 KB of bf16 latents (128 rows at R = 256, 64 at R = 512; at most L); enough parts for ~PROGRAMS
-  programs, but no more than one block per part at the cache's length."""
+def default_config(B: int, H: int, L: int, R: int, config: DecodeConfig | None = None) -> DecodeConfig:
+  """Blocks of 64 KB of bf16 latents (128 rows at R = 256, 64 at R = 512; at most L); head blocks of all heads
+  (padded to a power of two) while the fp32 accumulator, block_h × R, stays within 32 KB, never under 16 rows;
+  enough parts for ~PROGRAMS programs, but no more than one block per part at the cache's length."""
   config = config or DecodeConfig()
   block_l = config.block_l or max(16, min(128, 32768 // R, 1 << (L.bit_length() - 1)))
   if block_l < 16 or block_l & (block_l - 1) or block_l > L:
     raise ValueError(f"block_l must be a power of two in [16, L={L}], got {block_l}")
-  num_splits = config.num_splits or max(1, min(-(-PROGRAMS // B), -(-L // block_l)))
-  return dataclasses.replace(config, block_l=block_l, num_splits=num_splits)
+  block_h = config.block_h or max(MIN_ROWS, min(_pow2_at_least(H), 8192 // R))
+  if block_h < MIN_ROWS or block_h & (block_h - 1):
+    raise ValueError(f"block_h must be a power of two >= {MIN_ROWS}, got {block_h}")
+  head_blocks = -(-H // block_h)
+  num_splits = config.num_splits or max(1, min(-(-PROGRAMS // (B * head_blocks)), -(-L // block_l)))
+  return dataclasses.replace(config, block_l=block_l, block_h=block_h, num_splits=num_splits)
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
 
 
 def check_inputs(q_BHR, ckv_BLR, lengths_B):
@@ -58,8 +69,6 @@ def check_inputs(q_BHR, ckv_BLR, lengths_B):
     raise ValueError(f"the kernel needs R (kv_lora_rank) a power of two >= 16, got {R}")
   if ckv_BLR.shape[1] < 16:
     raise ValueError(f"the kernel needs a cache of at least 16 positions, got L={ckv_BLR.shape[1]}")
-  if H > HEAD_ROWS:
-    raise ValueError(f"the kernel takes at most {HEAD_ROWS} heads, got {H}")
   if lengths_B.shape != (B,) or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
     raise ValueError(f"lengths must be an integer array [B={B}], got {lengths_B.dtype}{tuple(lengths_B.shape)}")
   for name, x in (("q", q_BHR), ("ckv", ckv_BLR)):
@@ -69,9 +78,10 @@ def check_inputs(q_BHR, ckv_BLR, lengths_B):
 
 def _split_kernel(len_ref, q_ref, ckv_ref, acc_ref, m_ref, l_ref, *, scale, block_l, num_splits, num_heads):
   L = ckv_ref.shape[0]
+  block_h = q_ref.shape[0]
   n = jnp.minimum(len_ref[0], L)
   part = pl.cdiv(pl.cdiv(n, num_splits), block_l) * block_l       # this row's part: whole blocks
-  begin = pl.program_id(1) * part
+  begin = pl.program_id(2) * part
   end = jnp.minimum(begin + part, n)
   q = q_ref[...]
   dtype = ckv_ref.dtype
@@ -92,32 +102,34 @@ def _split_kernel(len_ref, q_ref, ckv_ref, acc_ref, m_ref, l_ref, *, scale, bloc
     return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
   R = q.shape[-1]
-  init = (jnp.full((HEAD_ROWS,), -jnp.inf, F32), jnp.zeros((HEAD_ROWS,), F32), jnp.zeros((HEAD_ROWS, R), F32))
+  init = (jnp.full((block_h,), -jnp.inf, F32), jnp.zeros((block_h,), F32), jnp.zeros((block_h, R), F32))
   m, l, acc = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - begin, 0), block_l), step, init)
-  heads = jax.lax.broadcasted_iota(jnp.int32, (HEAD_ROWS,), 0) < num_heads
+  heads = pl.program_id(1) * block_h + jax.lax.broadcasted_iota(jnp.int32, (block_h,), 0) < num_heads
   pltriton.store(acc_ref, acc, mask=heads[:, None])
   pltriton.store(m_ref, m, mask=heads)
   pltriton.store(l_ref, l, mask=heads)
 
 
 def split_partials(q_BHR, ckv_BLR, lengths_B, *, scale: float, config: DecodeConfig):
-  """The first pass: per (row, part) the running max m and sum l `[B, S, 16]` and accumulator `[B, S, 16, R]`
-  (fp32; rows ≥ H unwritten; a part past the row's length has m = −inf, l = 0, acc = 0)."""
+  """The first pass: per (row, part) the running max m and sum l `[B, S, Hp]` and accumulator `[B, S, Hp, R]`
+  (fp32, Hp = H padded to whole head blocks; rows ≥ H unwritten; a part past the row's length has m = −inf, l = 0,
+  acc = 0)."""
   B, H, R = q_BHR.shape
   L = ckv_BLR.shape[1]
-  S, block_l = config.num_splits, config.block_l
-  q = jnp.pad(q_BHR.astype(ckv_BLR.dtype), ((0, 0), (0, HEAD_ROWS - H), (0, 0)))
+  S, block_l, block_h = config.num_splits, config.block_l, config.block_h
+  Hp = -(-H // block_h) * block_h
+  q = jnp.pad(q_BHR.astype(ckv_BLR.dtype), ((0, 0), (0, Hp - H), (0, 0)))
   kernel = functools.partial(_split_kernel, scale=scale, block_l=block_l, num_splits=S, num_heads=H)
   return triton_call(
-      kernel, grid=(B, S),
-      in_specs=[pl.BlockSpec((1,), lambda b, s: (b,)),
-                pl.BlockSpec((None, HEAD_ROWS, R), lambda b, s: (b, 0, 0)),
-                pl.BlockSpec((None, L, R), lambda b, s: (b, 0, 0))],
-      out_specs=[pl.BlockSpec((None, None, HEAD_ROWS, R), lambda b, s: (b, s, 0, 0)),
-                 pl.BlockSpec((None, None, HEAD_ROWS), lambda b, s: (b, s, 0)),
-                 pl.BlockSpec((None, None, HEAD_ROWS), lambda b, s: (b, s, 0))],
-      out_shape=[jax.ShapeDtypeStruct((B, S, HEAD_ROWS, R), F32), jax.ShapeDtypeStruct((B, S, HEAD_ROWS), F32),
-                 jax.ShapeDtypeStruct((B, S, HEAD_ROWS), F32)],
+      kernel, grid=(B, Hp // block_h, S),
+      in_specs=[pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                pl.BlockSpec((None, block_h, R), lambda b, h, s: (b, h, 0)),
+                pl.BlockSpec((None, L, R), lambda b, h, s: (b, 0, 0))],
+      out_specs=[pl.BlockSpec((None, None, block_h, R), lambda b, h, s: (b, s, h, 0)),
+                 pl.BlockSpec((None, None, block_h), lambda b, h, s: (b, s, h)),
+                 pl.BlockSpec((None, None, block_h), lambda b, h, s: (b, s, h))],
+      out_shape=[jax.ShapeDtypeStruct((B, S, Hp, R), F32), jax.ShapeDtypeStruct((B, S, Hp), F32),
+                 jax.ShapeDtypeStruct((B, S, Hp), F32)],
       name="mla_decode_split", num_warps=config.num_warps, num_stages=config.num_stages,
   )(lengths_B.astype(jnp.int32), q, ckv_BLR)
 
@@ -134,6 +146,6 @@ def mla_decode(q_BHR, ckv_BLR, lengths_B, *, scale: float, config: DecodeConfig 
   `[B, L, R]`; returns the attention-weighted latent `[B, H, R]` in q̃'s dtype. Lengths above L are taken as L."""
   check_inputs(q_BHR, ckv_BLR, lengths_B)
   B, H, R = q_BHR.shape
-  config = default_config(B, ckv_BLR.shape[1], R, config)
+  config = default_config(B, H, ckv_BLR.shape[1], R, config)
   acc, m, l = split_partials(q_BHR, ckv_BLR, lengths_B, scale=scale, config=config)
   return combine(acc[:, :, :H], m[:, :, :H], l[:, :, :H]).astype(q_BHR.dtype)
