@@ -7,7 +7,7 @@ then a jitted decode loop, with per-row lengths throughout.
   cache `chunk` tokens at a time; each chunk runs the KDA kernels from the previous state and attends over the MLA
   latents cached so far, so no layer ever holds more than `chunk` tokens of activations. One compile per
   (batch, chunk, max_len). Returns the logits after each row's last token and the cache.
-- `decode_loop(model, cache, logits_BV, rng, max_new=…, options=…)`: samples a token per row from the logits,
+- `decode_loop(model, logits_BV, cache, rng, max_new=…, options=…)`: samples a token per row from the logits,
   feeds it, and repeats inside one `lax.while_loop` (the cache donated: updated in place) until every row is
   done: a stop token, its own budget `max_new_B[b]`, or a full cache. One compile per (batch, max_len, max_new,
   options). Returns the new tokens `[B, max_new]` (`options.pad_id` after a row is done), how many each row got,
@@ -142,7 +142,7 @@ def _prefill_step(graphdef, state, cache, tokens_BT, lengths_B, logits_BV):
   return jnp.where((lengths_B > 0)[:, None], new, logits_BV), cache
 
 
-def decode_loop(model, cache: GenerationCache, logits_BV, rng, *, max_new, max_new_B=None,
+def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_new_B=None,
                 options: sampling.SamplingOptions = sampling.SamplingOptions()):
   """Up to `max_new` (static) new tokens per row, row b's budget `max_new_B[b]` (≤ max_new; all max_new when None),
   sampled from `logits_BV` (the prefill's) and then from each step's. A row is done after a stop token
