@@ -102,10 +102,12 @@ def _run_layers(model, stream, caches, mix: Callable):
 
 
 def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: int | None = None,
-                    cache: GenerationCache | None = None, progress: Callable[[int, int], None] | None = None):
+                    cache: GenerationCache | None = None, progress: Callable[[int, int], None] | None = None,
+                    step=None):
   """Row b's first `lengths_B[b]` tokens (1..T; all T when None) appended to `cache` (a new one of `max_len`
-  positions when None) `chunk` tokens at a time. `progress(tokens done, tokens in all)` after each chunk
-  (dispatched, not finished). Returns (fp32 logits after each row's last token `[B, V]`, the cache)."""
+  positions when None; a given cache is consumed: donated) `chunk` tokens at a time. `progress(tokens done, tokens
+  in all)` after each chunk (dispatched, not finished). `step`: the chunk step compiled ahead (`lower`), else
+  jitted here. Returns (fp32 logits after each row's last token `[B, V]`, the cache)."""
   tokens_BT = jnp.asarray(tokens_BT)
   if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
     raise ValueError(f"tokens_BT must be a non-empty integer array [B,T], got {tokens_BT.dtype}{tokens_BT.shape}")
@@ -127,10 +129,11 @@ def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: in
   num_chunks = -(-int(lengths.max()) // chunk)
   tokens_BT = jnp.pad(tokens_BT.astype(jnp.int32), ((0, 0), (0, max(0, num_chunks * chunk - T))))
   graphdef, state = nnx.split(model)
+  step = step or functools.partial(_prefill_step, graphdef)
   logits = jnp.zeros((B, model.vocab_size), jnp.float32)
   for c in range(num_chunks):
     n_B = jnp.asarray(np.clip(lengths - c * chunk, 0, chunk), jnp.int32)
-    logits, cache = _prefill_step(graphdef, state, cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)
+    logits, cache = step(state, cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)
     if progress is not None:
       progress(int(np.clip(lengths, 0, (c + 1) * chunk).sum()), int(lengths.sum()))
   return logits, cache
@@ -143,11 +146,13 @@ def _prefill_step(graphdef, state, cache, tokens_BT, lengths_B, logits_BV):
 
 
 def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_new_B=None,
-                options: sampling.SamplingOptions = sampling.SamplingOptions()):
+                options: sampling.SamplingOptions = sampling.SamplingOptions(), loop=None):
   """Up to `max_new` (static) new tokens per row, row b's budget `max_new_B[b]` (≤ max_new; all max_new when None),
   sampled from `logits_BV` (the prefill's) and then from each step's. A row is done after a stop token
-  (`options.stop_tokens`), its budget, or when its cache is full. Returns (int32 tokens `[B, max_new]`, pad_id
-  after each row's end; int32 `[B]` tokens each row got; the cache, which holds every token but each row's last)."""
+  (`options.stop_tokens`), its budget, or when its cache is full. The cache is consumed (donated). `loop`: the
+  decode loop compiled ahead (`lower`, for these max_new and options), else jitted here. Returns (int32 tokens
+  `[B, max_new]`, pad_id after each row's end; int32 `[B]` tokens each row got; the cache, which holds every token
+  but each row's last)."""
   B = cache.lengths_B.shape[0]
   if not isinstance(max_new, int) or max_new < 1:
     raise ValueError(f"max_new must be a positive int, got {max_new!r}")
@@ -157,8 +162,23 @@ def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_n
   if logits_BV.shape != (B, model.vocab_size):
     raise ValueError(f"logits must be [B={B}, V={model.vocab_size}], got {tuple(logits_BV.shape)}")
   graphdef, state = nnx.split(model)
-  return _decode_loop(graphdef, state, cache, logits_BV, rng, jnp.asarray(budget, jnp.int32), max_new=max_new,
-                      options=options)
+  loop = loop or functools.partial(_decode_loop, graphdef, max_new=max_new, options=options)
+  return loop(state, cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))
+
+
+def lower(model, batch: int, max_len: int, *, chunk: int, max_new: int,
+          options: sampling.SamplingOptions = sampling.SamplingOptions()):
+  """(prefill chunk step, decode loop) lowered for `batch` rows, a cache of `max_len`, chunks of `chunk` tokens and
+  `max_new` decoded tokens: `.compile()` them (in threads: XLA compiles outside the GIL) and pass them to
+  `prefill_chunked(step=…)` and `decode_loop(loop=…)`."""
+  graphdef, state = nnx.split(model)
+  cache = jax.eval_shape(lambda: init_cache(model, batch, max_len))
+  rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  logits = jax.ShapeDtypeStruct((batch, model.vocab_size), jnp.float32)
+  step = _prefill_step.lower(graphdef, state, cache, jax.ShapeDtypeStruct((batch, chunk), jnp.int32), rows, logits)
+  loop = _decode_loop.lower(graphdef, state, cache, logits, jax.random.PRNGKey(0), rows, max_new=max_new,
+                            options=options)
+  return step, loop
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "options"), donate_argnames=("cache",))

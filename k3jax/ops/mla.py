@@ -34,20 +34,29 @@ def write_latents(ckv_BLR, c_BTR, start_B, lengths_B):
   return ckv_BLR.at[rows_BT, pos_BT].set(c_BTR.astype(ckv_BLR.dtype), mode="drop")
 
 
+SCORE_BYTES = 1 << 29   # fp32 scores of one (query tile, key block) step, B·H·Tq·Bk·4: 512 MiB
+
+
 def chunk_attention(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: float, query_block: int = 4096,
-                    key_block: int = 1024):
+                    key_block: int | None = None):
   """Softmax attention of a chunk of queries over the latent cache, up-projected block by block.
 
   Query t of row b sits at position start_b + t and attends to cached positions 0..start_b + t (its own
   latent must already be in the cache: `write_latents`). Queries are taken `query_block` at a time; for each,
   key blocks of `key_block` positions up to the last one any row needs (a dynamic count: the cost follows the rows'
-  positions, not L). Scores and the softmax in fp32, products in the inputs' dtype. Returns o `[B, T, H, Dv]`.
+  positions, not L). `key_block` None: the largest power of two in [256, 4096] whose scores fit SCORE_BYTES (each
+  step of the loop costs a launch and a host round trip, so blocks are long). Scores and the softmax in fp32,
+  products in the inputs' dtype. Returns o `[B, T, H, Dv]`.
   """
   B, T, H, D = q_BTHD.shape
   L, R = ckv_BLR.shape[1:]
   Dv = w_uv_RHV.shape[-1]
   dtype = q_BTHD.dtype
   Tq = min(query_block, T)
+  if key_block is None:
+    key_block = 4096
+    while key_block > 256 and B * H * Tq * key_block * 4 > SCORE_BYTES:
+      key_block //= 2
   Bk = min(key_block, L)
   nq = -(-T // Tq)
   q = jnp.pad(q_BTHD, ((0, 0), (0, nq * Tq - T), (0, 0), (0, 0)))
