@@ -76,11 +76,16 @@ class Programs:
   work_bytes: int = 0
 
 
+KEEP_FP32 = ("A_log", "dt_bias")   # the KDA gate's parameters, kept as trained
+
+
 def inference_model(model_cfg, seed: int = 0):
-  """A random-init K3Model with its matrices in bf16 (vectors, norms and the gates' parameters stay fp32)."""
+  """A random-init K3Model with its matrices in bf16 (vectors, norms and the KDA gate's parameters stay fp32)."""
   model = nnx.jit(lambda: K3Model(model_cfg, rngs=nnx.Rngs(seed)))()
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, params)
+  keep = lambda path: any(getattr(k, "key", None) in KEEP_FP32 for k in path)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x if x.ndim < 2 or keep(path) else x.astype(jnp.bfloat16), params)
   return nnx.merge(graphdef, params, rest)
 
 
@@ -220,8 +225,8 @@ def measure(p: Programs, steps: int, budget_s: float) -> list[dict]:
     row.update(cache_gib=cache_b / 2 ** 30, cache_bytes_per_token=cache_b / (p.B * L),
                est_peak_gib=(params + p.B * (fixed + L * per_token) + p.work_bytes) / 2 ** 30,
                process_peak_gib=(memory_stat("peak_bytes_in_use") or 0) / 2 ** 30)
-    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     rows.append(row)
+    print(format_table(rows[-1:]).splitlines()[-1], flush=True)
   return rows
 
 

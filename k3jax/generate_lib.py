@@ -64,12 +64,7 @@ def prefill_chunk(model, cache: GenerationCache, tokens_BT, lengths_B):
   advanced cache)."""
   stream = attnres.start(model._embed(tokens_BT), model.mode)
   start_B = cache.lengths_B
-
-  def mix(mixer, x, layer_cache):
-    if isinstance(mixer, KDALayer):
-      return mixer.prefill_chunk(x, layer_cache, lengths_B)
-    return mixer.prefill_chunk(x, layer_cache, start_B, lengths_B)
-
+  mix = lambda mixer, x, layer_cache: mixer.prefill_chunk(x, layer_cache, start_B, lengths_B)
   stream, layers = _run_layers(model, stream, cache.layers, mix)
   last_B = jnp.maximum(lengths_B - 1, 0)
   last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_B[:, None, None], axis=1), stream)

@@ -103,7 +103,8 @@ def _prefill_in_chunks(layer, x, chunk, lengths=None):
   lengths = [L] * B if lengths is None else lengths
   cache, ys = layer.init_cache(B), []
   for start in range(0, L, chunk):
-    y, cache = prefill_chunk(layer, x[:, start:start + chunk], cache, chunk_lengths(lengths, start, chunk))
+    y, cache = prefill_chunk(layer, x[:, start:start + chunk], cache, jnp.minimum(start, jnp.asarray(lengths)),
+                             chunk_lengths(lengths, start, chunk))
     ys.append(y)
   return jnp.concatenate(ys, axis=1), cache
 

@@ -121,11 +121,13 @@ class KDALayer(nnx.Module):
                      output_final_state=True, backend=self.backend)
     return self._output(o, x_BTD), KDACache(conv, S)
 
-  def prefill_chunk(self, x_BTD, cache: KDACache, lengths_B=None):
+  def prefill_chunk(self, x_BTD, cache: KDACache, start_B=None, lengths_B=None):
     """A chunk of each row's prompt continuing from `cache`: row b's first `lengths_B[b]` tokens (all T when None);
     the rest is padding, which leaves the row's state and conv state as they were (g = 0 and β = 0 there make
-    S_t = S_{t−1} exactly; the conv state is the row's last conv_size−1 valid inputs). Returns (y `[B, T, d]`,
-    padding rows arbitrary, the cache)."""
+    S_t = S_{t−1} exactly; the conv state is the row's last conv_size−1 valid inputs). `start_B` is unused (the
+    state carries position; the argument matches `GatedMLA.prefill_chunk`). Returns (y `[B, T, d]`, padding rows
+    arbitrary, the cache)."""
+    del start_B
     B, T, _ = x_BTD.shape
     n_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else jnp.broadcast_to(
         jnp.asarray(lengths_B, jnp.int32), (B,))
