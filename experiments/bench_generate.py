@@ -51,6 +51,7 @@ flags.DEFINE_float("prefill_budget_s", 120.0, "run the real prefill (B = 1) only
 flags.DEFINE_float("memory_fraction", 0.8, "skip contexts whose cache exceeds this share of device memory")
 flags.DEFINE_bool("check", True, "check the chunked prefill against the full forward at the first context")
 flags.DEFINE_bool("small", False, "tiny config and sizes for a CPU run")
+flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun skips them")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows (default $OUT/bench_generate.json when $OUT is set)")
 FLAGS = flags.FLAGS
@@ -290,6 +291,7 @@ def main(argv):
     chunk_tokens, steps = FLAGS.chunk_tokens, FLAGS.decode_steps
   if steps < 2:
     raise app.UsageError("--decode_steps must be >= 2")
+  harness.enable_compilation_cache(FLAGS.compilation_cache)
   print(f"devices: {jax.devices()}", flush=True)
   programs, rows = [], []
   for pattern in FLAGS.patterns:

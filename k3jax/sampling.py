@@ -50,10 +50,13 @@ def sample(logits_BV, key, *, temperature=0.0, top_p=1.0):
   B = logits_BV.shape[0]
   logits = logits_BV.astype(jnp.float32)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if isinstance(temperature, (int, float)) and temperature == 0:   # known greedy: no sort, no draw
+    return greedy
   temperature = _per_row(temperature, B)
   hot = temperature > 0
   scaled = logits / jnp.where(hot, temperature, 1.0)
-  scaled = jnp.where(top_p_mask(logits, top_p), scaled, -jnp.inf)
+  if not (isinstance(top_p, (int, float)) and top_p >= 1):
+    scaled = jnp.where(top_p_mask(logits, top_p), scaled, -jnp.inf)
   drawn = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
   return jnp.where(hot[:, 0], drawn, greedy)
 
