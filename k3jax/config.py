@@ -14,6 +14,7 @@ LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
+MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
 BALANCERS = ("quantile", "none", "aux_loss", "sign")
 BALANCER_METHODS = ("exact", "histogram")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,6 +51,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.mla.kv_lora_rank = 64                 # r_kv, the cached latent width
   m.mla.q_lora_rank = None                # None: full-rank W_q
   m.mla.attention_impl = "auto"           # auto: cudnn on GPU in bf16/fp16, xla otherwise
+  m.mla.decode_impl = "auto"              # absorbed decode: auto = the Pallas split-K kernel on GPU, xla otherwise
 
   m.moe = ml_collections.ConfigDict()
   m.moe.enabled = False
@@ -104,6 +106,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
     mla_head_dims(m)
     _optional_positive_int(m, "mla.q_lora_rank")
     _one_of(m, "mla.attention_impl", ATTENTION_IMPLS)
+    _one_of(m, "mla.decode_impl", MLA_DECODE_IMPLS)
 
   _one_of(m, "residual.mode", RESIDUAL_MODES)
   _positive_int(m, "residual.block_size")

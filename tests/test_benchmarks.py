@@ -81,3 +81,33 @@ def test_bench_moe_small_runs_its_sections_and_checks(tmp_path):
   assert all(dispatch[run][impl][mode] > 0 for run in ("experts", "movement") for impl in ("custom_vjp", "autodiff")
              for mode in ("fwd", "fwd_bwd"))
   assert max(dispatch["errors"].values()) < 2e-2  # the two dispatches agree to bf16 rounding
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_bench_generate_small_runs_both_patterns_and_checks(tmp_path):
+  """Both layer patterns, B = 1 and 2, a prompt that no chunk divides: every row has its prefill and decode
+  speeds and cache bytes, the chunked prefill matched the full forward, and the table and the bars are printed."""
+  done = run_script("experiments.bench_generate", "--small", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_generate.json").read_text())
+  assert {(r["pattern"], r["B"], r["L"]) for r in rows} == {(p, b, n) for p in ("config", "mla") for b in (1, 2)
+                                                             for n in (64, 160)}
+  assert all(r["decode_tok_s_per_seq"] > 0 and r["prefill_est_tok_s"] > 0 and r["cache_gib"] > 0 for r in rows)
+  assert all("prefill_tok_s" in r for r in rows if r["B"] == 1)             # the real prefill ran at B = 1
+  assert [r["check_ok"] for r in rows if "check_ok" in r] == [True, True]
+  per_row = {p: {r["L"]: r["cache_bytes_per_token"] * r["L"] for r in rows if r["pattern"] == p and r["B"] == 1}
+             for p in ("config", "mla")}
+  slope = {p: (b[160] - b[64]) / 96 for p, b in per_row.items()}   # bytes per added token: the MLA layers' latents
+  assert slope["config"] * 4 == pytest.approx(slope["mla"])       # tiny: 1 MLA layer of 4 against 4 of 4
+  assert "cache bytes/token at the longest context" in done.stdout and "decode L=160 B=2" in done.stdout
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_bench_mla_decode_small_checks_every_implementation(tmp_path):
+  done = run_script("experiments.bench_mla_decode", "--small", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_mla_decode.json").read_text())
+  ours = [r for r in rows if r["impl"] == "pallas"]
+  assert len(ours) == 6 and all(r["ok"] and r["us"] > 0 for r in ours)
+  assert all(r["ok"] for r in rows if r["impl"] == "xla")
+  assert any(r["impl"] == "jax_mqa" and r.get("ok") for r in rows)   # JAX's kernel runs where L suits it
