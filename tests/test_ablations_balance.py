@@ -13,6 +13,7 @@ import pytest
 from experiments import balance_ablation
 from experiments.configs import tiny
 from k3jax.ablations import balance
+from k3jax.train import workdir as workdir_lib
 
 pytestmark = pytest.mark.xdist_group("balance_ablation")  # one worker builds the module fixture (--dist loadgroup)
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -66,9 +67,9 @@ def test_rerun_reuses_finished_runs_and_refuses_another_config(ablation):
   for name in METHODS:
     strip = lambda m: [{k: v for k, v in r.items() if k != "wall_s"} for r in m["runs"]]
     assert strip(again["methods"][name]) == strip(table["methods"][name])
-  with pytest.raises(ValueError, match="another config"):
+  with pytest.raises(workdir_lib.ConfigChanged, match="steps"):
     balance.run_ablation(small_config(), workdir, METHODS, steps=STEPS + 1, seeds=[3], data_seed=3)
-  with pytest.raises(ValueError, match="another config"):   # other data: other shard files in the config
+  with pytest.raises(workdir_lib.ConfigChanged, match="data.shards"):   # other data: other shard files
     balance.run_ablation(small_config(), workdir, METHODS, steps=STEPS, seeds=[3], data_seed=4)
   with pytest.raises(ValueError, match="distinct names"):
     balance.run_ablation(small_config(), workdir, ["none", "none"], steps=STEPS, seeds=[3])

@@ -20,7 +20,7 @@ from k3jax.data import pipeline
 from k3jax.layers import attnres
 from k3jax.model import K3Model
 from k3jax.train import step as step_lib
-from k3jax.train import trainer
+from k3jax.train import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.xdist_group("ablations_runs")  # one worker builds the module fixture (--dist loadgroup)
@@ -73,7 +73,7 @@ def test_a_second_call_reuses_finished_runs_and_refuses_a_directory_of_another_c
   other = study().configs()
   other["full"].optimizer.lr = 1e-3
   before = (runs.run_dir(workdir, "block", 0) / "metrics.jsonl").read_text()
-  with pytest.raises(ValueError, match="another config"):
+  with pytest.raises(workdir_lib.ConfigChanged, match="optimizer.lr"):
     runs.train_variants(other, workdir, seeds=[0])
   assert (runs.run_dir(workdir, "block", 0) / "metrics.jsonl").read_text() == before  # checked before training
   for bad in ({"a b": small_config()}, {}):
@@ -184,11 +184,11 @@ def test_study_configs_differ_from_the_base_only_in_their_overrides():
 
 def test_override_sets_dotted_fields_on_a_copy_and_refuses_unknown_ones():
   c = small_config()
-  d = trainer.override(c, {"model.kda.gate": "softplus", "eval.lengths": (64,)})
+  d = runs.override(c, {"model.kda.gate": "softplus", "eval.lengths": (64,)})
   assert d.model.kda.gate == "softplus" and d.eval.lengths == (64,) and c.model.kda.gate == "bounded"
   for bad in ("model.kda.gait", "model.kdaa.gate"):
     with pytest.raises(ValueError, match="no field"):
-      trainer.override(c, {bad: 1})
+      runs.override(c, {bad: 1})
 
 
 def test_spread_and_tail_mean():

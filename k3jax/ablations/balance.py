@@ -21,7 +21,7 @@ import numpy as np
 
 from k3jax import config as config_lib
 from k3jax.ablations import runs
-from k3jax.train import trainer
+from k3jax.train import workdir as workdir_lib
 
 ALPHABET = b"abcdefgh"
 CHAIN_ORDER = 2
@@ -81,7 +81,7 @@ def method_configs(config, methods: Sequence[str], steps: int) -> dict:
     raise ValueError(f"methods must be distinct names from {sorted(METHODS)}, got {list(methods)}")
   out = {}
   for m in methods:
-    c = trainer.override(config, METHODS[m])
+    c = runs.override(config, METHODS[m])
     c.steps = steps
     out[m] = c
   return out
@@ -118,7 +118,7 @@ def run_ablation(config, workdir, methods: Sequence[str], *, steps: int, seeds: 
   configs = method_configs(config, methods, steps)
   for m, c in configs.items():  # before the data is written
     for s in seeds:
-      runs.check_reusable(runs.run_dir(workdir, m, s), runs.with_seed(c, s))
+      workdir_lib.check_resume(runs.run_dir(workdir, m, s), runs.with_seed(c, s))
   optimal_loss = None
   if ours:
     (workdir / "data").mkdir(parents=True, exist_ok=True)

@@ -21,10 +21,10 @@ import ml_collections
 import numpy as np
 
 from k3jax.train import benchmark
-from k3jax.train import metrics as metrics_lib
 from k3jax.train import stages as stages_lib
 from k3jax.train import state as state_lib
 from k3jax.train import trainer
+from k3jax.train import workdir as workdir_lib
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -42,7 +42,7 @@ class Study:
 
   def configs(self) -> dict[str, ml_collections.ConfigDict]:
     """{variant: the base config with the variant's overrides}."""
-    return {name: trainer.override(self.base, dict(o)) for name, o in self.variants.items()}
+    return {name: override(self.base, dict(o)) for name, o in self.variants.items()}
 
   def describe(self) -> str:
     """The study as text: the base model and training sizes, each variant's overrides and training tokens."""
@@ -69,6 +69,21 @@ class Study:
             f"seeds {', '.join(map(str, self.seeds))}")
 
 
+def override(config, overrides: Mapping | None) -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted fields set (e.g. {"model.kda.gate": "softplus", "eval.lengths": (64, 256)}); a
+  field that does not exist is a ValueError naming it."""
+  config = copy.deepcopy(config)
+  for dotted, value in (overrides or {}).items():
+    *path, last = dotted.split(".")
+    node = config
+    for p in path:
+      node = node[p] if isinstance(node, ml_collections.ConfigDict) and p in node else None
+    if not isinstance(node, ml_collections.ConfigDict) or last not in node:
+      raise ValueError(f"config has no field {dotted!r}")
+    node[last] = value
+  return config
+
+
 def train_tokens(config) -> int:
   """Tokens a config trains on: the sum over its stages of steps × rows × sequence length."""
   return sum(s.steps * s.batch_size * s.seq_len for s in stages_lib.stages_of(config))
@@ -82,14 +97,6 @@ def with_seed(config, seed: int):
   c = copy.deepcopy(config)
   c.seed = seed
   return c
-
-
-def check_reusable(directory, config) -> None:
-  """ValueError when `directory` holds a run of a config other than `config`."""
-  saved = pathlib.Path(directory) / "config.json"
-  if saved.exists() and json.loads(saved.read_text()) != json.loads(config.to_json_best_effort()):
-    raise ValueError(f"{directory} holds a run of another config: use another work directory, or the same "
-                     f"settings as that run")
 
 
 def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
@@ -108,7 +115,7 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
     raise ValueError(f"seeds must be distinct non-negative ints, got {seeds}")
   plan = [(name, s, run_dir(workdir, name, s), with_seed(c, s)) for name, c in configs.items() for s in seeds]
   for _, _, directory, c in plan:
-    check_reusable(directory, c)
+    workdir_lib.check_resume(directory, c)
   if precompile:
     todo = {}
     for name, _, directory, c in plan:
@@ -122,10 +129,6 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
     print(f"== {name}, seed {s}: {directory}", flush=True)
     start = time.perf_counter()
     trainer.Run(c).train(directory)
-    if not finished(directory, c):   # trained to its end earlier, but stopped before its evaluation was logged
-      log = metrics_lib.RunLog(directory, stages_lib.stages_of(c)[-1].end)
-      log.evaluation(trainer.evaluate_checkpoint(directory))
-      log.close()
     out[name].append({**read_history(directory), "wall_s": time.perf_counter() - start})
   return out
 
@@ -135,7 +138,7 @@ def finished(directory, config) -> bool:
   directory = pathlib.Path(directory)
   if not (directory / "config.json").exists():
     return False
-  check_reusable(directory, config)
+  workdir_lib.check_resume(directory, config)
   evals = _jsonl(directory / "eval.jsonl")
   return bool(evals) and evals[-1]["step"] == stages_lib.stages_of(config)[-1].end
 
@@ -158,11 +161,11 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
 
 
 def trained_model(directory, *, stage: int | None = None, step: int | None = None, overrides: dict | None = None):
-  """(config, model) of a run's checkpoint (default: the newest usable step of its last stage), the model an
-  `nnx.Module` with the trained parameters and balancer state; `overrides` as in `trainer.restore` (e.g.
-  {"model.remat": False}: the parameters do not depend on it)."""
-  run, state, _ = trainer.restore(directory, stage=stage, step=step, overrides=overrides)
-  return run.config, state_lib.merge(run.graphdef, state)
+  """(config, model) of a run's checkpoint (default: the newest usable step of its last stage), as `k3jax.load`
+  gives them but with `overrides` of the saved config (as in `trainer.restore`, e.g. {"model.remat": False}: the
+  parameters do not depend on it); the model is on one device."""
+  r = trainer.restore(directory, stage=stage, step=step, overrides=overrides, mesh="data:1,expert:1")
+  return r.config, state_lib.merge(r.spec.graphdef, r.state)
 
 
 def summarize(histories: Mapping[str, list[dict]]) -> dict[str, dict]:
