@@ -14,9 +14,10 @@
 # 3. **Finiteness at long T** with saturated gates: o, the final state and every gradient, for both gates, and for
 #    the softplus gate pushed through the factorised tiles (what the bound protects against).
 #
-# **Scale.** `SCALE = "cpu"` is a smoke run (a tiny model for a few dozen steps, the XLA path only): it checks that
-# the notebook runs, and its numbers are not evidence for or against the claim. `SCALE = "gpu"` is the research
-# setting (one H200); `docs/results.md` holds the table.
+# **Scale.** `SCALE = "cpu"` is a smoke run (one KDA layer for 40 steps, the XLA path only): it checks that the
+# notebook runs, and its numbers are not evidence for or against the claim. `SCALE = "gpu"` is the research setting
+# (one H200: 4 layers of d = 512, 150 steps of 16K tokens, two seeds; the op timed at 8×4096×16×128, finiteness at
+# T = 65,536); `docs/results.md` holds the table.
 
 # %%
 # Installs k3jax where it is not importable (Colab, a fresh VM). The repository has no public URL yet: set
@@ -92,9 +93,10 @@ plt.show()
 # initialises `dt_bias` so that `g` agrees at `z = 0`).
 
 # %%
-# On a GPU the variants' train steps first compile side by side, one process each (minutes each otherwise; on a
-# CPU of two cores that gains nothing).
-histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=SCALE == "gpu")
+# On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
+# per variant (minutes each otherwise; on a CPU of two cores that gains nothing).
+histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds,
+                               precompile=notebook.precompile(SCALE))
 training = results["training"] = runs.summarize(histories)
 session.save()
 for name, r in training.items():

@@ -10,8 +10,9 @@
 # distinct inputs top-k routing piles onto a few experts, which is what a balancer must undo. MaxVio is measured on
 # each step's batch before that step's balancer update; the loss is the cross-entropy alone.
 #
-# **Scale.** `SCALE = "cpu"` is a smoke run (a 2-layer model, 8 experts, a few dozen steps): it checks that the
-# notebook runs; its numbers are not evidence. `SCALE = "gpu"` is the research setting (one H200).
+# **Scale.** `SCALE = "cpu"` is a smoke run (one MoE layer of 8 experts, 40 steps): it checks that the notebook
+# runs; its numbers are not evidence. `SCALE = "gpu"` is the research setting (one H200: 4 layers of d = 512, 64
+# experts top-4 in the last three, 100 steps of 16K tokens, two seeds).
 
 # %%
 # Installs k3jax where it is not importable (Colab, a fresh VM). The repository has no public URL yet: set
@@ -47,11 +48,10 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # update, so its loss and MaxVio agree across methods.
 
 # %%
-# On a GPU the methods' train steps first compile side by side, one process each (minutes each otherwise; on a CPU
-# of two cores that gains nothing).
-table = balance.run_ablation(study.base, WORKDIR, list(study.variants), steps=study.settings["steps"],
-                             seeds=study.seeds, data_seed=study.settings["data_seed"],
-                             precompile=SCALE == "gpu")
+# On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
+# per method (minutes each otherwise; on a CPU of two cores that gains nothing).
+table = balance.train_methods(study.configs(), WORKDIR, seeds=study.seeds, data_seed=study.settings["data_seed"],
+                              precompile=notebook.precompile(SCALE))
 print(balance.format_table(table))
 
 # %%

@@ -11,8 +11,9 @@
 # weight it puts on each source (`k3jax.ablations.residual.depth_weights`; zero-initialised pseudo-queries start
 # uniform, so any structure is learned).
 #
-# **Scale.** `SCALE = "cpu"` is a smoke run (4 MLA layers, d = 64, 40 steps): it checks that the notebook runs; its
-# numbers are not evidence. `SCALE = "gpu"` is the research setting (one H200, 8 layers of KDA and MLA 3:1).
+# **Scale.** `SCALE = "cpu"` is a smoke run (2 MLA layers, d = 64, 40 steps): it checks that the notebook runs; its
+# numbers are not evidence. `SCALE = "gpu"` is the research setting (one H200: 8 layers of KDA and MLA 3:1, d = 384,
+# 150 steps of 16K tokens, two seeds).
 
 # %%
 # Installs k3jax where it is not importable (Colab, a fresh VM). The repository has no public URL yet: set
@@ -49,9 +50,10 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # Same seeds and batches for the three residual schemes; held-out loss at the end on the held-out split.
 
 # %%
-# On a GPU the variants' train steps first compile side by side, one process each (minutes each otherwise; on a
-# CPU of two cores that gains nothing).
-histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds, precompile=SCALE == "gpu")
+# On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
+# per variant (minutes each otherwise; on a CPU of two cores that gains nothing).
+histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds,
+                               precompile=notebook.precompile(SCALE))
 training = results["training"] = runs.summarize(histories)
 for name in training:
   s = training[name]["heldout_loss"]

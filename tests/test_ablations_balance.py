@@ -109,3 +109,24 @@ def test_skewed_data_is_a_pure_function_of_the_seed():
   assert not np.array_equal(train, balance.markov_tokens(6)[0])
   assert set(np.unique(train)) == set(balance.ALPHABET)
   assert 0.0 < optimal < np.log(len(balance.ALPHABET))
+
+
+def test_markov_shards_are_written_once_and_hold_the_chains_tokens(tmp_path):
+  train_path, heldout_path = balance.markov_shards(5, tmp_path / "d")
+  assert (train_path, heldout_path) == balance.markov_paths(5, tmp_path / "d")
+  train, heldout, _ = balance.markov_tokens(5)
+  np.testing.assert_array_equal(np.load(train_path), train)
+  np.testing.assert_array_equal(np.load(heldout_path), heldout)
+  before = pathlib.Path(train_path).stat().st_mtime_ns
+  assert balance.markov_shards(5, tmp_path / "d") == (train_path, heldout_path)
+  assert pathlib.Path(train_path).stat().st_mtime_ns == before     # not rewritten
+  assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["markov_5_heldout.npy", "markov_5_train.npy"]
+
+
+def test_train_methods_refuses_unequal_or_too_few_steps_before_training(tmp_path):
+  configs = balance.method_configs(small_config(), METHODS, 4)
+  configs["none"].steps = 5
+  for bad in (configs, {}, balance.method_configs(small_config(), METHODS, 1)):
+    with pytest.raises(ValueError, match="equal steps"):
+      balance.train_methods(bad, tmp_path)
+  assert not list(tmp_path.iterdir())

@@ -208,6 +208,7 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
       import json, sys
       from jax import monitoring
       from experiments import harness
+      from experiments.configs.common import set_stages
       sys.path.insert(0, {str(ROOT / "tests")!r})
       from test_ablations_runs import small_config
       from k3jax.ablations import runs
@@ -217,10 +218,17 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
         with __import__("pytest").raises(ValueError, match="persistent compilation cache"):
           runs.precompile_variants({{"a": small_config()}})
         harness.enable_compilation_cache({str(tmp_path / "cache")!r})
-        runs.train_variants({{"a": small_config()}}, {str(tmp_path / "runs")!r}, precompile=True)
+        c = small_config()   # two stages, task accuracy at two lengths: every kind of program a run compiles
+        set_stages(c, [(32, 2, 4), (64, 1, 2)])
+        c.data.mix = {{"stdlib": 0.5, "stack": 0.5}}
+        c.eval.examples, c.eval.lengths = 4, (64, 96)
+        runs.train_variants({{"a": c}}, {str(tmp_path / "runs")!r}, seeds=[0, 1], precompile=True)
         print(json.dumps({{k: events.count(k) for k in set(events) if "compilation_cache" in k}}))
       """)
   out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-4000:]
   counts = json.loads(out.stdout.strip().splitlines()[-1])
-  assert counts.get("/jax/compilation_cache/cache_hits", 0) >= 2   # the init and the train step
+  # Nothing compiled here: two seeds' inits, both stages' train steps, the held-out evaluations at 32 and 64 and
+  # the task evaluations at 96 (64 is the held-out one's shape) came from the cache.
+  assert counts.get("/jax/compilation_cache/cache_hits", 0) >= 7, counts
+  assert counts.get("/jax/compilation_cache/cache_misses", 0) == 0, counts

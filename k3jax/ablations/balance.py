@@ -14,6 +14,7 @@ auxiliary loss).
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 from collections.abc import Sequence
 
@@ -102,33 +103,56 @@ def summarize_run(history: dict, steps: int) -> dict:
           "wall_s": history["wall_s"]}
 
 
+def markov_paths(seed: int, directory) -> tuple[str, str]:
+  """(train, held-out) token files of the chain drawn from `seed` under `directory` (see `markov_shards`)."""
+  return tuple(str(pathlib.Path(directory) / f"markov_{seed}_{split}.npy") for split in ("train", "heldout"))
+
+
+def markov_shards(seed: int, directory) -> tuple[str, str]:
+  """`markov_paths`, the files written there unless they are already (each whole, then renamed: a reader never
+  sees a partial one)."""
+  directory = pathlib.Path(directory)
+  paths = [pathlib.Path(p) for p in markov_paths(seed, directory)]
+  if not all(p.exists() for p in paths):
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, tokens in zip(paths, markov_tokens(seed)[:2]):
+      tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+      np.save(tmp, tokens)
+      os.replace(tmp, path)
+  return tuple(str(p) for p in paths)
+
+
 def run_ablation(config, workdir, methods: Sequence[str], *, steps: int, seeds: Sequence[int] = (0,),
                  data_seed: int = 0, precompile: bool = False) -> dict:
   """Trains `config` once per method and seed for `steps` steps on the skewed shards of `data_seed` (written to
-  `workdir/data`), unless `config.data.shards` names others; returns the table (see `format_table`).
-  `precompile` as in `runs.train_variants`."""
-  if steps < 2:
-    raise ValueError(f"steps must be >= 2 (the summary averages the last half), got {steps}")
+  `workdir/data`), unless `config.data.shards` names others; returns the table of `train_methods`."""
   workdir = pathlib.Path(workdir).resolve()
   config = copy.deepcopy(config)
   ours = not config.data.shards and config.data.mix.get("shards", 0.0) > 0
   if ours:
-    config.data.shards, config.data.heldout_shards = (
-        str(workdir / "data" / f"markov_{data_seed}_{split}.npy") for split in ("train", "heldout"))
+    config.data.shards, config.data.heldout_shards = markov_paths(data_seed, workdir / "data")
   configs = method_configs(config, methods, steps)
   for m, c in configs.items():  # before the data is written
     for s in seeds:
       workdir_lib.check_resume(runs.run_dir(workdir, m, s), runs.with_seed(c, s))
-  optimal_loss = None
   if ours:
-    (workdir / "data").mkdir(parents=True, exist_ok=True)
-    train, heldout, optimal_loss = markov_tokens(data_seed)
-    np.save(config.data.shards, train)
-    np.save(config.data.heldout_shards, heldout)
+    markov_shards(data_seed, workdir / "data")
+  return train_methods(configs, workdir, seeds=seeds, data_seed=data_seed if ours else None, precompile=precompile)
 
+
+def train_methods(configs, workdir, *, seeds: Sequence[int] = (0,), data_seed: int | None = None,
+                  precompile: bool = False) -> dict:
+  """Trains each config of `configs` ({method: config}, equal but for the balancer) once per seed
+  (`runs.train_variants`, `precompile` as there) and returns the table (see `format_table`): per method and seed
+  the loss and MaxVio per step, and their summaries over seeds. `data_seed`: the chain the shards hold (its own
+  loss is then reported as the floor), None for other data."""
+  config = next(iter(configs.values()), None)
+  if config is None or config.steps < 2 or len({c.steps for c in configs.values()}) != 1:
+    raise ValueError("configs must be non-empty with equal steps >= 2 (the summary averages the last half)")
+  model, steps = config.model, config.steps
   histories = runs.train_variants(configs, workdir, seeds=seeds, precompile=precompile)
-  model = config.model
-  table = {"steps": steps, "seeds": list(seeds), "data_seed": data_seed, "optimal_loss": optimal_loss,
+  table = {"steps": steps, "seeds": list(seeds), "data_seed": data_seed,
+           "optimal_loss": None if data_seed is None else markov_tokens(data_seed)[2],
            "moe_layers": [i for i in range(model.num_layers) if config_lib.uses_moe(model, i)],
            "max_vio_bound": model.moe.num_experts / model.moe.top_k - 1, "methods": {}}
   for m, hs in histories.items():

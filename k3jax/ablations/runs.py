@@ -7,20 +7,23 @@ ones; a directory that holds a run of another config is an error, raised before 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import json
+import multiprocessing
 import os
 import pathlib
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import ml_collections
 import numpy as np
 
-from k3jax.train import benchmark
+from k3jax.data import pipeline
+from k3jax.train import batches, checkpoint, evaluate
 from k3jax.train import stages as stages_lib
 from k3jax.train import state as state_lib
 from k3jax.train import trainer
@@ -32,16 +35,20 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 @dataclasses.dataclass(frozen=True)
 class Study:
   """One ablation at one scale: a base config, its variants as dotted overrides of it (e.g. {"softplus":
-  {"model.kda.gate": "softplus"}}), the seeds, and the study's own settings (timed shapes, lengths, ...)."""
+  {"model.kda.gate": "softplus"}}), the seeds, the study's own settings (timed shapes, lengths, ...), and `setup`,
+  which writes what the configs read besides the built-in data (e.g. token shards), when they read such files."""
   name: str
   scale: str
   base: ml_collections.ConfigDict
   variants: Mapping[str, Mapping]
   seeds: tuple[int, ...] = (0,)
   settings: Mapping = dataclasses.field(default_factory=dict)
+  setup: Callable[[], object] | None = None
 
   def configs(self) -> dict[str, ml_collections.ConfigDict]:
-    """{variant: the base config with the variant's overrides}."""
+    """{variant: the base config with the variant's overrides}, ready to train (`setup` has run)."""
+    if self.setup is not None:
+      self.setup()
     return {name: override(self.base, dict(o)) for name, o in self.variants.items()}
 
   def describe(self) -> str:
@@ -65,8 +72,10 @@ class Study:
     steps = "/".join(str(n) for n in sorted({c.steps for c in configs}))
     tokens = "/".join(f"{t / 1e6:.2f}M" if t >= 1e6 else f"{t:,}" for t in sorted({train_tokens(c) for c in configs}))
     moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe.enabled else ""
-    return (f"d={m.d_model}, {m.num_layers} layers{moe}, {m.dtype}; {steps} steps, {tokens} tokens per variant; "
-            f"seeds {', '.join(map(str, self.seeds))}")
+    per_step = "/".join(f"{t:,}" for t in sorted({s.seq_len * s.batch_size for c in configs
+                                                  for s in stages_lib.stages_of(c)}))
+    return (f"d={m.d_model}, {m.num_layers} layers{moe}, residual {m.residual.mode}, {m.dtype}; {steps} steps of "
+            f"{per_step} tokens, {tokens} tokens per variant; seeds {', '.join(map(str, self.seeds))}")
 
 
 def override(config, overrides: Mapping | None) -> ml_collections.ConfigDict:
@@ -118,12 +127,13 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
     workdir_lib.check_resume(directory, c)
   if precompile:
     todo = {}
-    for name, _, directory, c in plan:
+    for name, s, directory, c in plan:
       if not finished(directory, c):
-        todo.setdefault(name, c)    # the seeds share their train step
+        todo.setdefault(name, (configs[name], []))[1].append(s)   # the seeds share all but their init
     if todo:
       print(f"precompiling {len(todo)} variants, one process each: {sorted(todo)}", flush=True)
-      print(precompile_variants(todo), flush=True)
+      print(precompile_variants({n: c for n, (c, _) in todo.items()}, seeds={n: s for n, (_, s) in todo.items()}),
+            flush=True)
   out = {name: [] for name in configs}
   for name, s, directory, c in plan:
     print(f"== {name}, seed {s}: {directory}", flush=True)
@@ -203,27 +213,84 @@ def tail_mean(values, fraction: float = 0.5) -> float:
   return float(np.mean(x[min(int(len(x) * (1 - fraction)), len(x) - 1):]))
 
 
-def precompile_variants(configs: Mapping, *, timeout_s: float = 3600.0) -> dict[str, float | str]:
-  """Compiles every config's init and first train step at once, one process each, into JAX's persistent
-  compilation cache (which must be on: `jax_compilation_cache_dir`), so that `train_variants` then finds them
-  compiled instead of compiling one after another (a GPU train step takes minutes). Returns {name: compile
+def precompile_variants(configs: Mapping, *, seeds: Sequence[int] | Mapping[str, Sequence[int]] = (0,),
+                        timeout_s: float = 3600.0, workers: int | None = None) -> dict[str, float | str]:
+  """Compiles every program that training `configs` ({name: config}) with `train_variants` runs: the init of each
+  seed, every stage's train step and every evaluation program (`programs`), one process per config, all at once
+  (at most `workers`, default one per CPU), into JAX's persistent compilation cache (which must be on:
+  `jax_compilation_cache_dir`). `train_variants` then finds them compiled instead of compiling them one after
+  another (a GPU train step takes minutes). `seeds`: for every config, or {name: seeds}. Returns {name: compile
   seconds, or the error text of a config whose process failed (its run then compiles as usual)}."""
   cache_dir = jax.config.jax_compilation_cache_dir
   if not cache_dir:
     raise ValueError("precompile needs JAX's persistent compilation cache: set jax_compilation_cache_dir first "
                      "(experiments.harness.enable_compilation_cache)")
   names = list(configs)
-  saved = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)   # the spawned processes read it at import
+  per_config = {n: tuple(seeds[n] if isinstance(seeds, Mapping) else seeds) for n in names}
+  # The processes read these at import: the cache, and (on a GPU) allocating only what each one uses.
+  env = {"JAX_COMPILATION_CACHE_DIR": str(cache_dir), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  out = {}
   try:
-    rows = list(benchmark.measure_in_turn([configs[n] for n in names], _compile_seconds, timeout_s=timeout_s))
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(names), workers or os.cpu_count() or 1),
+                                                mp_context=ctx) as pool:
+      futures = {n: pool.submit(_compile_programs, configs[n], per_config[n]) for n in names}
+      deadline = time.monotonic() + timeout_s
+      for n, future in futures.items():
+        try:
+          out[n] = future.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except Exception as e:  # noqa: BLE001  (reported; that config's run compiles as usual)
+          out[n] = f"{type(e).__name__}: {e}"
   finally:
-    if saved is None:
-      os.environ.pop("JAX_COMPILATION_CACHE_DIR")
-    else:
-      os.environ["JAX_COMPILATION_CACHE_DIR"] = saved
-  return {n: r.get("compile_s", r.get("error")) for n, r in zip(names, rows)}
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k)
+      else:
+        os.environ[k] = v
+  return out
 
 
-def _compile_seconds(compiled) -> dict:
-  return {"compile_s": compiled.compile_s}
+def programs(run: trainer.Run) -> list[tuple[str, object, tuple]]:
+  """(label, jitted function, arguments to lower it with) of every program a run of `run.config` compiles after
+  its init: each stage's train step on that stage's batches, and the evaluation step on each batch shape
+  `evaluate.evaluate` feeds it at the end of the stage (held-out rows at the stage's length, each task at each
+  evaluation length)."""
+  config, e = run.config, run.config.eval
+  sharding = batches.rows_sharding(run.mesh)
+  out = []
+  for stage in run.stages:
+    out.append((f"train {stage.batch_size}x{stage.seq_len}", run.train_step, (run.abstract, run.batch(stage, 0))))
+    shapes = []
+    if e.batches:
+      heldout = pipeline.Mixture(config.data, stage.seq_len, pipeline.derive_seed(config.seed, 0, "heldout"),
+                                 vocab_size=config.model.vocab_size, split="heldout")
+      shapes.append((f"eval heldout {e.batch_size}x{stage.seq_len}", heldout.rows(0, e.batch_size)))
+    seed = pipeline.derive_seed(config.seed, 0, "tasks")
+    for name in evaluate.eval_tasks(config) if e.examples else ():
+      for length in evaluate.eval_lengths(config, stage.seq_len):
+        shapes.append((f"eval {name} {e.batch_size}x{length}", evaluate.task_rows(name, seed, 0, e.batch_size,
+                                                                                 length)))
+    out += [(label, run.eval_step, (run.abstract, batches.to_device(rows, sharding))) for label, rows in shapes]
+  return out
+
+
+def _compile_programs(config, seeds) -> float:
+  """Compiles the init of each seed, `programs` of `config` and the checkpoints' fingerprint of the state (in a
+  process of `precompile_variants`)."""
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # keep every program, however quick
+  start = time.perf_counter()
+  for s in seeds:
+    run = trainer.Run(with_seed(config, s))
+    init = run.init.lower().compile()
+  checkpoint.fingerprint(init())   # compiles what every checkpoint save runs on the state
+  done = set()
+  for _, fn, args in programs(run):
+    key = (id(fn), str(jax.tree.map(lambda x: (x.shape, x.dtype), args[1])))
+    if key not in done:   # tasks at the same length share the eval program
+      done.add(key)
+      fn.lower(*args).compile()
+  seconds = time.perf_counter() - start
+  print(f"compiled {len(done)} programs and {len(seeds)} inits in {seconds:.0f} s", flush=True)
+  return seconds
