@@ -6,8 +6,11 @@ numbers with their spread, and a verdict by rules fixed before the runs (`VERDIC
 
 Numbers are means over seeds, ± the sample standard deviation and [min, max] when there are several. The noise of
 a comparison is the largest seed-to-seed range (max − min) among the variants compared; with one seed there is no
-noise estimate, and a comparison that needs one is "inconclusive". At the CPU scale every verdict is "smoke run (not
-evidence)". `--write` replaces the text between the table's markers for that scale in docs/results.md.
+noise estimate, and a comparison that needs one is "inconclusive". The verdict is one word (reproduced / not
+reproduced / inconclusive), the rule's outcome beside it; the same rules apply at both scales (the CPU scale's
+models are far too small for its verdicts to be evidence: docs/results.md says so above its table). `--write`
+replaces the text between the table's markers for that scale in docs/results.md, and the table of what each
+notebook runs at that scale (from experiments/configs/ablations.py) between its own markers.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pathlib
 from absl import app, flags
 
 from experiments import harness
+from experiments.configs import ablations
 
 VERDICT_RULES = {
     "gate_speed": "reproduced if the bounded gate on its kernels runs forward+backward at least 1.5x faster than the "
@@ -37,8 +41,10 @@ VERDICT_RULES = {
               "accuracy exceeds all-KDA's by more than the noise; not reproduced if it is slower than all-MLA "
               "there or recalls no better than all-KDA",
 }
-SMOKE = "smoke run (not evidence)"
+VERDICTS = ("reproduced", "not reproduced", "inconclusive")
+ONE_SEED = "one seed: no noise estimate"
 MARKERS = "<!-- results:{scale}:begin -->", "<!-- results:{scale}:end -->"
+SETTINGS_MARKERS = "<!-- settings:{scale}:begin -->", "<!-- settings:{scale}:end -->"
 
 _RESULTS = flags.DEFINE_string("results", "notebooks/results", "directory holding <scale>/<notebook>.json")
 _SCALE = flags.DEFINE_enum("scale", "gpu", ["cpu", "gpu"], "which results")
@@ -63,17 +69,15 @@ def noise(*summaries) -> float | None:
   return max(s["max"] - s["min"] for s in summaries)
 
 
-def _verdict(scale, good: bool | None, bad: bool | None) -> str:
-  if scale == "cpu":
-    return SMOKE
+def _verdict(good: bool | None, bad: bool | None, why: str) -> dict:
+  """{"verdict", "why"}: reproduced if `good`, not reproduced if `bad`, else inconclusive; None: one seed."""
   if good is None or bad is None:
-    return "inconclusive (one seed)"
-  return "reproduced" if good else "not reproduced" if bad else "inconclusive"
+    return {"verdict": "inconclusive", "why": ONE_SEED}
+  return {"verdict": "reproduced" if good else "not reproduced" if bad else "inconclusive", "why": why}
 
 
 def gate_rows(r: dict) -> list[dict]:
   rows = []
-  scale = r["scale"]
   if "speed" in r:
     by_shape = {}
     for x in r["speed"]:
@@ -84,19 +88,19 @@ def gate_rows(r: dict) -> list[dict]:
     text = "; ".join(f"{s}: " + ", ".join(f"{g}/{b} {ms:.3f} ms" for (g, b), ms in t.items())
                      + f" (softplus / bounded {ratios[s]:.2f}x)" for s, t in by_shape.items())
     on_kernels = r["platform"] == "gpu" and all(("bounded", "auto") in t for t in by_shape.values())
-    if scale == "cpu" or not on_kernels:
-      verdict = SMOKE if scale == "cpu" else "inconclusive (the kernels were not timed)"
-    else:
-      verdict = _verdict(scale, all(v >= 1.5 for v in ratios.values()), any(v <= 1.0 for v in ratios.values()))
+    low = min(ratios.values())
+    verdict = (_verdict(low >= 1.5, low <= 1.0, f"softplus / bounded at least {low:.2f}x (rule: 1.5x)")
+               if on_kernels else {"verdict": "inconclusive", "why": "the kernels were not timed (no GPU)"})
     rows.append({"claim": "bounded gate: faster KDA op (fwd+bwd)", "run": f"{r['device']}, {r['speed'][0]['dtype']}",
-                 "numbers": text, "verdict": verdict})
+                 "numbers": text, **verdict})
   if "training" in r:
     b, s = r["training"]["bounded"]["heldout_loss"], r["training"]["softplus"]["heldout_loss"]
     n = noise(b, s)
     delta = b["mean"] - s["mean"]
     rows.append({"claim": "bounded gate: no loss in quality", "run": r["run"],
                  "numbers": f"held-out loss bounded {fmt(b)}, softplus {fmt(s)}",
-                 "verdict": _verdict(scale, None if n is None else delta <= n, None if n is None else delta > 2 * n)})
+                 **_verdict(None if n is None else delta <= n, None if n is None else delta > 2 * n,
+                            f"bounded − softplus {delta:+.4f}, noise {n or 0:.4f}")})
   if "finiteness" in r:
     bounded = r["finiteness"][0]
     ok = bounded["finite_o"] and bounded["finite_state"] and all(bounded["finite_grads"].values())
@@ -106,7 +110,8 @@ def gate_rows(r: dict) -> list[dict]:
                      + f", rel err o {x['rel_err_o']:.1e}" for x in r["finiteness"])
     shape = f"B={bounded['B']} T={bounded['T']} H={bounded['H']} D={bounded['D']} {bounded['dtype']}, saturated gates"
     rows.append({"claim": "bounded gate: finite at long T", "run": shape, "numbers": text,
-                 "verdict": _verdict(scale, ok, not ok)})
+                 **_verdict(ok, not ok, f"bounded gate {'finite' if ok else 'not finite or not accurate'} at "
+                                        f"T={bounded['T']}")})
   return rows
 
 
@@ -118,13 +123,17 @@ def balance_rows(r: dict) -> list[dict]:
   baselines = [k for k in m if k not in quantile]
   n = noise(*loss.values())
   good = bad = None
-  if n is not None and quantile and baselines:
-    good = (max(vio[q]["mean"] for q in quantile) < min(vio[b]["mean"] for b in baselines)
-            and max(loss[q]["mean"] for q in quantile) <= min(loss[b]["mean"] for b in baselines) + n)
-    bad = max(vio[q]["mean"] for q in quantile) >= min(vio[b]["mean"] for b in baselines)
+  worst_q = max(vio[q]["mean"] for q in quantile)
+  best_b = min(baselines, key=lambda b: vio[b]["mean"])
+  d_loss = max(loss[q]["mean"] for q in quantile) - min(loss[b]["mean"] for b in baselines)
+  if n is not None:
+    good = worst_q < vio[best_b]["mean"] and d_loss <= n
+    bad = worst_q >= vio[best_b]["mean"]
   text = "; ".join(f"{k}: MaxVio {fmt(vio[k], 3)}, held-out {fmt(loss[k])}" for k in m)
+  why = (f"worst quantile MaxVio {worst_q:.3f} vs best baseline ({best_b}) {vio[best_b]['mean']:.3f}; held-out "
+         f"loss vs best baseline {d_loss:+.4f}, noise {n or 0:.4f}")
   return [{"claim": "quantile balancing: balanced load, no aux loss", "run": r["run"], "numbers": text,
-           "verdict": _verdict(r["scale"], good, bad)}]
+           **_verdict(good, bad, why)}]
 
 
 def residual_rows(r: dict) -> list[dict]:
@@ -133,7 +142,8 @@ def residual_rows(r: dict) -> list[dict]:
   delta = t["prenorm"]["mean"] - t["block"]["mean"]
   return [{"claim": "Block AttnRes: lower loss than pre-norm (full AttnRes lower still)", "run": r["run"],
            "numbers": "; ".join(f"{k} {fmt(v)}" for k, v in t.items()),
-           "verdict": _verdict(r["scale"], None if n is None else delta > n, None if n is None else delta <= 0)}]
+           **_verdict(None if n is None else delta > n, None if n is None else delta <= 0,
+                      f"pre-norm − block {delta:+.4f}, noise {n or 0:.4f}")}]
 
 
 def context_rows(r: dict) -> list[dict]:
@@ -145,17 +155,18 @@ def context_rows(r: dict) -> list[dict]:
   n_loss = noise(staged["heldout_loss"], direct["heldout_loss"])
   n_acc = noise(*acc["staged"], *acc["direct"])
   good = bad = None
+  d_loss = staged["heldout_loss"]["mean"] - direct["heldout_loss"]["mean"]
+  d_acc = mean_acc["direct"] - mean_acc["staged"]
   if n_loss is not None and n_acc is not None:
-    d_loss = staged["heldout_loss"]["mean"] - direct["heldout_loss"]["mean"]
-    d_acc = mean_acc["direct"] - mean_acc["staged"]
     good, bad = d_loss <= n_loss and d_acc <= n_acc, d_loss > 2 * n_loss or d_acc > 2 * n_acc
   stages = " → ".join(str(e["seq_len"]) for e in staged["stage_evals"][0])
   text = (f"held-out loss staged {fmt(staged['heldout_loss'])}, direct {fmt(direct['heldout_loss'])}; accuracy "
           + "; ".join(f"{k} staged {fmt(staged['accuracy'][k], 3)} / direct {fmt(direct['accuracy'][k], 3)}"
                       for k in staged["accuracy"]))
+  why = (f"staged − direct: held-out loss {d_loss:+.4f} (noise {n_loss or 0:.4f}), accuracy at {final} "
+         f"{-d_acc:+.3f} (noise {n_acc or 0:.3f})")
   return [{"claim": "staged context extension: as good as direct at equal tokens",
-           "run": f"{r['run']}; staged {stages} vs direct {final}", "numbers": text,
-           "verdict": _verdict(r["scale"], good, bad)}]
+           "run": f"{r['run']}; staged {stages} vs direct {final}", "numbers": text, **_verdict(good, bad, why)}]
 
 
 def hybrid_rows(r: dict) -> list[dict]:
@@ -163,16 +174,18 @@ def hybrid_rows(r: dict) -> list[dict]:
   recall = {k: v["accuracy"] for k, v in r["recall"].items()}
   key = max(recall["3to1"], key=lambda k: int(k.split("@")[1]))
   n = noise(*(recall[v][key] for v in recall))
+  longest = max(speed["3to1"])
+  ratio = speed["3to1"][longest] / speed["all_mla"][longest]
+  d_recall = recall["3to1"][key]["mean"] - recall["all_kda"][key]["mean"]
   good = bad = None
-  if speed and n is not None:
-    longest = max(speed["3to1"])
-    ratio = speed["3to1"][longest] / speed["all_mla"][longest]
-    d_recall = recall["3to1"][key]["mean"] - recall["all_kda"][key]["mean"]
+  if n is not None:
     good, bad = ratio >= 1.5 and d_recall > n, ratio < 1.0 or d_recall <= 0
   text = "; ".join(f"{k}: " + ", ".join(f"T={t} {v:,.0f} tok/s" for t, v in speed.get(k, {}).items())
                    + f"; MQAR {key} {fmt(recall[k][key], 3)}" for k in recall)
+  why = (f"3:1 / all-MLA tokens/s at T={longest} {ratio:.2f}x (rule: 1.5x); 3:1 − all-KDA recall {d_recall:+.3f}, "
+         f"noise {n or 0:.3f}")
   return [{"claim": "3:1 hybrid: fast at long context, recalls like attention", "run": r["run"], "numbers": text,
-           "verdict": _verdict(r["scale"], good, bad)}]
+           **_verdict(good, bad, why)}]
 
 
 ROWS = {"01_gate": gate_rows, "02_balance": balance_rows, "03_residual": residual_rows, "04_context": context_rows,
@@ -182,21 +195,31 @@ ROWS = {"01_gate": gate_rows, "02_balance": balance_rows, "03_residual": residua
 def table(results_dir, scale: str) -> str:
   """The markdown table of the notebooks' JSON under `results_dir/scale/`; a notebook without JSON is "not run
   yet"."""
-  lines = ["| notebook | claim | what was run | numbers (mean ± std [min, max] over seeds) | verdict |",
-           "|---|---|---|---|---|"]
+  lines = ["| notebook | claim | what was run | numbers (mean ± std [min, max] over seeds) | verdict | why |",
+           "|---|---|---|---|---|---|"]
   for name, make in ROWS.items():
     path = pathlib.Path(results_dir) / scale / f"{name}.json"
     if not path.exists():
-      lines.append(f"| {name} | see notebooks/{name}.ipynb | — | — | not run yet |")
+      lines.append(f"| {name} | see notebooks/{name}.ipynb | — | — | not run yet | |")
       continue
     for row in make(json.loads(path.read_text())):
-      lines.append(f"| {name} | {row['claim']} | {row['run']} | {row['numbers']} | {row['verdict']} |")
+      lines.append(f"| {name} | {row['claim']} | {row['run']} | {row['numbers']} | {row['verdict']} | {row['why']} |")
   return "\n".join(lines)
 
 
-def write_into(doc: pathlib.Path, scale: str, text: str) -> None:
-  """Replaces the text between the scale's markers in `doc`."""
-  begin, end = (m.format(scale=scale) for m in MARKERS)
+def settings_table(scale: str) -> str:
+  """The markdown table of what each notebook runs at `scale` (experiments/configs/ablations.py)."""
+  lines = ["| notebook | variants | model and training per variant | also measured |", "|---|---|---|---|"]
+  for name, make in ablations.NOTEBOOKS.items():
+    study = make(scale)
+    also = "; ".join(f"{k} {v}" for k, v in study.settings.items())
+    lines.append(f"| {name} | {', '.join(study.variants)} | {study.summary()} | {also or '—'} |")
+  return "\n".join(lines)
+
+
+def write_into(doc: pathlib.Path, scale: str, text: str, markers=MARKERS) -> None:
+  """Replaces the text between the scale's `markers` in `doc`."""
+  begin, end = (m.format(scale=scale) for m in markers)
   page = doc.read_text()
   if page.count(begin) != 1 or page.count(end) != 1:
     raise ValueError(f"{doc} needs one {begin} and one {end} line")
@@ -211,6 +234,7 @@ def main(argv):
   print(text)
   if _WRITE.value:
     write_into(pathlib.Path(_DOC.value), _SCALE.value, text)
+    write_into(pathlib.Path(_DOC.value), _SCALE.value, settings_table(_SCALE.value), SETTINGS_MARKERS)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ def test_gate_rules():
   assert verdicts(rt.gate_rows(gate(kernel_ms=2.5)))[0] == "inconclusive"       # faster, by less than 1.5x
   assert verdicts(rt.gate_rows(gate(bounded=(2.20, 2.21))))[1] == "not reproduced"
   assert verdicts(rt.gate_rows(gate(bounded=(2.04, 2.05))))[1] == "inconclusive"
-  assert verdicts(rt.gate_rows(gate(bounded=(2.0,), softplus=(2.0,))))[1] == "inconclusive (one seed)"
-  assert verdicts(rt.gate_rows(gate(scale="cpu"))) == [rt.SMOKE] * 3
+  one_seed = rt.gate_rows(gate(bounded=(2.0,), softplus=(2.0,)))[1]
+  assert one_seed["verdict"] == "inconclusive" and one_seed["why"] == rt.ONE_SEED
+  on_cpu = rt.gate_rows(gate(scale="cpu"))   # the XLA path only: the speed claim is about the kernels
+  assert verdicts(on_cpu) == ["inconclusive", "reproduced", "reproduced"] and "not timed" in on_cpu[0]["why"]
   broken = gate()
   broken["finiteness"][0]["finite_grads"] = {"q": False}
   assert verdicts(rt.gate_rows(broken))[2] == "not reproduced"
@@ -83,7 +85,9 @@ def test_table_marks_missing_notebooks_and_write_replaces_only_its_scales_block(
   (tmp_path / "gpu").mkdir()
   (tmp_path / "gpu" / "01_gate.json").write_text(json.dumps(gate()))
   text = rt.table(tmp_path, "gpu")
-  assert text.count("| 01_gate |") == 3 and "| 02_balance | see notebooks/02_balance.ipynb | — | — | not run yet |" in text
+  assert text.count("| 01_gate |") == 3
+  assert "| 02_balance | see notebooks/02_balance.ipynb | — | — | not run yet | |" in text
+  assert all(line.count("|") == 7 for line in text.splitlines())   # six columns on every row
   doc = tmp_path / "results.md"
   doc.write_text("head\n<!-- results:cpu:begin -->\nold cpu\n<!-- results:cpu:end -->\n"
                  "<!-- results:gpu:begin -->\nold\n<!-- results:gpu:end -->\ntail\n")
