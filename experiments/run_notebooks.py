@@ -20,9 +20,8 @@ import time
 from absl import app, flags
 
 from experiments import harness
-from experiments import results_table
 from experiments.configs import ablations
-from k3jax.ablations import notebook, runs
+from k3jax.ablations import notebook, runs, verdicts
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -103,7 +102,7 @@ def main(argv):
     status = "timeout" if r["returncode"] is None else f"exit {r['returncode']}"
     print(f"{r['notebook']:<14} {status:>10} {r['wall_s']:8.0f} {r['cpu_s']:8.0f}")
   print(f"{'total':<14} {'':>10} {summary['wall_s']:8.0f}\n")
-  print(results_table.table(out, scale))
+  print(verdicts.table(out, scale))
   if any(r["returncode"] != 0 for r in summary["notebooks"]):
     sys.exit(1)
 

@@ -60,13 +60,10 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # %%
 dtype = jnp.dtype(study.settings["timed_dtype"])
 speed = []
-for B, T, H, D in study.settings["timed_shapes"]:
-  x, do = gate.raw_inputs(B, T, H, D, dtype=dtype)
-  for v in gate.timed_variants():
-    seconds = harness.pipelined_seconds(gate.fused_fwd_bwd(v["gate"], v["backend"]), x, do,
-                                        repeats=study.settings["repeats"])
-    speed.append({**v, "shape": f"{B}x{T}x{H}x{D}", "dtype": dtype.name, "ms": 1e3 * seconds})
-    print(f"{B}x{T}x{H}x{D} {v['gate']:<9} {v['path']:<32} {1e3 * seconds:9.3f} ms")
+for v in gate.compiled_variants(study.settings["timed_shapes"], dtype=dtype):   # all compiled at once, first
+  fn, args = v.pop("fn"), v.pop("args")
+  speed.append({**v, "ms": 1e3 * harness.pipelined_seconds(fn, *args, repeats=study.settings["repeats"])})
+  print(f"{v['shape']} {v['gate']:<9} {v['path']:<32} {speed[-1]['ms']:9.3f} ms")
 results["speed"] = speed
 session.save()
 if jax.default_backend() != "gpu":

@@ -49,3 +49,15 @@ def test_saturated_gates_are_finite_on_their_own_paths_and_overflow_the_factoris
     assert row["rel_err_o"] < 1e-5, row["case"]
   assert bounded["g_min"] == pytest.approx(-5.0) and softplus["g_max"] < -20.0
   assert forced["g_max"] == softplus["g_max"] and not forced["finite_o"] and forced["rel_err_o"] == float("inf")
+
+
+def test_compiled_variants_are_the_timed_pairs_at_every_shape_and_compute_the_fused_op():
+  rows = gate.compiled_variants([(1, 32, 2, 16), (1, 48, 1, 16)], dtype=jnp.float32, platform="cpu")
+  assert [(r["shape"], r["gate"], r["backend"]) for r in rows] == [
+      ("1x32x2x16", "bounded", "xla"), ("1x32x2x16", "softplus", "xla"),
+      ("1x48x1x16", "bounded", "xla"), ("1x48x1x16", "softplus", "xla")]
+  for r in rows:
+    o, grads = r["fn"](*r["args"])
+    want_o, want = gate.fused_fwd_bwd(r["gate"], "xla")(*r["args"])
+    np.testing.assert_allclose(o, want_o, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grads["q"], want["q"], rtol=1e-6, atol=1e-6)

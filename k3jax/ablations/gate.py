@@ -7,6 +7,7 @@ saturated gates, and the softplus gate through the factorised path as well, to s
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import jax
@@ -63,6 +64,21 @@ def timed_variants(platform: str | None = None) -> list[dict]:
           {"gate": "softplus", "backend": "xla", "path": "XLA, pairwise diagonal tiles"}]
 
 
+def compiled_variants(shapes, *, dtype=jnp.bfloat16, platform: str | None = None) -> list[dict]:
+  """Every `timed_variants` pair at every (B, T, H, D) of `shapes`, compiled ahead: one dict each with the
+  variant, "shape", "dtype", "fn" (the compiled `fused_fwd_bwd`) and "args" (its inputs, fresh draws). The
+  programs are lowered first and then compiled all at once on threads (XLA compiles outside the GIL)."""
+  rows = []
+  for B, T, H, D in shapes:
+    x, do = raw_inputs(B, T, H, D, dtype=dtype)
+    for v in timed_variants(platform):
+      rows.append({**v, "shape": f"{B}x{T}x{H}x{D}", "dtype": jnp.dtype(dtype).name, "args": (x, do),
+                   "lowered": fused_fwd_bwd(v["gate"], v["backend"]).lower(x, do)})
+  with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
+    compiled = list(pool.map(lambda r: r.pop("lowered").compile(), rows))
+  return [{**r, "fn": fn} for r, fn in zip(rows, compiled)]
+
+
 FINITENESS_CASES = (
     {"case": "bounded gate, factorised tiles", "gate": "bounded", "lower_bound": -5.0},
     {"case": "softplus gate, pairwise tiles", "gate": "softplus", "lower_bound": None},
@@ -76,8 +92,8 @@ def finiteness(B: int, T: int, H: int, D: int, *, dtype=jnp.bfloat16, seed: int 
   third case breaks the promise `g >= lower_bound` on purpose: the factorised tiles then overflow."""
   x, _ = raw_inputs(B, T, H, D, dtype=dtype, seed=seed, saturated=True)
   S0 = jax.random.normal(jax.random.PRNGKey(seed + 1), (B, H, D, D), jnp.float32)
-  rows = []
-  for case in FINITENESS_CASES:
+
+  def measure(case):
     q, k, g, beta = kda.fused_inputs(x["q"], x["k"], x["g_raw"], x["beta_logits"], x["A_log"], x["dt_bias"],
                                      lower_bound=_lower_bound(case["gate"]))
     inputs = {"q": q, "k": k, "v": x["v"], "g": g, "beta": beta}   # g and β in fp32, as the layer passes them
@@ -86,11 +102,13 @@ def finiteness(B: int, T: int, H: int, D: int, *, dtype=jnp.bfloat16, seed: int 
     ref, _ = kda.naive_recurrent_kda(*(inputs[n].astype(jnp.float32) for n in ("q", "k", "v", "g", "beta")),
                                      initial_state=S0)
     finite = lambda a: bool(np.all(np.isfinite(np.asarray(a, np.float32))))
-    rows.append({**case, "B": B, "T": T, "H": H, "D": D, "dtype": jnp.dtype(dtype).name,
-                 "g_min": float(jnp.min(g)), "g_max": float(jnp.max(g)),
-                 "finite_o": finite(o), "finite_state": finite(S),
-                 "finite_grads": {n: finite(v) for n, v in grads.items()}, "rel_err_o": rel_err(o, ref)})
-  return rows
+    return {**case, "B": B, "T": T, "H": H, "D": D, "dtype": jnp.dtype(dtype).name,
+            "g_min": float(jnp.min(g)), "g_max": float(jnp.max(g)), "finite_o": finite(o), "finite_state": finite(S),
+            "finite_grads": {n: finite(v) for n, v in grads.items()}, "rel_err_o": rel_err(o, ref)}
+
+  # The cases on threads: each one's programs compile while the others' trace or run.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=len(FINITENESS_CASES)) as pool:
+    return list(pool.map(measure, FINITENESS_CASES))
 
 
 def _lower_bound(gate: str):

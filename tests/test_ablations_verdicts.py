@@ -1,10 +1,11 @@
-"""experiments/results_table.py: the verdict rules on made-up results (reproduced, not reproduced, inconclusive,
-smoke), the table's rows, and the write between a scale's markers."""
+"""k3jax.ablations.verdicts: the verdict rules on made-up results (reproduced, not reproduced, inconclusive, one
+seed, no kernels timed), the table's rows, and the write between a scale's markers; experiments.results_table's
+table of what each notebook runs."""
 import json
 
 import pytest
 
-from experiments import results_table as rt
+from k3jax.ablations import verdicts as rt
 from k3jax.ablations import runs
 
 
@@ -96,3 +97,20 @@ def test_table_marks_missing_notebooks_and_write_replaces_only_its_scales_block(
   assert "old cpu" in page and "\nold\n" not in page and text in page and page.endswith("tail\n")
   with pytest.raises(ValueError, match="markers|needs one"):
     rt.write_into(tmp_path / "results.md", "tpu", text)
+
+
+def test_settings_table_has_a_row_per_notebook_with_its_variants_and_training():
+  from experiments import results_table
+  text = results_table.settings_table("gpu")
+  rows = text.splitlines()[2:]
+  assert [r.split(" | ")[0] for r in rows] == [f"| {n}" for n in rt.ROWS]
+  assert "bounded, softplus" in rows[0] and "seeds 0, 1" in rows[0] and "16,384 tokens" in rows[0]
+
+
+def test_rules_text_lists_every_rule_and_write_into_fills_scale_free_markers(tmp_path):
+  text = rt.rules_text()
+  assert text.count("\n- **") == len(rt.VERDICT_RULES) - 1 and "**3:1 hybrid**" in text
+  doc = tmp_path / "results.md"
+  doc.write_text("a\n<!-- rules:begin -->\nold\n<!-- rules:end -->\nb\n")
+  rt.write_into(doc, "gpu", text, rt.RULES_MARKERS)
+  assert doc.read_text() == f"a\n<!-- rules:begin -->\n{text}\n<!-- rules:end -->\nb\n"
