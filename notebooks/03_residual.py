@@ -63,11 +63,7 @@ session.save()
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
-for name, r in training.items():
-  ax.plot(r["step"], np.mean(r["loss"], axis=0), label=f"{name} (mean of {len(r['loss'])})", lw=1)
-ax.set(xlabel="step", ylabel="training loss (nats/token)", yscale="log", title="residual scheme")
-ax.legend()
-ax.grid(alpha=0.3)
+runs.plot_losses(training, ax, title="residual scheme")
 fig.savefig(OUT / "03_residual_loss.png", dpi=120)
 plt.show()
 

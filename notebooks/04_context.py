@@ -59,10 +59,8 @@ lengths = study.settings["eval_lengths"]
 final_length = lengths[0]
 summary = results["summary"] = runs.summarize(histories)
 for name, hs in histories.items():
-  final = [h["evals"][-1] for h in hs]
   summary[name].update(
-      accuracy={k: runs.spread(e["accuracy"][k] for e in final) for k in final[0]["accuracy"]},
-      chance=final[0]["chance"], seq_len=hs[0]["metrics"]["seq_len"],
+      chance=hs[0]["evals"][-1]["chance"], seq_len=hs[0]["metrics"]["seq_len"],
       stage_evals=[[{"stage": e["stage"], "seq_len": e["seq_len"], "heldout_loss": e["heldout_loss"],
                      "accuracy": e["accuracy"]} for e in h["evals"]] for h in hs])
 session.save()

@@ -54,9 +54,8 @@ histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds,
                                precompile=notebook.precompile(SCALE))
 training = results["training"] = runs.summarize(histories)
 recall = results["recall"] = {}
-for name, hs in histories.items():
-  final = [h["evals"][-1] for h in hs]
-  recall[name] = {"accuracy": {k: runs.spread(e["accuracy"][k] for e in final) for k in final[0]["accuracy"]}}
+for name in histories:
+  recall[name] = {"accuracy": training[name]["accuracy"]}
   print(f"{name:<8} " + ", ".join(f"{k} {s['mean']:.3f} (min {s['min']:.3f}, max {s['max']:.3f})"
                                   for k, s in recall[name]["accuracy"].items())
         + f"; training {training[name]['tokens_per_s']['mean']:,.0f} tokens/s at T={study.base.seq_len}")

@@ -44,7 +44,8 @@ def test_variants_change_only_their_overrides_and_train_equal_tokens(name, scale
   if scale == "gpu":
     assert len(study.seeds) >= 2   # the research setting reports a spread
   for config in configs.values():
-    run = trainer.Run(config)   # the balance study's shards exist: configs() wrote them   # validates model, stages, data and evaluation; builds the abstract state
+    # The balance study's shards exist (configs() wrote them); one device, as the notebooks run.
+    run = trainer.Run(runs.override(config, {"mesh": "data:1,expert:1"}))   # validates model, stages, data and evaluation; builds the abstract state
     assert run.stages[0].seq_len * run.stages[0].batch_size == run.stages[-1].seq_len * run.stages[-1].batch_size
 
 

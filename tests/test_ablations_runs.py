@@ -232,3 +232,23 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
   # the task evaluations at 96 (64 is the held-out one's shape) came from the cache.
   assert counts.get("/jax/compilation_cache/cache_hits", 0) >= 7, counts
   assert counts.get("/jax/compilation_cache/cache_misses", 0) == 0, counts
+
+
+def test_summarize_spreads_the_last_evaluation_and_the_tail_over_seeds_and_plot_losses_draws_each_variant():
+  def history(loss, acc, heldout=1.0):
+    evals = [{"heldout_loss": 9.0, "accuracy": {"mqar@64": 0.0}},
+             {"heldout_loss": heldout, "accuracy": {"mqar@64": acc, "mqar@128": acc / 2}}]
+    return {"metrics": {"step": [1, 2, 3, 4, 5], "loss": loss, "tokens_per_s": [None, 10.0, 20.0, 30.0, 40.0]},
+            "evals": evals, "wall_s": 1.5}
+  out = runs.summarize({"a": [history([5, 4, 3, 2, 1], 0.5, 2.0), history([5, 4, 3, 2, 3], 0.7, 3.0)],
+                        "b": [{**history([1] * 5, 0.1), "evals": []}]})
+  a = out["a"]
+  assert a["step"] == [1, 2, 3, 4, 5] and a["loss"][1] == [5, 4, 3, 2, 3] and a["wall_s"] == [1.5, 1.5]
+  assert a["heldout_loss"] == runs.spread([2.0, 3.0]) and a["tail_loss"] == runs.spread([1.0, 3.0])
+  assert a["accuracy"] == {"mqar@64": runs.spread([0.5, 0.7]), "mqar@128": runs.spread([0.25, 0.35])}
+  assert a["tokens_per_s"] == runs.spread([35.0, 35.0])   # the last half of the logged values (None dropped)
+  assert out["b"]["heldout_loss"] is None and out["b"]["accuracy"] == {}
+  from matplotlib.figure import Figure
+  ax = runs.plot_losses(out, Figure().subplots(), title="t")
+  assert [line.get_label() for line in ax.get_lines()] == ["a (mean of 2)", "b (mean of 1)"]
+  np.testing.assert_allclose(ax.get_lines()[0].get_ydata(), [5, 4, 3, 2, 2])

@@ -137,7 +137,8 @@ def context(scale: str) -> Study:
     beyond = (2,)
   else:
     lengths, rows, steps = (1024, 4096, 16384), (16, 4, 1), (90, 30, 30)
-    c.eval.examples, c.eval.batch_size, c.eval.batches = 16, 8, 2
+    # One row per evaluation call: MLA masks packed rows with a [B, 1, T, T] array, 4 GiB at T = 64K.
+    c.eval.examples, c.eval.batch_size, c.eval.batches = 16, 1, 4
     beyond = (2, 4)
   final = lengths[-1]
   c.eval.lengths = (final, *(k * final for k in beyond))

@@ -180,17 +180,30 @@ def trained_model(directory, *, stage: int | None = None, step: int | None = Non
 
 def summarize(histories: Mapping[str, list[dict]]) -> dict[str, dict]:
   """Per variant of `train_variants`' result: its logged steps, every seed's loss curve and wall time, and over
-  seeds the spread of the last evaluation's held-out loss (None where it was not measured), of the mean training
-  loss over the last 20% of the steps, and of the training tokens/s over the second half."""
+  seeds the spread of the last evaluation's held-out loss (None where it was not measured) and task accuracies
+  ({"task@length": spread}), of the mean training loss over the last 20% of the steps, and of the training
+  tokens/s over the second half."""
   out = {}
   for name, hs in histories.items():
-    heldout = [h["evals"][-1]["heldout_loss"] if h["evals"] else None for h in hs]
+    final = [h["evals"][-1] if h["evals"] else {} for h in hs]
+    heldout = [e.get("heldout_loss") for e in final]
     out[name] = {"step": hs[0]["metrics"]["step"], "loss": [h["metrics"]["loss"] for h in hs],
                  "heldout_loss": None if None in heldout else spread(heldout),
+                 "accuracy": {k: spread(e["accuracy"][k] for e in final) for k in final[0].get("accuracy", {})},
                  "tail_loss": spread(tail_mean(h["metrics"]["loss"], 0.2) for h in hs),
                  "tokens_per_s": spread(tail_mean(h["metrics"]["tokens_per_s"], 0.5) for h in hs),
                  "wall_s": [h["wall_s"] for h in hs]}
   return out
+
+
+def plot_losses(summary: Mapping[str, dict], ax, *, title: str):
+  """The training loss against the step of each variant of `summarize`'s result (the mean over seeds) on `ax`."""
+  for name, r in summary.items():
+    ax.plot(r["step"], np.mean(r["loss"], axis=0), label=f"{name} (mean of {len(r['loss'])})", lw=1)
+  ax.set(xlabel="step", ylabel="training loss (nats/token)", yscale="log", title=title)
+  ax.legend()
+  ax.grid(alpha=0.3)
+  return ax
 
 
 def spread(values) -> dict:
