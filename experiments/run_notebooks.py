@@ -22,6 +22,7 @@ from absl import app, flags
 from experiments import harness
 from experiments.configs import ablations
 from k3jax.ablations import notebook, runs, verdicts
+from k3jax.data import corpus
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -63,6 +64,7 @@ def precompile(paths, scale: str, workdir: pathlib.Path) -> dict:
       if todo:
         configs[f"{path.stem}/{name}"], seeds[f"{path.stem}/{name}"] = config, todo
   start = time.perf_counter()
+  corpus.stdlib_shards()   # tokenised once here, not by every process at once
   print(f"compiling the programs of {len(configs)} variants at once: {', '.join(configs) or 'none'}", flush=True)
   compiled = runs.precompile_variants(configs, seeds=seeds) if configs else {}
   for name, result in compiled.items():
