@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,8 @@ def test_depth_weights_are_uniform_at_init_and_need_attnres_and_no_remat():
   m.residual.mode, m.remat = "block", True
   with pytest.raises(ValueError, match="remat"):
     residual.depth_weights(K3Model(m, rngs=nnx.Rngs(0)), tokens)
+  with pytest.raises(ValueError, match="scanned groups"):   # stacked layers: no read-out per layer to record
+    residual.read_outs(types.SimpleNamespace(groups=[object()], layers=[]))
 
 
 def test_read_out_records_its_softmax_weights_only_under_capture():

@@ -17,7 +17,11 @@ from flax import nnx
 
 def read_outs(model) -> list[tuple[str, object]]:
   """(name, DepthAttention) of every AttnRes read-out of a `K3Model`, in the order they run: each decoder layer's
-  mixer then FFN, then the final read-out. Empty for the pre-norm residual (mode "none")."""
+  mixer then FFN, then the final read-out. Empty for the pre-norm residual (mode "none"). ValueError for a model
+  whose layers run as scanned groups (stacked, no read-out of its own per layer)."""
+  if getattr(model, "groups", None):
+    raise ValueError("the model runs its layers as scanned groups, whose read-outs record nothing per layer: train "
+                     "the study with model.scan_layers off")
   out = []
   for i, layer in enumerate(model.layers):
     out += [(f"layer {i} {layer.kind}", layer.mixer_res), (f"layer {i} ffn", layer.ffn_res)]
