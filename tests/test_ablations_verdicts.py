@@ -109,7 +109,7 @@ def test_settings_table_has_a_row_per_notebook_with_its_variants_and_training():
 
 def test_rules_text_lists_every_rule_and_write_into_fills_scale_free_markers(tmp_path):
   text = rt.rules_text()
-  assert text.count("\n- **") == len(rt.VERDICT_RULES) - 1 and "**3:1 hybrid**" in text
+  assert text.count("\n- **") == len(rt.VERDICT_RULES) - 1 and "**3:1 hybrid**" in text and "one seed" in text
   doc = tmp_path / "results.md"
   doc.write_text("a\n<!-- rules:begin -->\nold\n<!-- rules:end -->\nb\n")
   rt.write_into(doc, "gpu", text, rt.RULES_MARKERS)

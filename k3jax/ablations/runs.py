@@ -55,7 +55,7 @@ class Study:
     """The study as text: the base model and training sizes, each variant's overrides and training tokens."""
     c, m = self.base, self.base.model
     lines = [f"{self.name} at scale {self.scale!r}, seeds {list(self.seeds)}",
-             f"model: d={m.d_model}, {m.num_layers} layers {'/'.join(m.layer_pattern)} (last: {m.last_layer}), "
+             f"model: d={m.d_model}, {_layers(m)} {'/'.join(m.layer_pattern)} (last: {m.last_layer}), "
              f"MoE {'on' if m.moe.enabled else 'off'}, residual {m.residual.mode}, {m.dtype}",
              f"training: lr {c.optimizer.lr}, data mix {dict((k, v) for k, v in c.data.mix.items() if v)}"]
     for name, config in self.configs().items():
@@ -74,8 +74,12 @@ class Study:
     moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe.enabled else ""
     per_step = "/".join(f"{t:,}" for t in sorted({s.seq_len * s.batch_size for c in configs
                                                   for s in stages_lib.stages_of(c)}))
-    return (f"d={m.d_model}, {m.num_layers} layers{moe}, residual {m.residual.mode}, {m.dtype}; {steps} steps of "
+    return (f"d={m.d_model}, {_layers(m)}{moe}, residual {m.residual.mode}, {m.dtype}; {steps} steps of "
             f"{per_step} tokens, {tokens} tokens per variant; seeds {', '.join(map(str, self.seeds))}")
+
+
+def _layers(model_cfg) -> str:
+  return f"{model_cfg.num_layers} layer" + ("" if model_cfg.num_layers == 1 else "s")
 
 
 def override(config, overrides: Mapping | None) -> ml_collections.ConfigDict:

@@ -16,25 +16,28 @@ import pathlib
 VERDICT_RULES = {
     "Bounded gate, speed": "reproduced if the bounded gate on its kernels runs the op's forward+backward at least "
                            "1.5x faster than the softplus gate (which has no kernel: XLA with pairwise diagonal "
-                           "tiles) at every timed shape; not reproduced if it is not faster at some shape. Without a "
-                           "GPU the kernels are not timed: inconclusive",
+                           "tiles) at every timed shape; not reproduced if it is not faster at some shape; otherwise, "
+                           "or without a GPU (the kernels not timed), inconclusive",
     "Bounded gate, quality": "reproduced if the bounded gate's held-out loss is at most the softplus gate's plus the "
-                             "noise; not reproduced if it is higher by more than twice the noise",
+                             "noise; not reproduced if it is higher by more than twice the noise; otherwise "
+                             "inconclusive",
     "Bounded gate, finiteness": "reproduced if o, the final state and every gradient are finite with the bounded "
                                 "gate at saturation and o is within 5e-3 of the fp32 recurrence (the softplus gate "
-                                "forced through the factorised tiles is shown beside it: it is expected to overflow)",
+                                "forced through the factorised tiles is shown beside it: it is expected to "
+                                "overflow); not reproduced otherwise",
     "Quantile balancing": "reproduced if both quantile forms hold MaxVio (mean over the last half of training) below "
                           "every baseline's and their held-out loss is at most the best baseline's plus the noise; "
-                          "not reproduced if a baseline balances better",
+                          "not reproduced if a baseline balances better; otherwise inconclusive",
     "Block AttnRes": "reproduced if its held-out loss is below the pre-norm residual's by more than the noise; not "
-                     "reproduced if it is not below it (full AttnRes is reported beside it, claimed lower still)",
+                     "reproduced if it is not below it (full AttnRes is reported beside it, claimed lower still); "
+                     "otherwise inconclusive",
     "Staged context extension": "reproduced if the staged run's held-out loss is at most the direct run's plus the "
                                 "noise and its mean retrieval accuracy at the final length at least the direct "
                                 "run's minus the noise; not reproduced if either is worse by more than twice the "
-                                "noise",
+                                "noise; otherwise inconclusive",
     "3:1 hybrid": "reproduced if its prefill is at least 1.5x all-MLA's tokens/s at the longest length and its MQAR "
                   "accuracy exceeds all-KDA's by more than the noise; not reproduced if it is slower than all-MLA "
-                  "there or recalls no better than all-KDA",
+                  "there or recalls no better than all-KDA; otherwise inconclusive",
 }
 ONE_SEED = "one seed: no noise estimate"
 MARKERS = "<!-- results:{scale}:begin -->", "<!-- results:{scale}:end -->"
@@ -197,9 +200,9 @@ def table(results_dir, scale: str) -> str:
 
 
 def rules_text() -> str:
-  """`VERDICT_RULES` as a markdown list; otherwise inconclusive, and with one seed a comparison that needs the
-  noise is inconclusive."""
-  return "\n".join(f"- **{claim}**: {rule}; otherwise inconclusive." for claim, rule in VERDICT_RULES.items())
+  """`VERDICT_RULES` as a markdown list, and the one-seed rule."""
+  return "\n".join([*(f"- **{claim}**: {rule}." for claim, rule in VERDICT_RULES.items()),
+                    "- With one seed, a comparison that needs the noise is inconclusive."])
 
 
 def write_into(doc: pathlib.Path, scale: str, text: str, markers=MARKERS) -> None:
