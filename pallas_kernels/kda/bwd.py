@@ -267,7 +267,8 @@ def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_
       functools.partial(_intra_bwd_cols_kernel, **flags, form=cols_form), grid=(N, B * H, K // block_k, NT),
       in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
       out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
-      num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
+      # Three stages let Triton prefetch the next tile's keys and queries inside the pair-product loops.
+      num_warps=num_warps, num_stages=3)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
   dg = triton_call(
       functools.partial(_dg_suffix_kernel, lower_bound=lower_bound, has_reset=reset is not None),
       grid=(N, B * H, K // block_k), in_specs=[col, col, col, dd_spec, col] + res, out_specs=col,
