@@ -95,7 +95,8 @@ def _stop_arrays(options: SamplingOptions):
 
 
 class ReprefillSampler:
-  """The reference `Sampler` for a model given as (graphdef, variables) (`nnx.split` pieces)."""
+  """The reference `Sampler` for a model given as (graphdef, variables) (`nnx.split` pieces); its sessions are
+  `ReprefillSession`s."""
 
   def __init__(self, graphdef, variables, options: SamplingOptions, *, prefill_bucket: int = 32):
     if prefill_bucket < 1:
@@ -136,10 +137,9 @@ class ReprefillSession:
     buffer_RT = np.full((len(self.contexts), self.max_len), tok.PAD, np.int32)
     for r, c in enumerate(self.contexts):
       buffer_RT[r, :len(c)] = c
-    shortest = int(lengths_R[rows].min())
-    bucket = self.sampler.bucket
-    prefix = shortest if shortest < bucket else shortest // bucket * bucket
     s = self.sampler
+    shortest = int(lengths_R[rows].min())   # rows left out may be shorter: their tokens are ignored
+    prefix = shortest if shortest < s.bucket else shortest // s.bucket * s.bucket
     logits, cache = _prefill(s.graphdef, s.variables, jnp.asarray(buffer_RT[:, :prefix]), max_len=self.max_len)
     stops_SW, lens_S, tokens_K = _stop_arrays(s.options)
     out_RT, count_R = jax.device_get(_decode(
