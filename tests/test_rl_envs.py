@@ -9,7 +9,7 @@ import pytest
 
 from k3jax.data import pipeline, tasks
 from k3jax.data import tokenizer as tok
-from k3jax.rl import envs, protocol, rewards
+from k3jax.rl import config as rl_config, envs, protocol, rewards
 from k3jax.rl.episode import Outcome
 
 
@@ -117,3 +117,24 @@ def test_demonstrations_as_a_data_source_weigh_only_the_model_turns():
     assert calls and tok.decode(weighted) == "".join(calls)
   assert tasks.TASKS["lookup"].min_length == envs.get("lookup").min_length + 1
 
+
+
+@pytest.mark.parametrize("module", ["rl_tiny", "rl_small"])
+def test_rl_configs_validate(module):
+  import importlib
+  c = importlib.import_module(f"experiments.configs.{module}").get_config()
+  rl_config.validate(c.rl)
+  assert set(c.data.mix) == set(c.rl.envs) and c.data.task_length == c.rl.length
+  assert ("lookup", 4 * c.rl.length) in rl_config.eval_points(c.rl)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("envs", {"maze": 1.0}, "config.rl.envs"), ("group_size", 1, "group_size"), ("minibatches", 3, "minibatches"),
+    ("length", 100, "needs lengths >="), ("max_turns", 2, "max_turns"), ("eval_at", ("lookup:9",), "eval_at"),
+    ("eval_examples", 10, "eval_batch"), ("clip_eps", 0.0, "clip_eps"),
+])
+def test_rl_config_names_the_bad_field(field, value, match):
+  r = rl_config.rl_config()
+  r[field] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+  with pytest.raises(ValueError, match=match):
+    rl_config.validate(r)
