@@ -15,7 +15,7 @@ from flax import nnx
 
 from k3jax import config as config_lib
 from k3jax.layers import attnres
-from k3jax.layers.common import RMSNorm, normal_param
+from k3jax.layers.common import RMSNorm, embed, normal_param
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.kda import KDA_OUT, KDALayer
 from k3jax.layers.mla import GatedMLA
@@ -140,7 +140,7 @@ class K3Model(nnx.Module):
     return [layer.ffn for layer in self.layers if layer.uses_moe]
 
   def _embed(self, tokens_BT):
-    return jnp.take(self.embed[...], tokens_BT, axis=0)
+    return embed(self.embed[...], tokens_BT, self.dtype)
 
   def _logits(self, stream):
     h = attnres.read(stream, self.final_res)
