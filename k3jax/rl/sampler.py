@@ -1,50 +1,32 @@
-"""Generation for rollouts: the interface a multi-turn rollout needs, and a reference implementation of it.
+"""Generation for multi-turn rollouts, on `k3jax.generate_lib`: one cache per episode row, continued across turns.
 
-The interface (`Sampler`, `Session`): `sampler.open(prompts, max_len)` starts one context per row; each turn,
-`session.generate(rows, max_new)` extends the given rows with sampled tokens until a stop string, a stop token or
-the row's `max_new` tokens, and returns the new tokens of each row; `session.append(row, tokens)` adds a tool
-result to a row's context. Rows have their own lengths throughout.
+`Sampler(model, options, ...).open(prompts, max_len)` prefills the prompts (rows of their own lengths) into a cache
+of `max_len` positions and returns a `Session`. Each turn, `session.generate(rows, max_new, rng)` runs one decode
+loop over every row (the rows not asked sit it out) until each asked row ends a call (a stop sequence of
+`protocol.STOP_STRINGS`), emits a stop token or spends its budget; `session.append(row, tokens)` adds a tool result
+to a row. Before the next decode, each row's tokens not yet in its cache (its last sampled token, which the decode
+loop does not feed, and the result) are prefilled from the cache: the KDA state and the MLA latents continue, the
+history is never run again.
 
-`ReprefillSampler` is the reference: every `generate` runs the rows' whole contexts again (a prefill of the
-part all active rows share, rounded down to `prefill_bucket`, then teacher-forced decode steps up to each row's
-end) and samples on from there, so it needs only `k3jax.generate`'s `prefill` and `decode_step`. It is exact
-(each row sees only its own tokens, no padding) and compiles once per prefill length bucket, but costs a
-re-prefill per turn. A cache-continuing sampler (the KDA state and MLA latents carried across turns, only the
-tool result prefilled) implements the same interface once generation has per-row lengths.
+A session compiles three programs, once per (rows, max_len): the prompt's chunk step (`prefill_chunk` tokens), the
+continuation's chunk step (`append_chunk` tokens) and the decode loop (`turn_tokens` steps, these options).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from k3jax import generate
+from k3jax import generate_lib, sampling
 from k3jax.data import tokenizer as tok
 from k3jax.rl import protocol
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingOptions:
-  temperature: float = 1.0      # 0: greedy
-  top_p: float = 1.0            # nucleus: sample among the most likely tokens holding this much probability
-  stop_strings: tuple[str, ...] = protocol.STOP_STRINGS   # a row stops after generating one of these
-  stop_tokens: tuple[int, ...] = (tok.EOS,)
-
-  def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-    if not self.stop_strings or any(not s for s in self.stop_strings):
-      raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
-
-
 class Session(Protocol):
+  """What a rollout drives (`k3jax.rl.rollout.play`): one context per row."""
+
   def generate(self, rows: Sequence[int], max_new: Sequence[int], rng: jax.Array) -> list[np.ndarray]:
     """Samples on from the contexts of `rows`; returns each row's new int32 tokens (its stop included), which
     are appended to its context."""
@@ -56,64 +38,53 @@ class Session(Protocol):
     """A row's tokens so far."""
 
 
-class Sampler(Protocol):
-  def open(self, prompts: Sequence[np.ndarray], max_len: int) -> Session:
-    """A session with one row per prompt; no row may grow beyond `max_len` tokens."""
+def rollout_options(temperature: float, top_p: float = 1.0) -> sampling.SamplingOptions:
+  """Sampling for episodes: a turn ends at the end of a call (the tokens of `protocol.STOP_STRINGS`) or at EOS."""
+  return sampling.SamplingOptions(temperature=temperature, top_p=top_p, stop_tokens=(tok.EOS,),
+                                  stop_sequences=tuple(tuple(int(t) for t in tok.encode(s))
+                                                       for s in protocol.STOP_STRINGS), pad_id=tok.PAD)
 
 
-def sample(logits_RV, key, temperature, top_p):
-  """int32 `[R]`: the argmax (temperature 0) or a draw from softmax(logits / temperature) restricted to the
-  smallest set of tokens, most likely first, that holds `top_p` of the probability. `temperature` and `top_p`
-  may be traced."""
-  hot = temperature > 0
-  logits = logits_RV.astype(jnp.float32) / jnp.where(hot, temperature, 1.0)
-
-  def nucleus(logits):
-    desc = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs   # probability of the more likely tokens
-    cutoff = jnp.min(jnp.where(before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
-  logits = jax.lax.cond(hot & (top_p < 1.0), nucleus, lambda x: x, logits)
-  drawn = jax.random.categorical(key, logits, axis=-1)
-  return jnp.where(hot, drawn, jnp.argmax(logits_RV, axis=-1)).astype(jnp.int32)
+def _padded(rows: Sequence[np.ndarray], chunk: int) -> np.ndarray:
+  """int32 `[R, k·chunk]`: the rows left-aligned, padded to the next multiple of `chunk` (so a session's calls
+  see few shapes)."""
+  width = max(chunk, -(-max(len(r) for r in rows) // chunk) * chunk)
+  out = np.full((len(rows), width), tok.PAD, np.int32)
+  for i, r in enumerate(rows):
+    out[i, :len(r)] = r
+  return out
 
 
-def _stop_arrays(options: SamplingOptions):
-  """The stop strings' tokens right-aligned in a `[S, W]` array of -1, their lengths `[S]`, and the stop tokens
-  `[K]` padded with -1; S, W, K are rounded up so that most option sets share one compiled decode loop."""
-  stops = [tok.encode(x) for x in options.stop_strings]
-  width = max([16] + [len(x) for x in stops])
-  count = max(4, len(stops))
-  stops_SW = np.full((count, width), -1, np.int32)
-  lens_S = np.zeros(count, np.int32)
-  for i, x in enumerate(stops):
-    stops_SW[i, width - len(x):], lens_S[i] = x, len(x)
-  tokens_K = np.full(max(4, len(options.stop_tokens)), -1, np.int32)
-  tokens_K[:len(options.stop_tokens)] = options.stop_tokens
-  return stops_SW, lens_S, tokens_K
+class Sampler:
+  """Opens sessions on `model` (a K3Model, used read-only) with sampling `options`; a turn takes at most
+  `turn_tokens` tokens."""
+
+  def __init__(self, model, options: sampling.SamplingOptions, *, turn_tokens: int, prefill_chunk: int = 256,
+               append_chunk: int = 64):
+    for name, value in (("turn_tokens", turn_tokens), ("prefill_chunk", prefill_chunk),
+                        ("append_chunk", append_chunk)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    self.model, self.options = model, options
+    self.turn_tokens, self.prefill_chunk, self.append_chunk = turn_tokens, prefill_chunk, append_chunk
+
+  def open(self, prompts: Sequence[np.ndarray], max_len: int) -> "CachedSession":
+    return CachedSession(self, prompts, max_len)
 
 
-class ReprefillSampler:
-  """The reference `Sampler` for a model given as (graphdef, variables) (`nnx.split` pieces); its sessions are
-  `ReprefillSession`s."""
+class CachedSession:
+  """A `Session` over a `generate_lib` cache (see the module docstring)."""
 
-  def __init__(self, graphdef, variables, options: SamplingOptions, *, prefill_bucket: int = 32):
-    if prefill_bucket < 1:
-      raise ValueError(f"prefill_bucket must be >= 1, got {prefill_bucket}")
-    self.graphdef, self.variables, self.options, self.bucket = graphdef, tuple(variables), options, prefill_bucket
-
-  def open(self, prompts, max_len: int) -> "ReprefillSession":
-    return ReprefillSession(self, prompts, max_len)
-
-
-class ReprefillSession:
-  def __init__(self, sampler: ReprefillSampler, prompts, max_len: int):
+  def __init__(self, sampler: Sampler, prompts, max_len: int):
     self.sampler, self.max_len = sampler, int(max_len)
     self.contexts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     if not self.contexts or any(len(c) == 0 or len(c) > self.max_len for c in self.contexts):
       raise ValueError(f"prompts must be non-empty and at most max_len={max_len} tokens, got lengths "
                        f"{[len(c) for c in self.contexts]}")
+    self.queued = [np.zeros(0, np.int32) for _ in self.contexts]   # each row's tokens not yet in its cache
+    self.logits, self.cache = generate_lib.prefill_chunked(
+        sampler.model, jnp.asarray(_padded(self.contexts, sampler.prefill_chunk)),
+        np.array([len(c) for c in self.contexts]), chunk=sampler.prefill_chunk, max_len=self.max_len)
 
   def context(self, row: int) -> np.ndarray:
     return self.contexts[row]
@@ -123,74 +94,37 @@ class ReprefillSession:
     if len(self.contexts[row]) + len(tokens) > self.max_len:
       raise ValueError(f"row {row}: {len(self.contexts[row])} + {len(tokens)} tokens exceed max_len={self.max_len}")
     self.contexts[row] = np.concatenate([self.contexts[row], tokens])
+    self.queued[row] = np.concatenate([self.queued[row], tokens])
+
+  def _feed_queued(self) -> None:
+    """Prefills every row's queued tokens from its cache (rows with none keep their logits)."""
+    lengths = np.array([len(q) for q in self.queued])
+    if not lengths.any():
+      return
+    s = self.sampler
+    self.logits, self.cache = generate_lib.prefill_chunked(
+        s.model, jnp.asarray(_padded(self.queued, s.append_chunk)), lengths, chunk=s.append_chunk,
+        cache=self.cache, logits_BV=self.logits)
+    self.queued = [np.zeros(0, np.int32) for _ in self.queued]
 
   def generate(self, rows, max_new, rng) -> list[np.ndarray]:
     rows, max_new = [int(r) for r in rows], [int(n) for n in max_new]
     if len(rows) != len(max_new) or len(set(rows)) != len(rows) or not rows:
       raise ValueError(f"rows must be distinct, non-empty and match max_new, got rows={rows}, max_new={max_new}")
-    lengths_R = np.array([len(c) for c in self.contexts], np.int32)
-    new_R = np.zeros(len(self.contexts), np.int32)
-    new_R[rows] = max_new
-    if np.any(lengths_R + new_R > self.max_len) or min(max_new) < 1:
-      raise ValueError(f"each row needs 1 <= max_new <= max_len - its length; got max_new={max_new} for lengths "
-                       f"{lengths_R[rows].tolist()} and max_len={self.max_len}")
-    buffer_RT = np.full((len(self.contexts), self.max_len), tok.PAD, np.int32)
-    for r, c in enumerate(self.contexts):
-      buffer_RT[r, :len(c)] = c
     s = self.sampler
-    shortest = int(lengths_R[rows].min())   # rows left out may be shorter: their tokens are ignored
-    prefix = shortest if shortest < s.bucket else shortest // s.bucket * s.bucket
-    logits, cache = _prefill(s.graphdef, s.variables, jnp.asarray(buffer_RT[:, :prefix]), max_len=self.max_len)
-    stops_SW, lens_S, tokens_K = _stop_arrays(s.options)
-    out_RT, count_R = jax.device_get(_decode(
-        s.graphdef, s.variables, logits, cache, jnp.asarray(buffer_RT), jnp.asarray(lengths_R), jnp.asarray(new_R),
-        rng, stops_SW, lens_S, tokens_K, jnp.float32(s.options.temperature), jnp.float32(s.options.top_p)))
-    new = [out_RT[r, lengths_R[r]:lengths_R[r] + count_R[r]].astype(np.int32) for r in rows]
+    for r, n in zip(rows, max_new):
+      if not 1 <= n <= min(s.turn_tokens, self.max_len - len(self.contexts[r])):
+        raise ValueError(f"row {r}: max_new={n} must lie in [1, min(turn_tokens={s.turn_tokens}, max_len - its "
+                         f"length = {self.max_len - len(self.contexts[r])})]")
+    self._feed_queued()
+    budget_B = np.zeros(len(self.contexts), np.int32)
+    budget_B[rows] = max_new
+    out_BN, got_B, self.cache = generate_lib.decode_loop(s.model, self.logits, self.cache, rng,
+                                                         max_new=s.turn_tokens, max_new_B=budget_B,
+                                                         options=s.options)
+    out_BN, got_B = jax.device_get((out_BN, got_B))
+    new = [out_BN[r, :got_B[r]].astype(np.int32) for r in rows]
     for r, t in zip(rows, new):
       self.contexts[r] = np.concatenate([self.contexts[r], t])
+      self.queued[r] = t[-1:]   # the decode loop feeds every token but the last
     return new
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def _prefill(graphdef, variables, prefix_RP, *, max_len):
-  return generate.prefill(nnx.merge(graphdef, *variables), prefix_RP, max_len)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _decode(graphdef, variables, logits_RV, cache, buffer_RT, lengths_R, max_new_R, rng, stops_SW, stop_lens_S,
-            stop_tokens_K, temperature, top_p):
-  """Decode steps from the cache's position to the end of the buffer (or until every row is done): a row takes
-  its own tokens while its context lasts, then samples until a stop or `max_new_R` tokens. Returns the buffer
-  with the sampled tokens written after each context, and how many each row sampled."""
-  model = nnx.merge(graphdef, *variables)
-  num_rows, max_len = buffer_RT.shape
-  width = stops_SW.shape[1]
-  # A stop string of length n matches when the last n tokens equal it: compare on the last `width` tokens,
-  # ignoring the positions before the string (-1 in stops_SW).
-  care_SW = stops_SW >= 0
-
-  def cond(carry):
-    t, _, _, _, _, done_R, _ = carry
-    return (t < max_len) & ~jnp.all(done_R)
-
-  def body(carry):
-    t, logits_RV, cache, buffer_RT, count_R, done_R, window_RW = carry
-    forced_R = t < lengths_R
-    picked_R = sample(logits_RV, jax.random.fold_in(rng, t), temperature, top_p)
-    column_R = jax.lax.dynamic_index_in_dim(buffer_RT, t, axis=1, keepdims=False)
-    sampling_R = ~forced_R & ~done_R
-    token_R = jnp.where(forced_R, column_R, jnp.where(done_R, tok.PAD, picked_R))
-    buffer_RT = jax.lax.dynamic_update_index_in_dim(buffer_RT, jnp.where(sampling_R, token_R, column_R), t, axis=1)
-    count_R = count_R + sampling_R
-    window_RW = jnp.concatenate([window_RW[:, 1:], token_R[:, None]], axis=1)
-    match_RS = jnp.all((window_RW[:, None, :] == stops_SW[None]) | ~care_SW[None], axis=-1)
-    match_RS &= (stop_lens_S[None] > 0) & (count_R[:, None] >= stop_lens_S[None])
-    stopped_R = jnp.any(match_RS, axis=1) | jnp.isin(token_R, stop_tokens_K) | (count_R >= max_new_R)
-    done_R = done_R | (sampling_R & stopped_R)
-    logits_RV, cache = generate.decode_step(model, token_R, cache)
-    return t + 1, logits_RV, cache, buffer_RT, count_R, done_R, window_RW
-
-  start = (cache.pos, logits_RV, cache, buffer_RT, jnp.zeros(num_rows, jnp.int32), max_new_R == 0,
-           jnp.full((num_rows, width), tok.PAD, jnp.int32))
-  _, _, _, buffer_RT, count_R, _, _ = jax.lax.while_loop(cond, body, start)
-  return buffer_RT, count_R
