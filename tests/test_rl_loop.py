@@ -1,10 +1,12 @@
 """The RL pipeline on the tiny config cut to two layers: SFT on demonstrations, then GRPO iterations that log
-finite metrics and held-out evaluations before and after; a run stopped after a checkpoint resumes into exactly
-the records of the uninterrupted run; the GRPO step moves the policy toward the rewarded answer and away from the
-penalised one, and moves the balancer."""
+finite metrics and held-out evaluations before and after; a run stopped by SIGTERM saves the iteration it reached
+and resumes into exactly the records of the uninterrupted run; a resumed run must keep its config; the GRPO step
+moves the policy toward the rewarded answer and away from the penalised one, and moves the balancer."""
 import json
+import os
 import pathlib
 import shutil
+import signal
 
 import jax
 import ml_collections
@@ -14,9 +16,10 @@ import pytest
 from experiments.configs import tiny
 from k3jax.data import tokenizer as tok
 from k3jax.rl import envs, rollout, runner
+from k3jax.rl import config as rl_config_lib
 from k3jax.rl.config import rl_config
 from k3jax.rl.trajectory import Trajectory
-from k3jax.train import batches
+from k3jax.train import batches, interrupt, workdir as workdir_lib
 
 pytestmark = pytest.mark.xdist_group("rl_loop")
 LENGTH, ITERATIONS = 240, 3
@@ -32,7 +35,9 @@ def make_config():
   c.data.mix = ml_collections.ConfigDict({"lookup": 1.0})
   c.data.task_length = LENGTH
   c.eval.batches, c.eval.examples = 0, 0
-  c.rl = r = rl_config()
+  with c.unlocked():
+    c.rl = rl_config()
+  r = c.rl
   r.envs = ml_collections.ConfigDict({"lookup": 1.0})
   r.length, r.iterations, r.prompts, r.group_size, r.minibatches = LENGTH, ITERATIONS, 2, 2, 2
   r.max_turns, r.turn_tokens, r.lr, r.length_weight = 3, 16, 1e-3, 0.5
@@ -67,19 +72,59 @@ def test_iterations_log_finite_metrics_and_evaluations_before_and_after(finished
     assert 0.0 <= r["success_rate"] <= 1.0 and r["response_tokens"] > 0
   assert [r["step"] for r in records(workdir / "rl" / "eval.jsonl")] == [0, ITERATIONS]
   assert set(summary["before"]) == set(summary["after"]) == {f"lookup@{LENGTH}"}
-  assert sorted(int(p.name) for p in (workdir / "rl" / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
-  assert (workdir / "sft" / "checkpoints" / "stage_0").exists()
+  assert workdir_lib.checkpointed_stages(workdir / "rl") == {1: [2, 3]}   # the stage after SFT's one
+  assert (workdir / "sft" / "checkpoints" / "stage_0").exists() and "rl" not in json.loads((workdir / "sft" / "config.json").read_text())
+  assert json.loads((workdir / "rl" / "config.json").read_text())["rl"]["iterations"] == ITERATIONS
 
 
-def test_a_stopped_run_resumes_into_the_uninterrupted_records(finished, rl_run, tmp_path):
+def strip(rs):
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+
+
+def test_sigterm_saves_the_iteration_reached_and_the_run_continues_exactly(finished, rl_run, tmp_path, monkeypatch):
   workdir, _ = finished
   shutil.copytree(workdir / "sft", tmp_path / "sft")
-  assert rl_run.run(tmp_path, until=2)["after"] is None
-  assert [r["step"] for r in records(tmp_path / "rl" / "metrics.jsonl")] == [1, 2]
-  rl_run.run(tmp_path)
-  strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+  collect = rl_run.collect
+
+  def collect_then_sigterm(state, iteration):  # the signal arrives during the first iteration's rollouts
+    if iteration == 0:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return collect(state, iteration)
+
+  monkeypatch.setattr(rl_run, "collect", collect_then_sigterm)
+  with pytest.raises(interrupt.Interrupted) as stopped:
+    rl_run.run(tmp_path)
+  assert (stopped.value.signum, stopped.value.step) == (signal.SIGTERM, 1)
+  assert workdir_lib.checkpointed_stages(tmp_path / "rl") == {1: [1]}   # saved on the signal, not on schedule
+  assert [r["step"] for r in records(tmp_path / "rl" / "metrics.jsonl")] == [1]
+  monkeypatch.undo()
+  assert rl_run.run(tmp_path)["after"] is not None
   assert strip(records(tmp_path / "rl" / "metrics.jsonl")) == strip(records(workdir / "rl" / "metrics.jsonl"))
   assert records(tmp_path / "rl" / "eval.jsonl") == records(workdir / "rl" / "eval.jsonl")
+
+
+def test_a_resumed_run_must_keep_what_its_iterations_compute(finished, tmp_path):
+  workdir, _ = finished
+  shutil.copytree(workdir, tmp_path / "run")
+  changed = make_config()
+  changed.rl.kl_coef = 0.1
+  with pytest.raises(workdir_lib.ConfigChanged, match="rl.kl_coef: 0.04 -> 0.1"):
+    runner.RLRun(changed).run(tmp_path / "run")
+  faster = make_config()
+  faster.rl.lr = 2e-3
+  with pytest.raises(workdir_lib.ConfigChanged, match="changes the learning rate of steps already taken"):
+    runner.RLRun(faster).run(tmp_path / "run", allow_config_change=True)
+  assert not (tmp_path / "run" / "rl" / "config_changes.jsonl").exists()
+  # More iterations with the same warmup keep the learning rate of those taken: allowed, and recorded.
+  longer = make_config()
+  longer.rl.iterations = ITERATIONS + 2
+  record = workdir_lib.check_resume(tmp_path / "run" / "rl", longer, allow_change=True, rules=rl_config_lib.RESUME_RULES)
+  assert record["allowed"] and record["changes"] == {"rl.iterations": [ITERATIONS, ITERATIONS + 2]}
+  # How often it logs, saves and evaluates may change freely.
+  observed = make_config()
+  observed.rl.eval_every, observed.rl.checkpoint_every = 1, 1
+  record = workdir_lib.check_resume(tmp_path / "run" / "rl", observed, rules=rl_config_lib.RESUME_RULES)
+  assert not record["allowed"] and set(record["changes"]) == {"rl.eval_every", "rl.checkpoint_every"}
 
 
 def test_grpo_step_moves_the_policy_toward_the_rewarded_answer(finished, rl_run):

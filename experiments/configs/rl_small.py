@@ -14,14 +14,15 @@ from k3jax.rl.config import rl_config
 def get_config():
   c = small.get_config()
   c.mesh = "data:1,expert:1"
-  c.rl = r = rl_config()
+  with c.unlocked():
+    c.rl = rl_config()
+  r = c.rl
   r.length = 4096
   r.iterations = 200
   r.prompts, r.group_size = 16, 8
   r.minibatches = 4
   r.lr = 1e-5
   r.turn_tokens = 64
-  r.prefill_bucket = 256
   r.checkpoint_every = 20
   r.eval_at = ("lookup@4096", "lookup@16384", "calc@4096")
   r.eval_examples, r.eval_batch = 128, 32
@@ -35,4 +36,4 @@ def get_config():
   c.log_every, c.checkpoint_every = 50, 500
   c.eval.batches = 0
   c.eval.lengths, c.eval.examples = (r.length,), 64
-  return c
+  return c.lock()

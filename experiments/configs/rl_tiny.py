@@ -14,7 +14,9 @@ from k3jax.rl.config import rl_config
 def get_config():
   c = tiny.get_config()
   c.mesh = "data:1,expert:1"
-  c.rl = r = rl_config()
+  with c.unlocked():
+    c.rl = rl_config()
+  r = c.rl
   r.envs = ml_collections.ConfigDict({"lookup": 0.25, "calc": 0.75})
   r.length = 320
   r.iterations = 30
@@ -31,4 +33,4 @@ def get_config():
   c.checkpoint_every = 200
   c.eval.batches = 0                    # no text held-out loss: the SFT data is demonstrations only
   c.eval.lengths, c.eval.examples = (r.length,), 16
-  return c
+  return c.lock()

@@ -1,13 +1,16 @@
-"""The RL stage's configuration (`config.rl`): every field with its default (`rl_config`) and its checks.
+"""The RL stage's configuration (`config.rl`): every field with its default (`rl_config`), its checks, its
+optimizer schedule and what a resumed RL run may change.
 
 The stage before it is ordinary training (the top-level fields, `k3jax.train.trainer`) on the environments'
-demonstrations (`config.data.mix` naming the environments); RL starts from its final checkpoint.
+demonstrations (`config.data.mix` naming the environments); RL starts from its final checkpoint. The SFT run gets
+the config without `rl` (`sft_config`), so its directory's guard ignores RL fields.
 """
 from __future__ import annotations
 
 import ml_collections
 
 from k3jax.rl import envs
+from k3jax.train import optimizer, stages as stages_lib, workdir
 
 
 def rl_config() -> ml_collections.ConfigDict:
@@ -28,7 +31,8 @@ def rl_config() -> ml_collections.ConfigDict:
   r.lr = 1e-4                    # peak learning rate (warmup, then constant); the optimizer is config.optimizer's
   r.warmup_fraction = 0.1
   r.minibatches = 2              # optimizer steps per iteration, each on a consecutive slice of the episodes
-  r.prefill_bucket = 32          # the reference sampler's prefill lengths are multiples of this
+  r.prefill_chunk = 256          # prompt tokens per prefill step of the rollout sampler
+  r.append_chunk = 64            # tool-result tokens per prefill step (a turn continues the cache)
   r.log_every = 1
   r.checkpoint_every = 10
   r.keep_checkpoints = 3
@@ -60,8 +64,8 @@ def validate(r) -> None:
       raise ValueError(f"config.rl.envs: {name!r}={w}; expected weights >= 0 of {sorted(envs.ENVS)}")
   if sum(dict(r.envs).values()) <= 0:
     raise ValueError("config.rl.envs needs a positive total weight")
-  for field in ("length", "iterations", "prompts", "max_turns", "turn_tokens", "minibatches", "prefill_bucket",
-                "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch"):
+  for field in ("length", "iterations", "prompts", "max_turns", "turn_tokens", "minibatches", "prefill_chunk",
+                "append_chunk", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch"):
     if not isinstance(r[field], int) or r[field] < 1:
       raise ValueError(f"config.rl.{field} must be a positive int, got {r[field]!r}")
   if r.group_size < 2:
@@ -81,3 +85,34 @@ def validate(r) -> None:
   if not r.clip_eps > 0 or r.kl_coef < 0 or not r.lr > 0 or not 0 <= r.warmup_fraction <= 1:
     raise ValueError(f"config.rl: clip_eps must be > 0, kl_coef >= 0, lr > 0, warmup_fraction in [0, 1]; got "
                      f"{r.clip_eps}, {r.kl_coef}, {r.lr}, {r.warmup_fraction}")
+
+
+def sft_config(config) -> ml_collections.ConfigDict:
+  """The config of the SFT stage: `config` without its `rl` section (locked)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    del c["rl"]
+  return c.lock()
+
+
+def optimizer_stage(config, index: int) -> stages_lib.Stage:
+  """The RL optimizer's schedule as a training stage: `iterations × minibatches` optimizer steps at `rl.lr`, a
+  linear warmup, then constant."""
+  r = config.rl
+  return stages_lib.Stage(index, r.length, r.prompts * r.group_size // r.minibatches, r.iterations * r.minibatches,
+                          0, r.lr, r.warmup_fraction, 0.0)
+
+
+def learning_rate(config):
+  """The RL learning rate at each iteration's first optimizer step, over iterations (what the resume guard keeps
+  for the iterations taken)."""
+  schedule = optimizer.learning_rate(config, [optimizer_stage(config, 0)])
+  return lambda iteration: schedule(iteration * config.rl.minibatches)
+
+
+# A resumed RL run may change how it is observed and stored; a change of its schedule must keep the learning rate
+# of the iterations taken. Everything else changes what the iterations compute.
+RESUME_RULES = workdir.ResumeRules(
+    resumable=workdir.RESUMABLE + tuple(f"rl.{f}" for f in ("log_every", "checkpoint_every", "keep_checkpoints",
+                                                           "eval_examples", "eval_batch", "eval_at", "eval_every")),
+    schedule=("rl.iterations", "rl.lr", "rl.warmup_fraction", "rl.minibatches"), learning_rate=learning_rate)

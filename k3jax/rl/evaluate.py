@@ -23,14 +23,18 @@ def episode_stats(episodes: list[Episode], trajectories: list[Trajectory]) -> di
           "ended_by_turns": mean([o.ended_by == "turns" for o in outcomes])}
 
 
-def heldout(sampler, points, seed: int, *, examples: int, batch: int, max_turns: int, turn_tokens: int) -> dict:
+def heldout(sampler, points, seed: int, *, examples: int, batch: int, max_turns: int, turn_tokens: int,
+            interrupt=None) -> dict:
   """{"name@length": {success_rate, ...}} over problems 0..examples-1 of each (environment, length) point,
-  played greedily (the sampler's options) `batch` episodes at a time."""
+  played greedily (the sampler's options) `batch` episodes at a time; `interrupt()` before each batch (it raises to
+  stop)."""
   result = {}
   for name, length in points:
     cfg = rollout.RolloutConfig(length, max_turns, turn_tokens)
     eps, trajs = [], []
     for start in range(0, examples, batch):
+      if interrupt is not None:
+        interrupt()
       chunk = [envs.reset(name, seed, i, length, max_turns=max_turns) for i in range(start, start + batch)]
       session = sampler.open([ep.prompt_tokens for ep in chunk], length)
       trajs += rollout.play(session, chunk, cfg, jax.random.PRNGKey(start))

@@ -2,22 +2,23 @@
 iterations from its final checkpoint, resumable.
 
 Layout of a work directory:
-    sft/                            the trainer's run (config.json, checkpoints/stage_<i>/, metrics.jsonl, ...)
-    rl/config.json                  the run's config
-    rl/checkpoints/<iteration>/     the policy's train state (orbax, with k3jax.train.checkpoint's fingerprints)
-    rl/metrics.jsonl, rl/eval.jsonl one record per iteration / per held-out evaluation (step 0: the SFT policy)
-    rl/tensorboard/
+    sft/                            the trainer's run of the config without `rl` (`k3jax.train.trainer`)
+    rl/config.json                  the whole config (`k3jax.train.workdir`: a resumed run must match it)
+    rl/checkpoints/stage_<i>/<n>/   the policy's train state after iteration n (i: the stage after SFT's)
+    rl/metrics.jsonl                one record per iteration (`step` = iterations done)
+    rl/eval.jsonl                   held-out evaluations (step 0: the SFT policy), rl/tensorboard/
 
 An iteration samples `prompts` problems (`group_size` episodes each) with the current policy, scores them, and
 takes `minibatches` optimizer steps on the GRPO loss, each on a consecutive slice of the episodes; the rollout
 policy's and the reference's log-probs are computed for all slices before the first step. Everything an
 iteration draws (its problems, its sampling keys) is a function of the seed and the iteration, and the
 reference is the SFT checkpoint, so a resumed run repeats exactly what the uninterrupted one would have done.
+SIGINT / SIGTERM stop after the current iteration with a checkpoint of it (`interrupt.Interrupted`); a non-finite
+loss or gradient norm stops the run before anything of that iteration is saved (`trainer.Diverged`).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
+import math
 import pathlib
 import time
 import zlib
@@ -30,8 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from k3jax.data import pipeline
 from k3jax.rl import config as rl_config_lib
 from k3jax.rl import envs, evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
-from k3jax.train import batches, checkpoint, metrics as metrics_lib, optimizer, stages as stages_lib
-from k3jax.train import state as state_lib, trainer
+from k3jax.train import batches, checkpoint, interrupt, metrics as metrics_lib, optimizer, stages as stages_lib
+from k3jax.train import state as state_lib, trainer, workdir as workdir_lib
 
 
 class RLRun:
@@ -40,16 +41,15 @@ class RLRun:
   def __init__(self, config):
     rl_config_lib.validate(config.rl)
     self.config, r = config, config.rl
-    self.sft = trainer.Run(config)
+    self.sft = trainer.Run(rl_config_lib.sft_config(config))
     self.mesh = self.sft.mesh
     episodes = r.prompts * r.group_size
     if (episodes // r.minibatches) % self.mesh.size or r.eval_batch % self.mesh.size:
       raise ValueError(f"config.rl: the {episodes // r.minibatches} episodes of a minibatch and eval_batch="
                        f"{r.eval_batch} must divide by the {self.mesh.size} mesh devices")
-    self.stage = stages_lib.Stage(len(self.sft.stages), r.length, episodes, r.iterations, 0, r.lr,
-                                  r.warmup_fraction, 0.0)
-    self.tx, self.lr = optimizer.make_optimizer(
-        config, [dataclasses.replace(self.stage, steps=r.iterations * r.minibatches)])
+    index = len(self.sft.stages)
+    self.stage = stages_lib.Stage(index, r.length, episodes, r.iterations, 0, r.lr, r.warmup_fraction, 0.0)
+    self.tx, self.lr = optimizer.make_optimizer(config, [rl_config_lib.optimizer_stage(config, index)])
     self.graphdef, self.abstract, _ = state_lib.abstract_state(config, self.tx, self.mesh)
     shardings = state_lib.shardings_of(self.abstract)
     self.start_state = jax.jit(lambda s: state_lib.TrainState(jnp.zeros((), jnp.int32), s.params,
@@ -62,19 +62,20 @@ class RLRun:
     self.logprobs = jax.jit(rl_step_lib.make_logprob_fn(self.graphdef, r.temperature))
     self.rollout_cfg = rollout.RolloutConfig(r.length, r.max_turns, r.turn_tokens)
     self.reward_cfg = rewards.RewardConfig(r.format_weight, r.length_weight)
-    self.sampling = sampler_lib.SamplingOptions(temperature=r.temperature, top_p=r.top_p)
-    self.greedy = sampler_lib.SamplingOptions(temperature=0.0)
+    self.sampling = sampler_lib.rollout_options(r.temperature, r.top_p)
+    self.greedy = sampler_lib.rollout_options(0.0)
     self.env_names = sorted(n for n, w in dict(r.envs).items() if w > 0)
     weights = np.array([r.envs[n] for n in self.env_names], np.float64)
     self.env_probs = weights / weights.sum()
-    self.train_seed = pipeline.derive_seed(config.seed, self.stage.index, "train")
-    self.heldout_seed = pipeline.derive_seed(config.seed, self.stage.index, "heldout")
+    self.train_seed = pipeline.derive_seed(config.seed, index, "train")
+    self.heldout_seed = pipeline.derive_seed(config.seed, index, "heldout")
 
   # -- the pieces of an iteration --------------------------------------------------------------------------------
 
-  def sampler(self, state, options) -> sampler_lib.ReprefillSampler:
-    return sampler_lib.ReprefillSampler(self.graphdef, (state.params, state.balancer, state.other), options,
-                                        prefill_bucket=self.config.rl.prefill_bucket)
+  def sampler(self, state, options) -> sampler_lib.Sampler:
+    r = self.config.rl
+    return sampler_lib.Sampler(state_lib.merge(self.graphdef, state), options, turn_tokens=r.turn_tokens,
+                               prefill_chunk=r.prefill_chunk, append_chunk=r.append_chunk)
 
   def problems(self, iteration: int) -> list[tuple[str, int]]:
     """(environment, problem index) of the iteration's problems."""
@@ -136,15 +137,17 @@ class RLRun:
 
   # -- the run ---------------------------------------------------------------------------------------------------
 
-  def evaluate(self, state) -> dict:
+  def evaluate(self, state, stop: interrupt.StopSignals | None = None, step: int = 0) -> dict:
+    """Held-out success of a policy (greedy) at every evaluation point; a requested stop raises at `step`."""
     r = self.config.rl
     return evaluate.heldout(self.sampler(state, self.greedy), rl_config_lib.eval_points(r), self.heldout_seed,
                             examples=r.eval_examples, batch=r.eval_batch, max_turns=r.max_turns,
-                            turn_tokens=r.turn_tokens)
+                            turn_tokens=r.turn_tokens, interrupt=None if stop is None else lambda: stop.check(step))
 
-  def sft_state(self, workdir):
-    """The final train state of the SFT run in `workdir/sft` (training it first if needed)."""
-    self.sft.train(pathlib.Path(workdir) / "sft")
+  def sft_state(self, workdir, **train_flags):
+    """The final train state of the SFT run in `workdir/sft` (training it first if needed; `train_flags` go to
+    `trainer.Run.train`)."""
+    self.sft.train(pathlib.Path(workdir) / "sft", **train_flags)
     last = self.sft.stages[-1]
     with self.sft.checkpointer(pathlib.Path(workdir) / "sft", last.index) as ckpt:
       restored = ckpt.restore_latest(self.sft.abstract, at=last.end)
@@ -152,63 +155,99 @@ class RLRun:
       raise FileNotFoundError(f"no usable final SFT checkpoint (step {last.end}) under {workdir}/sft")
     return restored[0]
 
-  def run(self, workdir, *, until: int | None = None) -> dict:
+  def checkpointer(self, rl_dir) -> checkpoint.Checkpointer:
+    return checkpoint.Checkpointer(workdir_lib.stage_directory(rl_dir, self.stage.index),
+                                   keep=self.config.rl.keep_checkpoints)
+
+  def run(self, workdir, *, until: int | None = None, allow_config_change: bool = False,
+          allow_missing_metrics: bool = False) -> dict:
     """SFT (if not done), then RL iterations up to `until` (default: all); returns {"before", "after"}: the
-    held-out evaluations of the SFT policy and of the last one (None until the run is complete)."""
+    held-out evaluations of the SFT policy and of the last one (None until the run is complete).
+
+    Both directories' guards run before anything is written: a config that changes what the run computes is
+    refused (`workdir.ConfigChanged`) unless `allow_config_change`; a resume without the metrics.jsonl of the
+    earlier iterations is refused unless `allow_missing_metrics`.
+    """
     r = self.config.rl
     workdir = pathlib.Path(workdir)
-    until = r.iterations if until is None else min(until, r.iterations)
-    sft_state = self.sft_state(workdir)
-    ref = jax.tree.map(lambda x: x.copy(), sft_state.replace(opt_state=None))  # frozen; never donated
     rl_dir = workdir / "rl"
-    if jax.process_index() == 0:
-      rl_dir.mkdir(parents=True, exist_ok=True)
-      (rl_dir / "config.json").write_text(self.config.to_json_best_effort(indent=2) + "\n")
-    with checkpoint.Checkpointer(rl_dir / "checkpoints", keep=r.keep_checkpoints) as ckpt:
+    until = r.iterations if until is None else min(until, r.iterations)
+    change = workdir_lib.check_resume(rl_dir, self.config, allow_change=allow_config_change,
+                                      rules=rl_config_lib.RESUME_RULES)
+    sft_state = self.sft_state(workdir, allow_config_change=allow_config_change,
+                               allow_missing_metrics=allow_missing_metrics)
+    ref = jax.tree.map(lambda x: x.copy(), sft_state.replace(opt_state=None))  # frozen; never donated
+    with self.checkpointer(rl_dir) as ckpt, interrupt.StopSignals() as stop:
       restored = ckpt.restore_latest(self.abstract)
+      if restored is None and ckpt.steps():
+        raise trainer.UnusableCheckpoints(f"no RL checkpoint in {ckpt.directory} is usable; refusing to start RL "
+                                          f"over (move the directory away to start afresh)")
       state = self.start_state(sft_state) if restored is None else restored[0]
       first = 0 if restored is None else restored[1]["iteration"]
       if restored is not None:
         print(f"rl: resuming from iteration {first} ({ckpt.directory})", flush=True)
+      metrics_lib.check_continuation(rl_dir, first, allow_missing=allow_missing_metrics)
+      workdir_lib.commit(rl_dir, self.config, change)
       log = metrics_lib.RunLog(rl_dir, first)
       try:
-        if first == 0 and until > 0 and self._evaluations(rl_dir).get(0) is None:
-          log.evaluation({"step": 0, **self.evaluate(state)})
-        state = self._iterations(state, ref, first, until, ckpt, log)
-        if until == r.iterations and first < until:
-          log.evaluation({"step": r.iterations, **self.evaluate(state)})
+        if until > 0 and 0 not in self.evaluations(rl_dir):
+          log.evaluation({"step": 0, **self.evaluate(state, stop, 0)})
+        state = self._iterations(state, ref, first, until, ckpt, log, stop)
+        if until == r.iterations and r.iterations not in self.evaluations(rl_dir):
+          log.evaluation({"step": r.iterations, **self.evaluate(state, stop, r.iterations)})
       finally:
         log.close()
     return self.summary(rl_dir)
 
-  def _iterations(self, state, ref, first, until, ckpt, log):
+  def _iterations(self, state, ref, first, until, ckpt, log, stop):
     r = self.config.rl
-    progress = metrics_lib.Progress(self.stage, first)
-    for it in range(first, until):
-      state, record = self.iteration(state, ref, it)
-      done = it + 1
-      if done % r.log_every == 0 or done == until:
-        log.metrics(record)
-      progress.update(1, record["loss"], record["rollout_tokens_per_s"])
-      if r.eval_every and done % r.eval_every == 0 and done < r.iterations:
-        log.evaluation({"step": done, **self.evaluate(state)})
-      if done % r.checkpoint_every == 0 or done == until:
-        ckpt.save(done, state, {"iteration": done, "config": json.loads(self.config.to_json_best_effort())})
-    progress.close()
+    progress = metrics_lib.Progress(self.stage, first, tokens_per_step=self.stage.batch_size * r.length)
+    try:
+      for it in range(first, until):
+        state, record = self.iteration(state, ref, it)
+        done = it + 1
+        if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+          log.metrics(record)
+          raise trainer.Diverged(
+              f"RL diverged at iteration {done}: loss {record['loss']}, gradient norm {record['grad_norm']}. "
+              f"Nothing of this iteration was saved. Lower config.rl.lr (now {r.lr:g}) or raise "
+              f"config.rl.kl_coef, then start a new run or resume with --allow_config_change")
+        if done % r.log_every == 0 or done == until:
+          log.metrics(record)
+        seconds = record["rollout_s"] + record["update_s"]
+        progress.update(1, record["loss"], self.stage.batch_size * r.length / seconds,
+                        extra={"reward": record["reward_mean"], "success": record["success_rate"]})
+        if r.eval_every and done % r.eval_every == 0 and done < r.iterations:
+          log.evaluation({"step": done, **self.evaluate(state, stop, done)})
+        signum = stop.requested()
+        if signum or done % r.checkpoint_every == 0 or done == until:
+          ckpt.save(done, state, {"iteration": done, "stage": self.stage.index,
+                                  "config": workdir_lib.as_json(self.config)})
+        if signum:
+          ckpt.wait()
+          raise interrupt.Interrupted(signum, done)
+    finally:
+      progress.close()
     ckpt.wait()
     return state
 
   @staticmethod
-  def _evaluations(rl_dir) -> dict[int, dict]:
+  def evaluations(rl_dir) -> dict[int, dict]:
     """The held-out evaluations logged in `rl_dir`, by step."""
-    path = pathlib.Path(rl_dir) / "eval.jsonl"
-    records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-    return {x["step"]: {k: v for k, v in x.items() if k != "step"} for x in records}
+    return {x["step"]: {k: v for k, v in x.items() if k != "step"}
+            for x in metrics_lib.read_jsonl(pathlib.Path(rl_dir) / metrics_lib.EVALS)}
 
   def summary(self, rl_dir) -> dict:
-    """{"before": the step-0 evaluation, "after": the final one (None if not reached)}, printed as a table."""
-    evaluations = self._evaluations(rl_dir)
+    """{"before": the step-0 evaluation, "after": the final one (None if not reached)}, printed as a table with
+    the run's time split between generation and training."""
+    evaluations = self.evaluations(rl_dir)
     before, after = evaluations.get(0), evaluations.get(self.config.rl.iterations)
     if before is not None and after is not None:
+      logged = metrics_lib.read_jsonl(pathlib.Path(rl_dir) / metrics_lib.METRICS)
+      rollout_s, update_s = (sum(x[k] for x in logged) for k in ("rollout_s", "update_s"))
       print(evaluate.format_table(before, after, self.config.rl.length), flush=True)
+      if logged:
+        print(f"rl: {len(logged)} logged iterations, {rollout_s + update_s:.0f} s: generation "
+              f"{rollout_s / (rollout_s + update_s):.0%}, training {update_s / (rollout_s + update_s):.0%}; "
+              f"{np.mean([x['rollout_tokens_per_s'] for x in logged]):,.0f} sampled tokens/s", flush=True)
     return {"before": before, "after": after}
