@@ -15,7 +15,7 @@ import pytest
 
 from experiments.configs import tiny
 from k3jax.data import tokenizer as tok
-from k3jax.rl import envs, rollout, runner
+from k3jax.rl import envs, rollout, runner, step as rl_step_lib
 from k3jax.rl import config as rl_config_lib
 from k3jax.rl.config import rl_config
 from k3jax.rl.trajectory import Trajectory
@@ -139,13 +139,13 @@ def test_grpo_step_moves_the_policy_toward_the_rewarded_answer(finished, rl_run)
   rows = dict(rollout.episode_batch([good, bad], LENGTH), advantages=np.array([1.0, -1.0], np.float32))
   batch = batches.to_device(rows, batches.rows_sharding(rl_run.mesh))   # placed as the run places its episodes
   state = rl_run.start_state(sft_state)
-  before = rl_run.logprobs(state, batch)
+  before = rl_run.logprobs(rl_step_lib.model_variables(state), batch)
   batch.update(logp_old=before, logp_ref=before)
   balancer = jax.tree.map(np.asarray, state.balancer)
   for _ in range(3):
     state, m = rl_run.rl_step(state, batch)
     assert all(np.all(np.isfinite(np.asarray(v))) for v in jax.device_get(m).values())
-  after = rl_run.logprobs(state, batch)
+  after = rl_run.logprobs(rl_step_lib.model_variables(state), batch)
   # The answer's key: the last model turn's tokens between "<answer>" and "</answer>" (predicted one position
   # earlier: the weights sit on the predicting positions).
   n = len(good)

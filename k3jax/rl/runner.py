@@ -15,11 +15,15 @@ iteration draws (its problems, its sampling keys) is a function of the seed and 
 reference is the SFT checkpoint, so a resumed run repeats exactly what the uninterrupted one would have done.
 SIGINT / SIGTERM stop after the current iteration with a checkpoint of it (`interrupt.Interrupted`); a non-finite
 loss or gradient norm stops the run before anything of that iteration is saved (`trainer.Diverged`).
+
+While the SFT stage trains, background threads compile the RL programs (`compile_ahead`: each run once on zeros
+of the real shapes), so on a GPU their compilation overlaps SFT instead of following it.
 """
 from __future__ import annotations
 
 import math
 import pathlib
+import threading
 import time
 import zlib
 
@@ -30,9 +34,33 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.data import pipeline
 from k3jax.rl import config as rl_config_lib
+from k3jax.data import tokenizer as tok
 from k3jax.rl import envs, evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
+from k3jax.rl.trajectory import Trajectory
 from k3jax.train import batches, checkpoint, interrupt, metrics as metrics_lib, optimizer, stages as stages_lib
 from k3jax.train import state as state_lib, trainer, workdir as workdir_lib
+
+
+class _Background:
+  """Jobs in daemon threads (a stopped run does not wait for a compile); `wait()` re-raises the first failure."""
+
+  def __init__(self, jobs):
+    self.errors = []
+    self.threads = [threading.Thread(target=self._run, args=(job,), daemon=True) for job in jobs]
+    for t in self.threads:
+      t.start()
+
+  def _run(self, job):
+    try:
+      job()
+    except BaseException as e:   # re-raised by wait(), in the main thread
+      self.errors.append(e)
+
+  def wait(self) -> None:
+    for t in self.threads:
+      t.join()
+    if self.errors:
+      raise self.errors[0]
 
 
 class RLRun:
@@ -102,7 +130,8 @@ class RLRun:
     return episodes, trajectories, reward_R
 
   def update(self, state, ref, trajectories, reward_R):
-    """The iteration's optimizer steps; returns (state, metrics averaged over them)."""
+    """The iteration's optimizer steps (`ref`: the reference's `model_variables`); returns (state, metrics averaged
+    over them)."""
     r = self.config.rl
     rows = rollout.episode_batch(trajectories, r.length)
     rows["advantages"] = np.asarray(grpo.group_advantages(reward_R, r.group_size))
@@ -111,7 +140,8 @@ class RLRun:
     minibatches = []
     for k in range(r.minibatches):
       mb = batches.to_device({n: v[k * size:(k + 1) * size] for n, v in rows.items()}, sharding)
-      minibatches.append(dict(mb, logp_old=self.logprobs(state, mb), logp_ref=self.logprobs(ref, mb)))
+      minibatches.append(dict(mb, logp_old=self.logprobs(rl_step_lib.model_variables(state), mb),
+                              logp_ref=self.logprobs(ref, mb)))
     steps = []
     for mb in minibatches:
       state, m = self.rl_step(state, mb)
@@ -144,6 +174,39 @@ class RLRun:
                             examples=r.eval_examples, batch=r.eval_batch, max_turns=r.max_turns,
                             turn_tokens=r.turn_tokens, interrupt=None if stop is None else lambda: stop.check(step))
 
+  def compile_ahead(self) -> _Background:
+    """Compiles every program of the RL iterations and evaluations in background threads, each by running the
+    code that uses it once on zeros of the real shapes: one thread for the update (log-probs and GRPO step), one
+    per (rows, length) of the rollout and evaluation sessions (prompt prefill, decode loop, tool-result prefill,
+    a turn after it)."""
+    r = self.config.rl
+    zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract),
+                    out_shardings=state_lib.shardings_of(self.abstract))()
+    episodes = r.prompts * r.group_size
+
+    def update():
+      fake = Trajectory()
+      fake.add([tok.BOS], model=False)
+      fake.add([tok.PAD], model=True)
+      state = self.start_state(zeros)
+      self.update(state, rl_step_lib.model_variables(zeros), [fake] * episodes, np.zeros(episodes, np.float32))
+
+    def sessions(rows, length, options):
+      # Two chunks of prompt and of tool result where the length allows, as the real episodes may take.
+      prompt = np.full(max(1, min(r.prefill_chunk + 1, length - r.append_chunk - 3)), tok.BOS, np.int32)
+      for o in options:
+        session = self.sampler(zeros, o).open([prompt] * rows, length)
+        session.generate(range(rows), [1] * rows, jax.random.PRNGKey(0))
+        for row in range(rows):
+          session.append(row, np.full(r.append_chunk + 1, tok.PAD, np.int32))
+        session.generate(range(rows), [1] * rows, jax.random.PRNGKey(0))
+
+    shapes = {(episodes, r.length): [self.sampling]}
+    for _, n in rl_config_lib.eval_points(r):
+      shapes.setdefault((r.eval_batch, n), []).append(self.greedy)
+    jobs = [update] + [lambda k=k, o=o: sessions(*k, list(dict.fromkeys(o))) for k, o in shapes.items()]
+    return _Background(jobs)
+
   def sft_state(self, workdir, **train_flags):
     """The final train state of the SFT run in `workdir/sft` (training it first if needed; `train_flags` go to
     `trainer.Run.train`)."""
@@ -160,23 +223,33 @@ class RLRun:
                                    keep=self.config.rl.keep_checkpoints)
 
   def run(self, workdir, *, until: int | None = None, allow_config_change: bool = False,
-          allow_missing_metrics: bool = False) -> dict:
+          allow_missing_metrics: bool = False, compile_ahead: bool = True) -> dict:
     """SFT (if not done), then RL iterations up to `until` (default: all); returns {"before", "after"}: the
     held-out evaluations of the SFT policy and of the last one (None until the run is complete).
 
     Both directories' guards run before anything is written: a config that changes what the run computes is
     refused (`workdir.ConfigChanged`) unless `allow_config_change`; a resume without the metrics.jsonl of the
-    earlier iterations is refused unless `allow_missing_metrics`.
+    earlier iterations is refused unless `allow_missing_metrics`. `compile_ahead`: compile the RL programs while
+    SFT trains (`compile_ahead`; also with `until=0`, for the persistent compilation cache of a later call).
     """
     r = self.config.rl
     workdir = pathlib.Path(workdir)
     rl_dir = workdir / "rl"
+    if until is not None and until < 0:
+      raise ValueError(f"until must be >= 0 (0: only the SFT stage), got {until}")
     until = r.iterations if until is None else min(until, r.iterations)
     change = workdir_lib.check_resume(rl_dir, self.config, allow_change=allow_config_change,
                                       rules=rl_config_lib.RESUME_RULES)
+    complete = workdir_lib.latest_step(rl_dir) >= r.iterations and r.iterations in self.evaluations(rl_dir)
+    # Also before an SFT-only call (until=0): the programs then wait in the persistent compilation cache, if on.
+    ahead = self.compile_ahead() if compile_ahead and not complete else None
     sft_state = self.sft_state(workdir, allow_config_change=allow_config_change,
                                allow_missing_metrics=allow_missing_metrics)
-    ref = jax.tree.map(lambda x: x.copy(), sft_state.replace(opt_state=None))  # frozen; never donated
+    if ahead is not None:
+      start = time.perf_counter()
+      ahead.wait()
+      print(f"rl: the RL programs compiled (waited {time.perf_counter() - start:.0f} s after SFT)", flush=True)
+    ref = jax.tree.map(lambda x: x.copy(), rl_step_lib.model_variables(sft_state))  # frozen; never donated
     with self.checkpointer(rl_dir) as ckpt, interrupt.StopSignals() as stop:
       restored = ckpt.restore_latest(self.abstract)
       if restored is None and ckpt.steps():

@@ -10,16 +10,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from k3jax.rl import grpo
 from k3jax.train import state as state_lib
 from k3jax.train import step as step_lib
 
 
+def model_variables(state: state_lib.TrainState) -> tuple:
+  """(params, balancer, other): what a forward needs of a train state (the policy's or the frozen reference's, which
+  keeps no optimizer state), so both share one compiled log-prob program."""
+  return state.params, state.balancer, state.other
+
+
 def make_logprob_fn(graphdef, temperature: float):
-  """`logprobs(state, batch) -> [R, T]`: log p(target) at every position, to be jitted."""
-  def logprobs(state, batch):
-    logits, _ = state_lib.merge(graphdef, state)(batch["tokens"], segment_ids_BT=batch["segment_ids"])
+  """`logprobs(variables, batch) -> [R, T]`: log p(target) at every position under the model of `variables`
+  (`model_variables`), to be jitted."""
+  def logprobs(variables, batch):
+    logits, _ = nnx.merge(graphdef, *variables)(batch["tokens"], segment_ids_BT=batch["segment_ids"])
     return grpo.token_logprobs(logits, batch["targets"], temperature)
   return logprobs
 
