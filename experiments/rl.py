@@ -13,11 +13,12 @@ from ml_collections import config_flags
 from experiments import harness
 from k3jax.data import corpus
 from k3jax.rl import runner
-from k3jax.train import interrupt, metrics, trainer, workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (with a `rl` section)",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: sft/ and rl/")
+_UNTIL = flags.DEFINE_integer("until", None, "stop after this many RL iterations (default: all; 0: only the SFT "
+                              "stage); the same command without it continues")
 _ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False, "resume a run directory with a config that differs "
                                    "from its config.json (the change is recorded in config_changes.jsonl)")
 _ALLOW_MISSING_METRICS = flags.DEFINE_bool("allow_missing_metrics", False, "resume although metrics.jsonl is "
@@ -30,14 +31,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   harness.check_argv(argv)
   harness.enable_compilation_cache(_CACHE.value)
-  try:
-    runner.RLRun(_CONFIG.value).run(_WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value,
-                                    allow_missing_metrics=_ALLOW_MISSING_METRICS.value)
-  except interrupt.Interrupted as e:
-    print(e, flush=True)
-    return e.exit_code
-  except (workdir.ConfigChanged, trainer.Diverged, trainer.UnusableCheckpoints, metrics.MissingMetrics) as e:
-    raise SystemExit(f"error: {e}") from None
+  return harness.run_guarded(lambda: runner.RLRun(_CONFIG.value).run(
+      _WORKDIR.value, until=_UNTIL.value, allow_config_change=_ALLOW_CHANGE.value,
+      allow_missing_metrics=_ALLOW_MISSING_METRICS.value))
 
 
 if __name__ == "__main__":
