@@ -7,6 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from experiments import configs
 from k3jax.data import pipeline, tasks
 from k3jax.data import tokenizer as tok
 from k3jax.rl import config as rl_config, envs, protocol, rewards
@@ -121,11 +122,14 @@ def test_demonstrations_as_a_data_source_weigh_only_the_model_turns():
 
 @pytest.mark.parametrize("module", ["rl_tiny", "rl_small"])
 def test_rl_configs_validate(module):
-  import importlib
-  c = importlib.import_module(f"experiments.configs.{module}").get_config()
+  c = configs.load(module)
   rl_config.validate(c.rl)
-  assert set(c.data.mix) == set(c.rl.envs) and c.data.task_length == c.rl.length
+  sft = rl_config.sft_config(c)
+  assert "rl" not in sft and sft.is_locked and set(sft.data.mix) == set(c.rl.envs)
+  pipeline.Mixture(sft.data, sft.seq_len, 0, vocab_size=sft.model.vocab_size)  # the demonstrations fit the SFT rows
   assert ("lookup", 4 * c.rl.length) in rl_config.eval_points(c.rl)
+  with pytest.raises(AttributeError):
+    c.rl.kl_coeff = 0.1   # locked: a misspelled field is an error
 
 
 @pytest.mark.parametrize("field,value,match", [
