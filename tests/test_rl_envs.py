@@ -52,7 +52,8 @@ def test_lookup_document_fills_the_context_up_to_64k_and_chains_hops():
   key = data.start
   for _ in range(data.hops):
     key = records[key]
-  assert key == ep.problem.answer and f"{data.hops} link" in ep.problem.prompt and f"from {data.start}?" in ep.problem.prompt
+  assert key == ep.problem.answer
+  assert f"{data.hops} link" in ep.problem.prompt and f"from {data.start}?" in ep.problem.prompt
 
 
 def test_episode_answers_tool_calls_reports_errors_and_goes_on():

@@ -73,7 +73,8 @@ def test_iterations_log_finite_metrics_and_evaluations_before_and_after(finished
   assert [r["step"] for r in records(workdir / "rl" / "eval.jsonl")] == [0, ITERATIONS]
   assert set(summary["before"]) == set(summary["after"]) == {f"lookup@{LENGTH}"}
   assert workdir_lib.checkpointed_stages(workdir / "rl") == {1: [2, 3]}   # the stage after SFT's one
-  assert (workdir / "sft" / "checkpoints" / "stage_0").exists() and "rl" not in json.loads((workdir / "sft" / "config.json").read_text())
+  assert (workdir / "sft" / "checkpoints" / "stage_0").exists()
+  assert "rl" not in json.loads((workdir / "sft" / "config.json").read_text())
   assert json.loads((workdir / "rl" / "config.json").read_text())["rl"]["iterations"] == ITERATIONS
 
 
@@ -103,6 +104,14 @@ def test_sigterm_saves_the_iteration_reached_and_the_run_continues_exactly(finis
   assert records(tmp_path / "rl" / "eval.jsonl") == records(workdir / "rl" / "eval.jsonl")
 
 
+def test_until_zero_trains_only_the_sft_stage(finished, rl_run, tmp_path):
+  workdir, _ = finished
+  shutil.copytree(workdir / "sft", tmp_path / "sft")
+  assert rl_run.run(tmp_path, until=0) == {"before": None, "after": None}
+  assert workdir_lib.checkpointed_stages(tmp_path / "rl") == {} and not (tmp_path / "rl" / "metrics.jsonl").exists()
+  assert (tmp_path / "rl" / "config.json").exists()   # a later call must bring the same config
+
+
 def test_a_resumed_run_must_keep_what_its_iterations_compute(finished, tmp_path):
   workdir, _ = finished
   shutil.copytree(workdir, tmp_path / "run")
@@ -118,7 +127,8 @@ def test_a_resumed_run_must_keep_what_its_iterations_compute(finished, tmp_path)
   # More iterations with the same warmup keep the learning rate of those taken: allowed, and recorded.
   longer = make_config()
   longer.rl.iterations = ITERATIONS + 2
-  record = workdir_lib.check_resume(tmp_path / "run" / "rl", longer, allow_change=True, rules=rl_config_lib.RESUME_RULES)
+  record = workdir_lib.check_resume(tmp_path / "run" / "rl", longer, allow_change=True,
+                                    rules=rl_config_lib.RESUME_RULES)
   assert record["allowed"] and record["changes"] == {"rl.iterations": [ITERATIONS, ITERATIONS + 2]}
   # How often it logs, saves and evaluates may change freely.
   observed = make_config()
@@ -153,3 +163,10 @@ def test_grpo_step_moves_the_policy_toward_the_rewarded_answer(finished, rl_run)
   gain = np.asarray(after - before)[:, key].sum(1)
   assert gain[0] > 0 > gain[1], gain
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(balancer), jax.tree.leaves(state.balancer)))
+
+
+def test_a_mesh_of_several_devices_is_refused_before_anything_runs():
+  c = make_config()
+  c.mesh = "data:2,expert:1"
+  with pytest.raises(ValueError, match="runs on one device"):
+    runner.RLRun(c)

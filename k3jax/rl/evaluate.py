@@ -17,7 +17,8 @@ def episode_stats(episodes: list[Episode], trajectories: list[Trajectory]) -> di
   mean = lambda xs: float(np.mean(xs))
   return {"success_rate": mean([o.correct for o in outcomes]), "answered": mean([o.answered for o in outcomes]),
           "response_tokens": mean([t.response_tokens for t in trajectories]),
-          "tool_calls": mean([o.tool_calls for o in outcomes]), "invalid_calls": mean([o.invalid_calls for o in outcomes]),
+          "tool_calls": mean([o.tool_calls for o in outcomes]),
+          "invalid_calls": mean([o.invalid_calls for o in outcomes]),
           "tool_errors": mean([o.tool_errors for o in outcomes]), "turns": mean([o.turns for o in outcomes]),
           "ended_by_tokens": mean([o.ended_by == "tokens" for o in outcomes]),
           "ended_by_turns": mean([o.ended_by == "turns" for o in outcomes])}

@@ -32,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax.data import pipeline
+from k3jax.data import pipeline, tokenizer as tok
 from k3jax.rl import config as rl_config_lib
-from k3jax.data import tokenizer as tok
 from k3jax.rl import envs, evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
 from k3jax.rl.trajectory import Trajectory
 from k3jax.train import batches, checkpoint, interrupt, metrics as metrics_lib, optimizer, stages as stages_lib
@@ -71,10 +70,10 @@ class RLRun:
     self.config, r = config, config.rl
     self.sft = trainer.Run(rl_config_lib.sft_config(config))
     self.mesh = self.sft.mesh
+    if self.mesh.size != 1:
+      raise ValueError(f"config.mesh={config.mesh!r}: the RL stage runs on one device for now (its rollouts are "
+                       f"not sharded); use data:1,expert:1")
     episodes = r.prompts * r.group_size
-    if (episodes // r.minibatches) % self.mesh.size or r.eval_batch % self.mesh.size:
-      raise ValueError(f"config.rl: the {episodes // r.minibatches} episodes of a minibatch and eval_batch="
-                       f"{r.eval_batch} must divide by the {self.mesh.size} mesh devices")
     index = len(self.sft.stages)
     self.stage = stages_lib.Stage(index, r.length, episodes, r.iterations, 0, r.lr, r.warmup_fraction, 0.0)
     self.tx, self.lr = optimizer.make_optimizer(config, [rl_config_lib.optimizer_stage(config, index)])
