@@ -15,6 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and PyTor
 from absl import app, flags  # noqa: E402
 
 from experiments import harness, kda_benchmark  # noqa: E402
+from pallas_kernels.kda import KDAKernelOptions  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["1x512x4x64"], "BxTxHxD shapes (K = V = D).")
@@ -41,10 +42,7 @@ flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_kda.json") if 
 
 def main(argv):
   harness.check_argv(argv)
-  options = None
-  if FLAGS.solve:
-    from pallas_kernels.kda import KDAKernelOptions
-    options = KDAKernelOptions(solve=FLAGS.solve)
+  options = KDAKernelOptions(solve=FLAGS.solve) if FLAGS.solve else None
   tuple_or_none = lambda v: None if v is None else tuple(v)
   try:
     settings = kda_benchmark.Settings(

@@ -10,6 +10,7 @@ launch and the synchronisation. PyTorch, Triton and FLA are imported only to run
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from typing import Callable
 
@@ -22,6 +23,10 @@ from k3jax.ops.kda import testing
 from k3jax.ops.kda.api import fused_kda
 from k3jax.ops.kda.gate import fused_inputs, kda_gate, l2_normalize
 from k3jax.ops.kda.naive import naive_recurrent_kda
+from pallas_kernels import triton_launches
+from pallas_kernels.kda import KDAKernelOptions, Launch, bwd, fwd, solve_mosaic, state_mosaic
+from pallas_kernels.kda.chunk import default_block_v, default_segments
+from pallas_kernels.kda.options import COLS_FORMS
 
 LOWER_BOUND = -5.0
 BAR_VS_FLA = 1.25   # every output and gradient within this factor of FLA's error
@@ -49,10 +54,9 @@ class Settings:
   sweep: bool = True
   kernels: tuple[str, ...] | None = None
   profile: bool = False
-  options: object = None
+  options: KDAKernelOptions | None = None
 
   def __post_init__(self):
-    from pallas_kernels.kda.options import COLS_FORMS
     bad = [i for i in self.impls if i not in IMPLS and not (i.startswith("pallas:") and i[7:] in COLS_FORMS)]
     if bad:
       raise ValueError(f"impls {bad}: each must be one of {IMPLS} or pallas:FORM with FORM in {COLS_FORMS}")
@@ -73,7 +77,6 @@ def jax_fns(impl, options=None):
   """(forward, forward+backward) jitted functions of (inputs, do) for one of our implementations on `raw_inputs`:
   "recurrent", "xla", "pallas" (with `options`) or "pallas:FORM"."""
   if impl.startswith("pallas:"):
-    from pallas_kernels.kda import KDAKernelOptions
     impl, options = "pallas", dataclasses.replace(options or KDAKernelOptions(), cols_form=impl.split(":", 1)[1])
   if impl == "recurrent":
     def run(x):
@@ -293,9 +296,6 @@ def profile_rows(rows, shape, impl, mode, kernel_times):
 def per_kernel_times(x, do, shape, settings):
   """Each Pallas kernel alone on the layer's inputs, at its defaults and, with `settings.sweep`, over other options
   (where the time goes): rows of kind "kernel", each with the options it ran with."""
-  from pallas_kernels.kda import KDAKernelOptions, Launch, bwd, fwd, solve_mosaic, state_mosaic
-  from pallas_kernels.kda.chunk import default_block_v, default_segments
-  from pallas_kernels.kda.options import COLS_FORMS
   sweep = settings.sweep
   B, T, H, D = x["q"].shape
   scale, lb = D ** -0.5, LOWER_BOUND
@@ -443,8 +443,6 @@ def parse_launch_variant(text):
 def launch_options(x, over):
   """`KDAKernelOptions` with the forward's launches `over` ({kernel name: {param: int}}) over the defaults; a
   ValueError naming any kernel the forward on `x` does not launch (read from its traced program)."""
-  from pallas_kernels import triton_launches
-  from pallas_kernels.kda import KDAKernelOptions
   launched = triton_launches(jax_fns("pallas")[0], x)
   unknown = sorted(set(over) - set(launched))
   if unknown:
@@ -463,7 +461,6 @@ def launch_rows(shape, variants, *, rounds, repeats, calls, warmup, profile):
   """The undifferentiated forward under each launch variant ({name: {kernel: {param: int}}}, "default" the shipped
   launches) and FLA's, interleaved: `rounds` rounds each timing every variant once (drift hits all alike); rows of
   kind "launch" with each variant's median, its rounds and its ratio to FLA's median."""
-  import statistics
   options = launch_variants(shape, variants)
   B, T, H, D = parse_shape(shape)
   x, do = testing.raw_inputs(B, T, H, D, jnp.bfloat16)

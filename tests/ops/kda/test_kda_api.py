@@ -10,6 +10,7 @@ import pytest
 from k3jax.numerics import rel_err
 from k3jax.ops import kda
 from k3jax.ops.kda.testing import random_inputs
+from pallas_kernels.kda import KDAKernelOptions
 
 FWD_TOL = 1e-5
 ARGS = ("q", "k", "v", "g", "beta")
@@ -52,8 +53,7 @@ def _valid():
     (lambda x, kw: x.update(g=jnp.full_like(x["g"], 0.25)), "must be a log-decay"),
     (lambda x, kw: x.update(g=x["g"].at[0, 3, 1, 2].set(jnp.nan)), "must be a log-decay"),
     (lambda x, kw: (x.update(g=x["g"].at[0, 5].set(-7.0)), kw.update(lower_bound=-5.0)), "below the declared"),
-    (lambda x, kw: kw.update(kernel_options=__import__("pallas_kernels.kda").kda.KDAKernelOptions(),
-                             backend="xla"), "kernel_options set the Pallas kernels"),
+    (lambda x, kw: kw.update(kernel_options=KDAKernelOptions(), backend="xla"), "kernel_options set the Pallas kernels"),
 ])
 def test_bad_input_raises_clear_value_error(change, match):
   x, S0 = _valid()
