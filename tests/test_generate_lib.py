@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from k3jax import generate_lib, sampling
-from kda_testing import rel_err
+from k3jax.numerics import rel_err
 from model_testing import T, shared_model
 
 TOL = 1e-4   # fp32 roundoff over the layers (as tests/test_model.py)
