@@ -19,6 +19,7 @@ from flax import nnx
 
 from experiments import harness
 from k3jax import config as config_lib
+from k3jax.layers import attnres
 from k3jax.model import K3Model
 
 GiB = 2 ** 30
@@ -45,12 +46,12 @@ def abstract_model(model_cfg):
 def count_params(model_cfg) -> dict:
   """{category: (total, active)} Param counts; active counts top_k of the E routed experts in each MoE layer."""
   model = abstract_model(model_cfg)
-  types, E = config_lib.layer_types(model_cfg), model_cfg.moe.num_experts
+  E = model_cfg.moe.num_experts
   counts = collections.defaultdict(lambda: [0, 0])
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     shape = var.get_value().shape
     n = math.prod(shape)
-    category, active = _category(path, shape, types, model_cfg), n
+    category, active = _category(path, shape, model.plan, model_cfg), n
     if category == "moe_routed_experts":
       active = n * model_cfg.moe.top_k // E
     counts[category][0] += n
@@ -58,17 +59,21 @@ def count_params(model_cfg) -> dict:
   return {c: tuple(counts[c]) for c in CATEGORIES if c in counts}
 
 
-def _category(path, shape, types, m):
+def _category(path, shape, layer_plan, m):
   head = path[0]
   if head == "embed":
     return "embedding"
   if head == "lm_head":
     return "lm_head"
-  if head != "layers":
+  if head not in ("layers", "groups"):
     return "norms_and_attnres"
-  layer, part = path[1], path[2]
+  if head == "layers":
+    layer = layer_plan.unrolled[path[1]]
+  else:  # one position of the scanned group: every group's copy, stacked on a leading axis
+    layer, shape = layer_plan.position(path[1])[0], shape[1:]
+  part = path[2]
   if part == "mixer":
-    return types[layer]
+    return config_lib.layer_types(m)[layer]
   if part != "ffn":
     return "norms_and_attnres"
   if not config_lib.uses_moe(m, layer):
@@ -99,7 +104,7 @@ def parse_mesh(spec: str) -> dict:
 
 
 def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: int) -> list[tuple[str, float]]:
-  """[(item, bytes per device)]: states fully sharded, activations for one micro-batch with per-layer remat."""
+  """[(item, bytes per device)]: states fully sharded, activations for one micro-batch, remat per layer / group."""
   m = model_cfg
   n_dev = math.prod(mesh.values())
   ep = mesh.get("expert", 1)
@@ -116,13 +121,17 @@ def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: 
   per_layer = (total - routed) / m.num_layers + (routed / max(n_moe, 1)) / ep
   gathered = 2 * 2 * per_layer
 
-  # Saved between layers (remat per layer): each layer's input partial sum, the completed block sums, the
-  # embedding, all fp32 [t, d].
-  saved = 4 * t * d * (m.num_layers + n_blocks + 1)
+  # Saved between remat units, fp32 [t, d]: each unrolled layer's input partial sum, each scanned group's input
+  # carry (the source buffer, with room for every source the scan holds, and the partial sum), the completed
+  # block sums and the embedding.
+  layer_plan = config_lib.layer_plan(m)
+  closes = attnres.closes(m.residual.mode, m.residual.block_size, m.num_layers)
+  capacity = attnres.num_sources(m.residual.mode, [c for layer in closes[:layer_plan.end] for c in layer])
+  saved = 4 * t * d * (len(layer_plan.unrolled) + layer_plan.num_groups * (capacity + 1) + n_blocks + 1)
   # Peak of one layer's recompute + backward, bf16 (2 B) unless noted: the AttnRes read-outs (fp32 sources and keys)
   # plus the larger mixer plus the larger FFN.
   n_src = (n_blocks if m.residual.mode != "none" else 0) + 2
-  attnres = 2 * 4 * n_src * t * d
+  attnres_bytes = 2 * 4 * n_src * t * d
   mixers = [0]
   if "kda" in types:
     HK = m.kda.num_heads * config_lib.kda_head_dim(m)
@@ -138,7 +147,9 @@ def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: 
     shared = 3 * m.moe.num_shared_experts * m.moe.shared_hidden
     # router scores fp32, latent in/out, k dispatched copies (sent and received), gate/up/product, shared GLU.
     ffns.append(4 * t * m.moe.num_experts + 2 * t * (2 * l + k * (4 * l + 3 * h) + shared))
-  working = attnres + 2 * (2 * t * d) + max(mixers) + max(ffns)
+  # A scanned group is one remat unit: its backward holds all its layers' recomputed activations at once.
+  unit = layer_plan.group_size if layer_plan.num_groups else 1
+  working = attnres_bytes + 2 * (2 * t * d) + unit * (max(mixers) + max(ffns))
   logits = 2 * 4 * t * V                     # fp32 logits and their gradient (no chunked cross-entropy)
   return [
       ("params bf16, sharded over all devices", 2 * total / n_dev),
@@ -146,8 +157,8 @@ def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: 
       ("Adam m and v (fp32), sharded", 8 * total / n_dev),
       ("gradients (fp32, reduce-scattered), sharded", 4 * total / n_dev),
       ("gathered bf16 weights of 2 layers (FSDP prefetch)", gathered),
-      ("saved activations (per-layer remat, fp32 stream)", saved),
-      ("one layer's recompute working set", working),
+      ("saved activations (remat per layer / group, fp32 stream)", saved),
+      ("one remat unit's recompute working set", working),
       ("logits + logit gradient (fp32)", logits),
   ]
 
@@ -157,8 +168,9 @@ ASSUMPTIONS = """assumptions:
     per device) and each expert's weights FSDP-split over `data`; every other weight FSDP-split over data × expert.
   - per parameter: bf16 working copy (2 B), fp32 master (4 B), Adam m and v (8 B), fp32 gradient (4 B).
   - a layer's weights are all-gathered (bf16) just before use, two layers in flight.
-  - activations for one micro-batch per device, each decoder layer rematerialised in the backward pass: kept are
-    the fp32 residual stream at every layer input plus the AttnRes block sums; the peak adds one layer's working set.
+  - activations for one micro-batch per device, each unrolled layer and each scanned group of layers rematerialised
+    in the backward pass: kept are the fp32 residual stream at every unit's input (a scanned group's: the AttnRes
+    source buffer and the partial sum) plus the block sums; the peak adds one unit's working set.
   - the fp32 logits of the micro-batch and their gradient are materialised (a chunked cross-entropy removes this).
   - not counted: XLA temporaries and fragmentation, communication buffers beyond the MoE dispatch, the data
     pipeline; keep ~10-15% of the device free for them."""

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from k3jax import config as config_lib
-from k3jax.model import K3Model
+from k3jax.model import K3Model, unstacked_ndim
 from k3jax.ops import kda_chunk
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -27,7 +27,7 @@ def active_matmul_params(model_cfg) -> tuple[int, int]:
   total = 0
   for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
     names = {str(getattr(k, "key", k)) for k in path}
-    if x.ndim >= 2 and not names & set(NOT_MATMUL):
+    if unstacked_ndim(path, x) >= 2 and not names & set(NOT_MATMUL):
       total += x.size
   if model_cfg.tie_embeddings:
     total += model_cfg.vocab_size * model_cfg.d_model

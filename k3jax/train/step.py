@@ -52,8 +52,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mod
     params = optax.apply_updates(state.params, updates)
 
     model = state_lib.merge(graphdef, state.replace(params=params))
-    for layer, layer_stats in zip(model.moe_layers(), stats):
-      layer.update_balance([jax.tree.map(lambda x: x[a], layer_stats) for a in range(num_micro)])
+    model.update_balance([[jax.tree.map(lambda x: x[a], s) for a in range(num_micro)] for s in stats])
     _, params, balancer, other = state_lib.split(model)
 
     metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
