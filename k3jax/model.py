@@ -285,7 +285,7 @@ def _stack(trees):
     if not isinstance(xs[0], jax.ShapeDtypeStruct):
       return jnp.stack(xs)
     sharding = xs[0].sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
+    if isinstance(sharding, jax.sharding.NamedSharding) and any(a is not None for a in sharding.spec):
       sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
     return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype, sharding=sharding)
   return nnx.spmd.add_axis(jax.tree.map(stack, *trees), 0, {nnx.PARTITION_NAME: None})
