@@ -17,9 +17,10 @@ ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 BALANCERS = ("quantile", "none", "aux_loss", "sign")
 BALANCER_METHODS = ("exact", "histogram")
 DTYPES = ("float32", "bfloat16", "float16")
-# What a remat unit (an unrolled decoder layer, or one scanned group of layers) keeps for its backward pass:
-# "none" no rematerialisation (everything is kept), "full" only the unit's inputs (all else is recomputed),
-# "save_kda_out" the inputs and the KDA kernels' output (the kernels' VJP then recomputes only what it needs).
+# What each decoder layer (unrolled or scanned) keeps for its backward pass: "none" everything (no
+# rematerialisation), "full" only its inputs (the rest is recomputed in the backward pass), "save_kda_out" its
+# inputs and the KDA kernels' output (the kernels' VJP recomputes from the layer's inputs, so with the output kept
+# the KDA forward runs once more, not twice).
 REMAT_POLICIES = ("none", "full", "save_kda_out")
 
 
@@ -35,7 +36,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6
   m.tie_embeddings = False
   m.z_loss_coef = 0.0                     # aux["z_loss"] = coef · mean(logsumexp(logits)²)
-  m.remat = "none"                        # rematerialisation per layer / scanned group: REMAT_POLICIES
+  m.remat = "none"                        # rematerialisation of each layer: one of REMAT_POLICIES
   # Run the repeating group of layers (`layer_plan`) under one jax.lax.scan over stacked parameters. False unrolls
   # every layer: the checkpoint layout of models before scanning (see k3jax.model.scanned_layout) and the scan's
   # reference in the tests; it compiles each layer separately.
@@ -166,12 +167,6 @@ class LayerPlan:
   def end(self) -> int:
     """One past the last scanned layer."""
     return self.start + self.num_groups * self.group_size
-
-  def where(self, layer: int) -> tuple[str, int, int]:
-    """("unrolled", index in `unrolled`, 0) or ("scanned", group, position) of a layer."""
-    if self.start <= layer < self.end:
-      return ("scanned",) + divmod(layer - self.start, self.group_size)
-    return "unrolled", self.unrolled.index(layer), 0
 
 
 def layer_plan(m) -> LayerPlan:
