@@ -1,5 +1,5 @@
 """Launch parameters of the KDA forward's Triton kernels (warps, pipeline stages), each set timed in the whole
-undifferentiated forward beside FLA's, interleaved in one process (BUILD_NOTES KDA run 15).
+undifferentiated forward beside FLA's, interleaved in one process.
 
   python -m experiments.bench_kda_launch --shapes=8x4096x16x128 \
       --variant=prep4:kda_prepare.num_warps=4 --variant=keys3:kda_intra_fwd_key_tiles.num_stages=3

@@ -7,11 +7,17 @@
    router's top-k: forward, dX, dW against a dense GEMM of the same FLOPs, and the forward against
    `jax.lax.ragged_dot` (at fewer rows when ragged_dot runs out of memory: the rows used are printed).
 3. layer: LatentMoE forward+backward against a dense SiTU-GLU FFN with the same activated FLOPs per token.
-4. sweep (GPU, first): tile configurations on both GEMMs at the first E; the sections use the best of each product.
-Times: host timer around `block_until_ready`, median of --repeats after warm-up. JSON to $OUT/bench_moe.json.
+4. dispatch (first E): the routed part (sort, dispatch, experts, combine) with the custom-VJP dispatch of
+   k3jax.ops.moe_dispatch and with autodiff of the gather / scatter / einsum it replaced, forward and forward+backward,
+   with the expert GEMMs and without (the data movement alone, against the bytes it must move); checks they agree.
+5. sweep (GPU, first): tile configurations on both GEMMs at the first E; the sections use the best of each product.
+Times: host timer around `block_until_ready`, median of --repeats after warm-up (dispatch: back-to-back calls).
+JSON to $OUT/bench_moe.json. --sections picks among gemm, layer, dispatch.
 
     python -m experiments.bench_moe            # GPU: E = 64 and 256, top-8, d = 2048, ℓ = h = 1024, 32768 tokens
     python -m experiments.bench_moe --small    # CPU: tiny shapes, checks that everything runs
+    python -m experiments.bench_moe --sections=dispatch,layer --experts=64 --tokens=65536 --top_k=4 --d_model=768 \
+        --latent_dim=384 --expert_hidden=512 --shared_hidden=1024 --nosweep     # the `small` config's MoE
 """
 from __future__ import annotations
 
@@ -29,8 +35,9 @@ from flax import nnx
 
 from experiments import harness
 from k3jax.layers.ffn import SiTUGLU
-from k3jax.layers.moe import LatentMoE
+from k3jax.layers.moe import LatentMoE, expert_ffn
 from k3jax.numerics import rel_err
+from k3jax.ops import moe_dispatch
 from pallas_kernels.grouped_gemm import Configs, TileConfig, mosaic, ops
 
 flags.DEFINE_list("experts", ["64", "256"], "numbers of routed experts E")
@@ -47,13 +54,19 @@ flags.DEFINE_integer("ragged_rows", 262144, "rows for the ragged_dot comparison:
 flags.DEFINE_integer("check_rows", 8160, "rows of the numerical check (not a multiple of 128 on purpose)")
 flags.DEFINE_bool("sweep", True, "time a few kernel tile configurations (GPU only)")
 flags.DEFINE_bool("small", False, "tiny shapes for a CPU run")
+flags.DEFINE_list("sections", ["gemm", "layer", "dispatch"], "sections to run: gemm, layer, dispatch")
 FLAGS = flags.FLAGS
+SECTIONS = ("gemm", "layer", "dispatch")
 
 MAX_REL_ERR = 1e-2
 LAYER_MAX_REL_ERR = 2e-2  # two bf16 layers differing only in GEMM accumulation order
-# Candidates kept from the sweep of BUILD_NOTES run 6 (E = 256, gate/up; two consumer warpgroups won there).
+# Candidates: the best tiles of a full sweep at E = 256, gate/up (two consumer warpgroups won there).
 SWEEP_RAGGED = [TileConfig(128, 128, 64, 3, 8, 2), TileConfig(128, 128, 64, 3, 4, 2), TileConfig(128, 64, 64, 6, 8, 2)]
 SWEEP_TRANSPOSED = [TileConfig(128, 128, 64, 4, 1), TileConfig(128, 128, 64, 4, 8)]
+# The routed part's two dispatch implementations: the op's custom VJPs, and autodiff of the path they replaced.
+DISPATCH_IMPLS = {"custom_vjp": (moe_dispatch.dispatch, moe_dispatch.combine),
+                  "autodiff": (moe_dispatch.dispatch_reference, moe_dispatch.combine_reference)}
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +83,7 @@ class Shapes:
   ragged_rows: int
   check_rows: int
   sweep: bool
+  sections: tuple[str, ...] = SECTIONS
 
 
 def routed_group_sizes(key, tokens: int, experts: int, top_k: int):
@@ -195,6 +209,66 @@ def layer_check(shapes: Shapes, experts: int, key, tokens: int = 1024) -> dict:
           "finite": all(bool(jnp.all(jnp.isfinite(g))) for g, _ in leaves)}
 
 
+def dispatch_times(shapes: Shapes, experts: int, key) -> dict:
+  """The routed part of the layer in bf16 (plan, dispatch, experts, combine) with each of DISPATCH_IMPLS: forward
+  and forward+backward seconds, with the expert GEMMs ("experts") and with identity experts ("movement": the data
+  movement alone); the custom VJP's relative errors against autodiff (outputs and gradients, with the GEMMs); the
+  bytes the movement must touch (each row read or written once); and, on a GPU, each variant's slowest kernels."""
+  t, k, l, h = shapes.tokens, shapes.top_k, shapes.latent_dim, shapes.expert_hidden
+  keys = jax.random.split(key, 6)
+  _, ids = jax.lax.top_k(jax.random.normal(keys[0], (t, experts)), k)
+  w = jax.nn.softmax(jax.random.normal(keys[1], (t, k)), axis=-1)
+  args = (jax.random.normal(keys[2], (t, l), jnp.bfloat16), w,
+          (jax.random.normal(keys[3], (experts, l, 2 * h)) * l ** -0.5).astype(jnp.bfloat16),
+          (jax.random.normal(keys[4], (experts, h, l)) * h ** -0.5).astype(jnp.bfloat16),
+          jax.random.normal(keys[5], (t, l), jnp.bfloat16), ids)  # ids an argument: XLA would fold a constant's sort
+  runs = {"experts": expert_ffn, "movement": lambda x_ML, group_sizes_G, *_: x_ML}
+  out, results = {}, {}
+  for run, expert_fn in runs.items():
+    for impl, (dispatch, combine) in DISPATCH_IMPLS.items():
+      def forward(z, w, w_gate_up, w_down, ids, dispatch=dispatch, combine=combine, expert_fn=expert_fn):
+        p = moe_dispatch.plan(ids, experts)
+        return combine(expert_fn(dispatch(z, p), p.group_sizes_E, w_gate_up, w_down), w, p)
+
+      def forward_backward(z, w, w_gate_up, w_down, du, ids, forward=forward):
+        u, pullback = jax.vjp(lambda *a: forward(*a, ids), z, w, w_gate_up, w_down)
+        return u, pullback(du.astype(u.dtype))
+      fwd = jax.jit(lambda z, w, wg, wd, du, ids, forward=forward: forward(z, w, wg, wd, ids))
+      fwd_bwd = jax.jit(forward_backward)
+      entry = out.setdefault(run, {}).setdefault(impl, {})
+      entry["fwd"] = harness.pipelined_seconds(fwd, *args, repeats=shapes.repeats)
+      entry["fwd_bwd"] = harness.pipelined_seconds(fwd_bwd, *args, repeats=shapes.repeats)
+      if run == "movement":
+        entry["kernels"] = harness.device_kernel_times(fwd_bwd, *args)[:8]
+      else:
+        results[impl] = fwd_bwd(*args)
+  (u, grads), (u_ref, grads_ref) = results["custom_vjp"], results["autodiff"]
+  out["errors"] = {"output": rel_err(u, u_ref), **{name: rel_err(g, r) for name, g, r in
+                                                   zip(("dz", "dw", "dw_gate_up", "dw_down"), grads, grads_ref)}}
+  m, bf16 = t * k, 2
+  out["movement_bytes"] = {"fwd": 2 * (t + m) * l * bf16, "fwd_bwd": (4 * t + 5 * m) * l * bf16}
+  return out
+
+
+def report_dispatch(tag: str, d: dict) -> None:
+  for run in ("experts", "movement"):
+    new, old = d[run]["custom_vjp"], d[run]["autodiff"]
+    print(f"{tag} routed part ({run}): " + "  ".join(
+        f"{mode} {new[mode] * 1e3:.3f} ms custom VJP vs {old[mode] * 1e3:.3f} ms autodiff "
+        f"({old[mode] / new[mode]:.2f}x)" for mode in ("fwd", "fwd_bwd")), flush=True)
+  kind = jax.devices()[0].device_kind
+  peak = next((v for name, v in HBM_BYTES_PER_S.items() if name in kind), None)
+  for mode, nbytes in d["movement_bytes"].items():
+    rate = nbytes / d["movement"]["custom_vjp"][mode]
+    print(f"{tag} movement {mode}: {nbytes / 1e6:.0f} MB at {rate / 1e9:.0f} GB/s"
+          + (f" ({rate / peak:.0%} of HBM peak)" if peak else ""), flush=True)
+  print(f"{tag} custom VJP vs autodiff (bf16 rel err): "
+        + " ".join(f"{name} {err:.1e}" for name, err in d["errors"].items()), flush=True)
+  for impl in DISPATCH_IMPLS:
+    for name, launches, ms in d["movement"][impl]["kernels"]:
+      print(f"{tag} [profile] {impl:<10} {ms:8.3f} ms x{launches:g} {name[:90]}", flush=True)
+
+
 def sweep(shapes: Shapes, experts: int, key) -> dict:
   """Times of each candidate tiling on both expert GEMMs; a config that fails to build is reported, not fatal."""
   m = shapes.tokens * shapes.top_k
@@ -251,7 +325,8 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
     results["tile_configs"] = dataclasses.asdict(configs)
     print(f"the sections below use the sweep's best tiles: {configs}", flush=True)
   for experts in shapes.experts:
-    for name, (k, n) in gemm_shapes(shapes).items():
+    results.setdefault(f"E{experts}", {})
+    for name, (k, n) in gemm_shapes(shapes).items() if "gemm" in shapes.sections else ():
       products = ops.products("auto", k, n, jnp.bfloat16, configs)
       tag = f"E={experts} {name} [{shapes.tokens * shapes.top_k}x{k}]x[{k}x{n}]"
       backend = type(products).__name__
@@ -285,6 +360,20 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
               + " ".join(f"{p} {entry['check'][p]:.2e}" for p in ("fwd", "dx", "dw"))
               + ("  OK" if not bad else f"  FAILED ({', '.join(bad)} > {MAX_REL_ERR})"), flush=True)
       report_gemm(tag, entry, 2 * shapes.tokens * shapes.top_k * k * n)
+    if "dispatch" in shapes.sections and experts == shapes.experts[0]:
+      try:
+        results[f"E{experts}"]["dispatch"] = d = dispatch_times(shapes, experts, key)
+        report_dispatch(f"E={experts}", d)
+        bad = not max(d["errors"].values()) <= LAYER_MAX_REL_ERR
+        ok &= not bad
+        if bad:
+          print(f"E={experts} dispatch check FAILED (> {LAYER_MAX_REL_ERR})", flush=True)
+      except Exception:
+        ok = False
+        results["errors"][f"E{experts}/dispatch"] = traceback.format_exc()
+        print(f"E={experts} dispatch FAILED:\n{traceback.format_exc()}", flush=True)
+    if "layer" not in shapes.sections:
+      continue
     try:
       results[f"E{experts}"]["layer_check"] = check = layer_check(shapes, experts, key)
       bad = not (check["output"] <= LAYER_MAX_REL_ERR and check["grads"] <= LAYER_MAX_REL_ERR and check["finite"])
@@ -323,21 +412,32 @@ def report_gemm(tag: str, entry: dict, flop: int) -> None:
 
 
 def summary(results: dict, shapes: Shapes) -> str:
-  """The headline table: grouped-GEMM TFLOP/s and ratios, and the layer against the dense FFN."""
-  lines = ["| E | GEMM | fwd TFLOP/s (x dense) | dX | dW | fwd vs ragged_dot | layer fwd+bwd ms (MoE / dense) |",
-           "|---|---|---|---|---|---|---|"]
-  for experts in shapes.experts:
+  """The headline tables: grouped-GEMM TFLOP/s and ratios with the layer against the dense FFN, and the routed
+  part's milliseconds by dispatch implementation."""
+  lines = []
+  if "gemm" in shapes.sections or "layer" in shapes.sections:
+    lines += ["| E | GEMM | fwd TFLOP/s (x dense) | dX | dW | fwd vs ragged_dot | layer fwd+bwd ms (MoE / dense) |",
+              "|---|---|---|---|---|---|---|"]
+  for experts in shapes.experts if lines else ():
     entry = results.get(f"E{experts}", {})
     layer = entry.get("layer")
     layer_cell = (f"{layer['moe'] * 1e3:.2f} / {layer['dense'] * 1e3:.2f} = {layer['moe'] / layer['dense']:.2f}x"
-                  if layer else "failed")
+                  if layer else "-")
     for name, (k, n) in gemm_shapes(shapes).items():
       flop = 2 * shapes.tokens * shapes.top_k * k * n
       t, r = entry.get(name, {}).get("times"), entry.get(name, {}).get("vs_ragged_dot")
-      cells = [f"{flop / t[p] / 1e12:.3g} ({t['dense_' + p] / t[p]:.2f})" if t else "failed"
-               for p in ("fwd", "dx", "dw")]
-      vs = f"{r['ragged_dot_fwd'] / r['grouped_fwd']:.1f}x at {r['rows']} rows" if r else "failed"
+      cells = [f"{flop / t[p] / 1e12:.3g} ({t['dense_' + p] / t[p]:.2f})" if t else "-" for p in ("fwd", "dx", "dw")]
+      vs = f"{r['ragged_dot_fwd'] / r['grouped_fwd']:.1f}x at {r['rows']} rows" if r else "-"
       lines.append(f"| {experts} | {name} {k}->{n} | {' | '.join(cells)} | {vs} | {layer_cell} |")
+  if "dispatch" in shapes.sections:
+    lines += ["", "| E | routed part | fwd ms: custom VJP / autodiff | fwd+bwd ms: custom VJP / autodiff |",
+              "|---|---|---|---|"]
+    for experts in shapes.experts[:1]:
+      d = results.get(f"E{experts}", {}).get("dispatch")
+      for run in ("experts", "movement"):
+        cells = [f"{d[run]['custom_vjp'][m] * 1e3:.3f} / {d[run]['autodiff'][m] * 1e3:.3f}" if d else "failed"
+                 for m in ("fwd", "fwd_bwd")]
+        lines.append(f"| {experts} | {run} | {' | '.join(cells)} |")
   return "\n".join(lines)
 
 
@@ -348,13 +448,17 @@ def gemm_shapes(shapes: Shapes) -> dict:
 
 def main(argv):
   harness.check_argv(argv)
+  sections = tuple(FLAGS.sections)
+  if not sections or set(sections) - set(SECTIONS):
+    raise app.UsageError(f"--sections must name some of {SECTIONS}, got {FLAGS.sections}")
   if FLAGS.small:
     shapes = Shapes(experts=(8, 16), tokens=256, top_k=2, d_model=64, latent_dim=32, expert_hidden=32,
-                    num_shared=1, shared_hidden=32, repeats=2, ragged_rows=512, check_rows=500, sweep=False)
+                    num_shared=1, shared_hidden=32, repeats=2, ragged_rows=512, check_rows=500, sweep=False,
+                    sections=sections)
   else:
     shapes = Shapes(tuple(int(e) for e in FLAGS.experts), FLAGS.tokens, FLAGS.top_k, FLAGS.d_model,
                     FLAGS.latent_dim, FLAGS.expert_hidden, FLAGS.num_shared, FLAGS.shared_hidden, FLAGS.repeats,
-                    FLAGS.ragged_rows, FLAGS.check_rows, FLAGS.sweep)
+                    FLAGS.ragged_rows, FLAGS.check_rows, FLAGS.sweep, sections)
   start = time.perf_counter()
   results, ok = run(shapes)
   results["wall_s"] = time.perf_counter() - start

@@ -1,45 +1,94 @@
-"""Training throughput (tokens/s, MFU) of a config at several sequence lengths, with its own layer pattern and
+"""Training throughput (tokens/s, MFU) of a config at its stages' sequence lengths, with its own layer pattern and
 with every layer MLA (or KDA), in one call: each variant compiles in its own process, all at once, then they run
 one at a time (`benchmark.measure_in_turn`):
 
-  python -m experiments.bench_train --config=experiments/configs/small.py --seq_lens=4096,16384 \
-      --tokens_per_step=65536 --patterns=config,mla --out=$OUT/bench_train.json
+  python -m experiments.bench_train --config=small --seq_lens=4096,16384 --patterns=config,mla --profile \
+      --out=$OUT/bench_train.json
 
-MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in k3jax/train/flops.py.
-On a CPU use the tiny config and small sizes (MFU is then not reported).
+`--config` is a name under experiments/configs/ or a .py path (overrides: `--config.model.remat=false`). Without
+`--seq_lens` the variants are the config's stages (their lengths and batch sizes); `--seq_lens` alone keeps the
+config's tokens per step. `--profile` also traces a few steps per variant and prints their device time by kind of
+kernel (GEMM, grouped GEMM, attention, KDA, dispatch, collective, other) with launch counts and the glue's share
+(`k3jax/train/profile.py`). MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in
+k3jax/train/flops.py; a CPU reports no MFU.
 """
 import functools
+import pathlib
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import harness
-from k3jax.train import benchmark
+from k3jax.train import benchmark, profile
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
-_SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "16384"], "sequence lengths")
-_TOKENS = flags.DEFINE_integer("tokens_per_step", 65536, "tokens per step (batch = tokens / seq_len)")
+CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "config name under experiments/configs/ or a .py path",
+                                          lock_config=True)
+_SEQ_LENS = flags.DEFINE_list("seq_lens", None, "sequence lengths (default: the config's stages)")
+_TOKENS = flags.DEFINE_integer("tokens_per_step", None, "tokens per step, batch = tokens / seq_len (default: the "
+                               "config's)")
 _PATTERNS = flags.DEFINE_list("patterns", ["config", "mla"], f"layer patterns: {sorted(benchmark.PATTERNS)}")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps first")
+_PROFILE = flags.DEFINE_bool("profile", False, "also trace --profile_steps steps per variant: device time by kind")
+_PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "steps traced with --profile")
 _OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
 flags.mark_flags_as_required(["config"])
 
 
+def config_path(value: str) -> str:
+  """`--config`'s value as a path: a name means experiments/configs/<name>.py; anything else must be a .py file."""
+  if value.endswith(".py") or "/" in value:
+    if not pathlib.Path(value).is_file():
+      raise app.UsageError(f"--config={value}: no such file")
+    return value
+  names = sorted(p.stem for p in CONFIGS.glob("*.py") if p.stem not in ("__init__", "common"))
+  if value not in names:
+    raise app.UsageError(f"--config={value}: no config of that name; experiments/configs has {names}")
+  return str(CONFIGS / f"{value}.py")
+
+
+def parse_flags(argv):
+  """absl's flag parsing, with `--config=NAME` resolved to its file first."""
+  argv, resolved = list(argv), []
+  while argv:
+    arg = argv.pop(0)
+    if arg in ("--config", "-config") and argv:
+      arg = f"--config={argv.pop(0)}"
+    if arg.startswith(("--config=", "-config=")):
+      name, value = arg.split("=", 1)
+      try:
+        arg = f"{name}={config_path(value)}"
+      except app.UsageError as e:
+        sys.exit(f"FATAL Flags parsing error: {e}")
+    resolved.append(arg)
+  return app.parse_flags_with_usage(resolved)
+
+
 def main(argv):
   harness.check_argv(argv)
-  names = [(p, int(t)) for p in _PATTERNS.value for t in _SEQ_LENS.value]
-  configs = [benchmark.variant(_CONFIG.value, pattern=p, seq_len=t, tokens_per_step=_TOKENS.value) for p, t in names]
-  print(f"compiling {len(configs)} variants, one process each", flush=True)
-  measure = functools.partial(benchmark.time_train_step, steps=_STEPS.value, warmup=_WARMUP.value)
+  lengths = benchmark.stage_lengths(_CONFIG.value, _SEQ_LENS.value and [int(t) for t in _SEQ_LENS.value],
+                                    _TOKENS.value)
+  names = [(p, t, n) for p in _PATTERNS.value for t, n in lengths]
+  configs = [benchmark.variant(_CONFIG.value, pattern=p, seq_len=t, tokens_per_step=n) for p, t, n in names]
+  print(f"compiling {len(configs)} variants, one process each: "
+        + ", ".join(f"{p} T={t} B={n // t}" for p, t, n in names), flush=True)
+  measure = functools.partial(benchmark.time_train_step, steps=_STEPS.value, warmup=_WARMUP.value,
+                              profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0)
   rows, failed = [], []
-  for (pattern, seq_len), row in zip(names, benchmark.measure_in_turn(configs, measure)):
+  for (pattern, seq_len, _), row in zip(names, benchmark.measure_in_turn(configs, measure)):
     if "error" in row:
       failed.append((pattern, seq_len))
       print(f"{pattern} at T={seq_len} failed:\n{row['error']}", flush=True)
       continue
     rows.append({"variant": pattern, **row})
     print(benchmark.format_table(rows[-1:]).splitlines()[-1], flush=True)
+    if "profile" in row:
+      kernels = [profile.Kernel(**k) for k in row["profile"]["kernels"]]
+      print(f"profile of {pattern} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
+            flush=True)
     harness.write_json(_OUT.value, rows)
   print(benchmark.format_table(rows), flush=True)
   if failed:
@@ -47,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

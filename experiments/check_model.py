@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from experiments import plan
+from experiments import configs
 from experiments import harness
 from k3jax import generate as gen
 from k3jax.layers.kda import KDALayer
@@ -132,7 +132,7 @@ def timings(m, params, key):
 
 def main(argv):
   harness.check_argv(argv)
-  m = plan.load_config(_CONFIG.value).model
+  m = configs.load(_CONFIG.value).model
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
   params = nnx.split(nnx.jit(lambda: K3Model(m, rngs=nnx.Rngs(0)))())[1]
   results = {"config": _CONFIG.value, "device": str(jax.devices()[0]), "batch": _BATCH.value,

@@ -2,7 +2,8 @@
 
 `python -m experiments.eval --workdir=DIR [--stage=N] [--step=S] [--lengths=256,1024] [--tasks=mqar,passkey]`
 uses the config saved in the checkpoint; the result is printed and written as JSON to `--output`
-(default DIR/eval_stage<N>_step<S>.json).
+(default DIR/eval_stage<N>_step<S>.json). Nothing else in DIR is written, moved or removed (an unusable checkpoint
+is reported and the previous one evaluated).
 """
 import pathlib
 
@@ -27,8 +28,11 @@ def main(argv):
   overrides = {"eval.lengths": _LENGTHS.value and tuple(int(x) for x in _LENGTHS.value),
                "eval.tasks": _TASKS.value and tuple(_TASKS.value), "eval.examples": _EXAMPLES.value,
                "mesh": _MESH.value}
-  result = trainer.evaluate_checkpoint(_WORKDIR.value, stage=_STAGE.value, step=_STEP.value,
-                                       overrides={k: v for k, v in overrides.items() if v is not None})
+  try:
+    result = trainer.evaluate_checkpoint(_WORKDIR.value, stage=_STAGE.value, step=_STEP.value,
+                                         overrides={k: v for k, v in overrides.items() if v is not None})
+  except FileNotFoundError as e:
+    raise SystemExit(f"error: {e}") from None
   default = pathlib.Path(_WORKDIR.value) / f"eval_stage{result['stage']}_step{result['step']}.json"
   harness.write_json(_OUTPUT.value or str(default), result)
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from experiments import harness, plan
+from experiments import configs, harness
 from k3jax import parallel
 from k3jax.train import batches, optimizer, stages as stages_lib, state as state_lib, step as step_lib
 
@@ -78,7 +78,7 @@ class _Clock:
 
 def main(argv):
   harness.check_argv(argv)
-  config = plan.load_config(_CONFIG.value)
+  config = configs.load(_CONFIG.value)
   if _SCAN.value is not None:
     config.model.scan_layers = _SCAN.value
   r = lower_train_step(config, seq_len=_SEQ_LEN.value, batch=_BATCH.value, micro_batches=_MICRO.value,

@@ -1,7 +1,9 @@
 """Trains a K3 model: `python -m experiments.train --config=experiments/configs/tiny.py --workdir=DIR`.
 
 Config overrides: `--config.steps=200 --config.optimizer.lr=1e-3`. `--stage=N` runs one stage of a staged config
-(from the previous stage's final checkpoint). Running the same command again resumes from the last checkpoint.
+(from the previous stage's final checkpoint). Running the same command again resumes from the last checkpoint;
+the run directory must then get the same config (`--allow_config_change` continues with another one and records
+the change). Ctrl-C or SIGTERM stops after the current step with a checkpoint of it (exit status 130 / 143).
 Multi-process (one process per host or per GPU): add `--distributed`, with the coordinator given by flags or
 found by `jax.distributed.initialize()` (SLURM, Open MPI, or JAX_COORDINATOR_ADDRESS).
 """
@@ -10,7 +12,7 @@ from ml_collections import config_flags
 
 from experiments import harness
 from k3jax.data import corpus
-from k3jax.train import trainer
+from k3jax.train import interrupt, metrics, trainer, workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, TensorBoard events")
@@ -19,6 +21,10 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "call jax.distributed.ini
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (with --distributed)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "number of processes (with --distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index (with --distributed)")
+_ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False, "resume a run directory with a config that differs "
+                                   "from its config.json (the change is recorded in config_changes.jsonl)")
+_ALLOW_MISSING_METRICS = flags.DEFINE_bool("allow_missing_metrics", False, "resume although metrics.jsonl is "
+                                           "missing (the new file then starts at the resumed step)")
 _CACHE = flags.DEFINE_string("compilation_cache", str(corpus.default_cache_dir() / "xla"),
                              "directory of JAX's persistent compilation cache ('': none)")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -29,7 +35,14 @@ def main(argv):
   harness.enable_compilation_cache(_CACHE.value)
   if _DISTRIBUTED.value:
     trainer.init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  trainer.train(_CONFIG.value, _WORKDIR.value, stage=_STAGE.value)
+  try:
+    trainer.train(_CONFIG.value, _WORKDIR.value, stage=_STAGE.value, allow_config_change=_ALLOW_CHANGE.value,
+                  allow_missing_metrics=_ALLOW_MISSING_METRICS.value)
+  except interrupt.Interrupted as e:
+    print(e, flush=True)
+    return e.exit_code
+  except (workdir.ConfigChanged, trainer.Diverged, trainer.UnusableCheckpoints, metrics.MissingMetrics) as e:
+    raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

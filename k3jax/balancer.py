@@ -1,15 +1,17 @@
-"""Loss-free quantile balancing of MoE routing (SPEC.md §5), its baselines and load metrics, as pure functions.
+"""Loss-free quantile balancing of MoE routing (docs/design.md, quantile balancing), its baselines and load metrics.
 
 The state is a per-expert bias used for selection only. `update` moves it after each optimizer step from the router
 scores of that step: "exact" sets each expert's bias to the quantile that would give it exactly T·k/E of the
 tokens; "histogram" does the same from per-expert histograms that sum across micro-batches and devices; "sign" is
-the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Never differentiated.
+the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Pure functions, never differentiated.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+
+from k3jax.ops import moe_dispatch
 
 METHODS = ("exact", "histogram", "sign")
 NUM_BINS = 4096
@@ -50,7 +52,7 @@ def select(scores_TE, bias_E, *, top_k: int, routed_scaling: float = 1.0):
 
 def expert_load(expert_ids_TK, num_experts: int):
   """Token-slots routed to each expert, float32 `[E]`."""
-  return jnp.zeros((num_experts,), jnp.float32).at[expert_ids_TK.reshape(-1)].add(1.0)
+  return moe_dispatch.expert_counts(expert_ids_TK, num_experts, jnp.float32)
 
 
 def cutoff_residuals(scores_TE, bias_E, *, top_k: int):
@@ -69,8 +71,10 @@ def exact_quantile(residuals_TE, *, top_k: int):
   pos = min(max(t * top_k / e - 0.5, 0.0), t - 1.0)
   lo = int(pos)
   frac = pos - lo
-  r_sorted_TE = jnp.sort(residuals_TE, axis=0)
-  return r_sorted_TE[lo] + frac * (r_sorted_TE[min(lo + 1, t - 1)] - r_sorted_TE[lo])
+  # Each expert's residuals as one row, sorted along the minor axis: XLA's GPU compiler hands only minor-axis sorts to
+  # CUB's radix sort (batched); along the major axis of [T, E] it emits its own sorting network, dozens of passes.
+  r_sorted_ET = jnp.sort(residuals_TE.T, axis=-1)
+  return r_sorted_ET[:, lo] + frac * (r_sorted_ET[:, min(lo + 1, t - 1)] - r_sorted_ET[:, lo])
 
 
 def histogram_range(bias_E):

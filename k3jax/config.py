@@ -1,7 +1,9 @@
 """The model's configuration: every field with its default (`model_config`), checks (`validate`), derived values.
 
-`config.model` is an ml_collections ConfigDict. Experiment configs start from `model_config()` and change fields;
-`K3Model` calls `validate` before building anything, so a bad config fails with a ValueError naming the field.
+`config.model` is an ml_collections ConfigDict, locked: setting a field it does not have raises (so a typo such as
+`m.d_modle = 32` is an error); `with m.unlocked():` adds one deliberately. Experiment configs start from
+`model_config()` and change fields; `K3Model` calls `validate` before building anything, so a bad config fails
+with a ValueError naming the field.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
+MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
 BALANCERS = ("quantile", "none", "aux_loss", "sign")
 BALANCER_METHODS = ("exact", "histogram")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -59,6 +62,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.mla.kv_lora_rank = 64                 # r_kv, the cached latent width
   m.mla.q_lora_rank = None                # None: full-rank W_q
   m.mla.attention_impl = "auto"           # auto: cudnn on GPU in bf16/fp16, xla otherwise
+  m.mla.decode_impl = "auto"              # absorbed decode: auto = the Pallas split-K kernel on GPU, xla otherwise
 
   m.moe = ml_collections.ConfigDict()
   m.moe.enabled = False
@@ -79,7 +83,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.residual = ml_collections.ConfigDict()
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
   m.residual.block_size = 2               # decoder layers per AttnRes block
-  return m
+  return m.lock()                         # setting a field it does not have is an error (a typo, not a new field)
 
 
 def validate(m: ml_collections.ConfigDict) -> None:
@@ -119,25 +123,35 @@ def validate(m: ml_collections.ConfigDict) -> None:
     mla_head_dims(m)
     _optional_positive_int(m, "mla.q_lora_rank")
     _one_of(m, "mla.attention_impl", ATTENTION_IMPLS)
+    _one_of(m, "mla.decode_impl", MLA_DECODE_IMPLS)
 
   _one_of(m, "residual.mode", RESIDUAL_MODES)
   _positive_int(m, "residual.block_size")
 
   if _get(m, "moe.enabled"):
-    if _get(m, "moe.latent_dim") is None:
-      raise ValueError("model.moe.latent_dim (the latent width ℓ) must be set when model.moe.enabled is True")
-    _positive_int(m, "moe.num_experts", "moe.top_k", "moe.expert_hidden", "moe.latent_dim")
-    if m.moe.top_k > m.moe.num_experts:
-      raise ValueError(f"model.moe.top_k={m.moe.top_k} exceeds model.moe.num_experts={m.moe.num_experts}")
-    if _get(m, "moe.num_shared_experts") < 0:
-      raise ValueError(f"model.moe.num_shared_experts must be >= 0, got {m.moe.num_shared_experts}")
-    if m.moe.num_shared_experts:
-      _positive_int(m, "moe.shared_hidden")
-    _one_of(m, "moe.balancer", BALANCERS)
-    _one_of(m, "moe.balancer_method", BALANCER_METHODS)
+    validate_moe(m.moe)
     first = _get(m, "moe.first_dense_layers")
     if not isinstance(first, int) or not 0 <= first <= m.num_layers:
       raise ValueError(f"model.moe.first_dense_layers must be an int in [0, num_layers={m.num_layers}], got {first!r}")
+
+
+def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> None:
+  """Raises ValueError naming the first missing, mistyped or inconsistent field of a MoE config: `config.model.moe`
+  (`validate` calls this when the MoE is enabled) or the ConfigDict a `LatentMoE` is built from (`root="moe"`)."""
+  for f in ("num_experts", "top_k", "expert_hidden", "latent_dim"):
+    if _get(moe, f, root) is None:
+      what = " (the latent width ℓ)" if f == "latent_dim" else ""
+      raise ValueError(f"{root}.{f} must be set for the MoE layer{what}")
+  _positive_int(moe, "num_experts", "top_k", "expert_hidden", "latent_dim", root=root)
+  if moe.top_k > moe.num_experts:
+    raise ValueError(f"{root}.top_k={moe.top_k} exceeds {root}.num_experts={moe.num_experts}")
+  shared = _get(moe, "num_shared_experts", root)
+  if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+    raise ValueError(f"{root}.num_shared_experts must be an int >= 0, got {shared!r}")
+  if shared:
+    _positive_int(moe, "shared_hidden", root=root)
+  _one_of(moe, "balancer", BALANCERS, root=root)
+  _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
 
 
 def layer_types(m) -> tuple[str, ...]:
@@ -225,20 +239,20 @@ def _head_dim(m, heads_field, head_dim, head_dim_field) -> int:
   return head_dim
 
 
-def _get(m, dotted: str):
+def _get(m, dotted: str, root: str = "model"):
   node = m
   for part in dotted.split("."):
     if part not in node:
-      raise ValueError(f"model.{dotted} is missing from the config (see k3jax.config.model_config for every field)")
+      raise ValueError(f"{root}.{dotted} is missing from the config (see k3jax.config.model_config for every field)")
     node = node[part]
   return node
 
 
-def _positive_int(m, *fields):
+def _positive_int(m, *fields, root: str = "model"):
   for f in fields:
-    v = _get(m, f)
+    v = _get(m, f, root)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-      raise ValueError(f"model.{f} must be a positive int, got {v!r}")
+      raise ValueError(f"{root}.{f} must be a positive int, got {v!r}")
 
 
 def _optional_positive_int(m, field):
@@ -253,7 +267,7 @@ def _positive_float(m, field):
     raise ValueError(f"model.{field} must be a positive number, got {v!r}")
 
 
-def _one_of(m, field, choices):
-  v = _get(m, field)
+def _one_of(m, field, choices, root: str = "model"):
+  v = _get(m, field, root)
   if v not in choices:
-    raise ValueError(f"model.{field} must be one of {choices}, got {v!r}")
+    raise ValueError(f"{root}.{field} must be one of {choices}, got {v!r}")

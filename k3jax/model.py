@@ -25,7 +25,7 @@ from flax import nnx
 
 from k3jax import config as config_lib
 from k3jax.layers import attnres
-from k3jax.layers.common import RMSNorm, normal_param
+from k3jax.layers.common import RMSNorm, embed, normal_param
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.kda import KDA_OUT, KDALayer
 from k3jax.layers.mla import GatedMLA
@@ -136,7 +136,7 @@ class K3Model(nnx.Module):
     _check_tokens(tokens_BT, segment_ids_BT)
     stream = attnres.start(self._embed(tokens_BT), self.mode)
     run = lambda layer, s, closes, _: layer(s, closes, segment_ids_BT=segment_ids_BT)
-    stream, _, stats = self._run(stream, run, remat=self.remat)
+    stream, _, stats = self.run_layers(stream, run, remat=self.remat)
     logits = self._logits(stream)
     return logits, {"moe": [stats[i] for i in self.moe_ids], "z_loss": z_loss(logits, self.z_loss_coef)}
 
@@ -147,7 +147,7 @@ class K3Model(nnx.Module):
       raise ValueError(f"max_len={max_len} is shorter than the prompt (T={tokens_BT.shape[1]})")
     stream = attnres.start(self._embed(tokens_BT), self.mode)
     run = lambda layer, s, closes, _: layer.prefill(s, closes, max_len)
-    stream, (caches, group_caches), _ = self._run(stream, run)
+    stream, (caches, group_caches), _ = self.run_layers(stream, run)
     last = jax.tree.map(lambda a: a[:, -1:], stream)
     pos = jnp.asarray(tokens_BT.shape[1], jnp.int32)
     return self._logits(last)[:, 0], ModelCache(caches, group_caches, pos, max_len)
@@ -161,10 +161,10 @@ class K3Model(nnx.Module):
       raise ValueError(f"the cache is full: position {int(cache.pos)} >= max_len={cache.max_len}")
     stream = attnres.start(self._embed(token_B[:, None]), self.mode)
     run = lambda layer, s, closes, layer_cache: layer.decode(s, closes, layer_cache, cache.pos)
-    stream, (caches, group_caches), _ = self._run(stream, run, (cache.layers, cache.groups))
+    stream, (caches, group_caches), _ = self.run_layers(stream, run, (cache.layers, cache.groups))
     return self._logits(stream)[:, 0], ModelCache(caches, group_caches, cache.pos + 1, cache.max_len)
 
-  def _run(self, stream, run, caches=None, *, remat: str = "none"):
+  def run_layers(self, stream, run, caches=None, *, remat: str = "none"):
     """Every decoder layer on `stream`, in order. `run(layer, stream, closes, cache) -> (stream, cache, MoE stats or
     None)` runs one layer; `cache` is its part of `caches` = (per unrolled layer, per group position), or None.
     Returns (stream, (caches of the unrolled layers, stacked caches of the group positions), MoE stats per layer)."""
@@ -239,7 +239,7 @@ class K3Model(nnx.Module):
     return [layer.ffn for layer in [*self.layers, *(self.groups or ())] if layer.uses_moe]
 
   def _embed(self, tokens_BT):
-    return jnp.take(self.embed[...], tokens_BT, axis=0)
+    return embed(self.embed[...], tokens_BT, self.dtype)
 
   def _logits(self, stream):
     h = attnres.read(stream, self.final_res)

@@ -1,8 +1,9 @@
 """Device meshes and expert parallelism: routed experts sharded over the `expert` mesh axis.
 
 Tokens are sharded over every device (`data` × `expert`). Inside `jax.shard_map`, each device sorts its token-slots
-by expert, sends each expert's slots to the device owning it with a ragged all-to-all, runs its local experts on
-what it received (grouped by expert, then by source device), and returns the results the same way.
+by expert (`k3jax.ops.moe_dispatch`), sends each expert's slots to the device owning it with a ragged all-to-all,
+runs its local experts on what it received (grouped by expert, then by source device), returns the results the same
+way and combines each token's slots.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from k3jax.ops import moe_dispatch
 
 DATA, EXPERT = "data", "expert"
 TOKENS = (DATA, EXPERT)  # token rows are sharded over both axes
@@ -103,36 +106,29 @@ def _exclusive_cumsum(a, axis=-1):
   return jnp.cumsum(a, axis=axis) - a
 
 
-def sort_by_expert(expert_ids_TK, num_experts: int):
-  """Token-slots sorted by expert: (order [T·k] into the flattened slots, group sizes [E] int32)."""
-  flat = expert_ids_TK.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  return order, jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+def local_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, *, num_experts: int,
+                         expert_fn: Callable, out_dtype=None):
+  """`u[t] = Σ_j w[t, j] · E_{ids[t, j]}(z[t])`, `[T, L]`, with every expert on this device: the slots sorted by
+  expert once (`moe_dispatch.plan`), gathered, run through `expert_fn` (see `expert_parallel_routed_outputs`) and
+  combined. `out_dtype`: u's dtype (z's when None); the combine accumulates in fp32."""
+  p = moe_dispatch.plan(expert_ids_TK, num_experts)
+  y_ML = expert_fn(moe_dispatch.dispatch(z_TL, p), p.group_sizes_E, *expert_weights)
+  return moe_dispatch.combine(y_ML, weights_TK, p, out_dtype or z_TL.dtype)
 
 
-def local_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, expert_fn: Callable):
-  """Every token-slot's expert output `[T, k, L]` with every expert on this device: sort the slots by expert, run
-  `expert_fn` on them (see `expert_parallel_slot_outputs`), unsort."""
-  t, k = expert_ids_TK.shape
-  order, counts_E = sort_by_expert(expert_ids_TK, num_experts)
-  return _unsort(expert_fn(z_TL[order // k], counts_E, *expert_weights), order, t, k)
-
-
-def _unsort(y_sorted, order, t, k):
-  """Rows sorted by expert back to the slots they came from, `[T, k, L]`."""
-  return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
-
-
-def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, expert_fn: Callable, a2a_impl: str):
-  """Per device (inside shard_map): every local slot's expert output, `[T, k, L]`."""
+def _ep_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, *, num_experts: int, expert_fn: Callable,
+                       a2a_impl: str, out_dtype):
+  """Per device (inside shard_map): the routed output of every local token, `[T, L]`."""
   t, k = expert_ids_TK.shape
   ep = jax.lax.axis_size(EXPERT)
   me = jax.lax.axis_index(EXPERT)
   if ep == 1:  # every expert is local: no exchange (a one-device all-to-all would still copy every row twice)
-    return local_slot_outputs(z_TL, expert_ids_TK, expert_weights, num_experts=num_experts, expert_fn=expert_fn)
+    return local_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, num_experts=num_experts,
+                                expert_fn=expert_fn, out_dtype=out_dtype)
   e_loc = num_experts // ep
-  order, counts_E = sort_by_expert(expert_ids_TK, num_experts)
-  x_sorted = z_TL[order // k]
+  p = moe_dispatch.plan(expert_ids_TK, num_experts)
+  counts_E = p.group_sizes_E
+  x_sorted = moe_dispatch.dispatch(z_TL, p)
 
   # counts_SE[s, e]: slots device s (along `expert`) routes to expert e. Receivers lay rows out by local expert,
   # then by source device: expert e's rows from source s start at start_E[e] + before_SE[s, e].
@@ -157,12 +153,12 @@ def _ep_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, num_experts: int, e
       (my_start_J[None, :] + my_before_SJ).reshape(-1), mine_SJ.reshape(-1),
       jax.lax.dynamic_slice_in_dim(src_offsets_SE, me * e_loc, e_loc, axis=1).reshape(-1), counts_E,
       axis_name=EXPERT, impl=a2a_impl)
-  return _unsort(y_sorted, order, t, k)
+  return moe_dispatch.combine(y_sorted, weights_TK, p, out_dtype)
 
 
-def expert_parallel_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, mesh: Mesh, num_experts: int,
-                                 expert_fn: Callable, a2a_impl: str = "auto"):
-  """Every token-slot's expert output `[T, k, L]`, experts sharded over `expert`, tokens over all devices.
+def expert_parallel_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, *, mesh: Mesh,
+                                   num_experts: int, expert_fn: Callable, a2a_impl: str = "auto", out_dtype=None):
+  """`local_routed_outputs` with the experts sharded over `expert` and the tokens over all devices.
 
   `expert_weights`: arrays with the expert axis first (sharded over `expert`); `expert_fn(x_ML, group_sizes_G,
   *local_weights) -> y_ML` runs the local experts on rows grouped by expert (rows past the groups: anything).
@@ -170,15 +166,16 @@ def expert_parallel_slot_outputs(z_TL, expert_ids_TK, expert_weights, *, mesh: M
   check_mesh(mesh, num_experts, z_TL.shape[0])
   tok, exp = P(TOKENS), P(EXPERT)
   fn = jax.shard_map(
-      lambda z, ids, ws: _ep_slot_outputs(z, ids, ws, num_experts=num_experts, expert_fn=expert_fn,
-                                          a2a_impl=a2a_impl),
-      mesh=mesh, in_specs=(tok, tok, exp), out_specs=tok,
+      lambda z, ids, w, ws: _ep_routed_outputs(z, ids, w, ws, num_experts=num_experts, expert_fn=expert_fn,
+                                               a2a_impl=a2a_impl, out_dtype=jnp.dtype(out_dtype or z.dtype)),
+      mesh=mesh, in_specs=(tok, tok, tok, exp), out_specs=tok,
       # Mosaic-GPU kernels type their outputs as replicated, which check_vma would reject in the custom VJP;
       # unchecked, shard_map still sums the experts' gradients over `data` (their in_spec does not name it).
       check_vma=False)
   if not all(t == AxisType.Explicit for t in mesh.axis_types):
-    return fn(z_TL, expert_ids_TK, expert_weights)
+    return fn(z_TL, expert_ids_TK, weights_TK, expert_weights)
   # Explicit axes: shard_map takes its inputs as in_specs says, and the result goes back to the tokens' sharding.
   reshard = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))
-  out = fn(reshard(z_TL, tok), reshard(expert_ids_TK, tok), [reshard(w, exp) for w in expert_weights])
+  out = fn(reshard(z_TL, tok), reshard(expert_ids_TK, tok), reshard(weights_TK, tok),
+           [reshard(w, exp) for w in expert_weights])
   return reshard(out, P(jax.typeof(z_TL).sharding.spec[0]))

@@ -7,3 +7,32 @@ if flag not in os.environ.get("XLA_FLAGS", ""):
 # CPU tests are dominated by compile time (Pallas interpret mode especially); LLVM's -O0 compiles ~3x faster.
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+import pytest  # noqa: E402  (after the flags: JAX must see them when it first initialises)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+  """Stage 0 of the train tests' config (tests/train_testing.py), trained once per session; tests that use it
+  carry `pytest.mark.xdist_group("train_loop")` so one worker builds it."""
+  import train_testing
+  with train_testing.trained_run(tmp_path_factory.mktemp("train")) as t:
+    yield t
+
+
+def pytest_collection_modifyitems(config, items):
+  """`--dist loadgroup` sends the tests of one `xdist_group` to one worker by a `@group` suffix on their node ids.
+  pytest-xdist 3.8 adds it by setting `item._nodeid`, which pytest 9 no longer reads (node ids are `item._id`),
+  so every group was spread over the workers and each built its fixtures; the suffix is added here where missing."""
+  if not getattr(config.option, "loadgroup", False):
+    return
+  for item in items:
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    if groups and "@" not in item.nodeid:
+      grouped = f"{item.nodeid}@{'_'.join(groups)}"
+      try:
+        from _pytest.nodeid import NodeId   # pytest >= 9
+        item._id = NodeId.parse(grouped)
+      except ImportError:                  # pytest 8: where xdist puts it
+        item._nodeid = grouped

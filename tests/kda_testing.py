@@ -31,7 +31,7 @@ def random_inputs(seed, B, T, H, K, V, *, gate="bounded", saturate=None, dtype=j
 
 
 def numpy_recurrence(q, k, v, g, beta, S0, seg=None, scale=None):
-  """The recurrence of SPEC.md §2 in float64, written independently of the JAX code."""
+  """The recurrence (docs/design.md, KDA) in float64, written independently of the JAX code."""
   q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
   B, T, H, K = q.shape
   scale = K ** -0.5 if scale is None else scale

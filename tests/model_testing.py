@@ -71,6 +71,14 @@ def shared_model(changes=tuple(MODEL.items()), seed=0):
 forward = nnx.jit(lambda module, x, seg: module(x, segment_ids_BT=seg))
 prefill = nnx.jit(lambda module, x, max_len: module.prefill(x, max_len), static_argnums=2)
 decode = nnx.jit(lambda module, x, cache, pos: module.decode(x, cache, pos))
+# Token mixers' per-row generation calls: `args` are the layer's own (KDA: lengths; MLA: start, lengths / pos).
+prefill_chunk = nnx.jit(lambda module, x, cache, *args: module.prefill_chunk(x, cache, *args))
+decode_rows = nnx.jit(lambda module, x, cache, pos: module.decode_rows(x, cache, pos))
+
+
+def chunk_lengths(lengths, start: int, chunk: int):
+  """int32 `[B]`: how many of each row's `lengths` tokens fall in the chunk of `chunk` tokens at `start`."""
+  return jnp.clip(jnp.asarray(lengths, jnp.int32) - start, 0, chunk)
 
 
 def normal(seed, shape, dtype=jnp.float32):

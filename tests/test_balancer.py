@@ -1,4 +1,4 @@
-"""Quantile balancing (SPEC.md §5), its baselines and load metrics."""
+"""Quantile balancing (docs/design.md, quantile balancing), its baselines and load metrics."""
 import chex
 import jax
 import jax.numpy as jnp

@@ -20,13 +20,14 @@ def run_script(module, *flags, out_dir):
 
 @pytest.mark.xdist_group("benchmarks")
 def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
-  done = run_script("experiments.bench_kda", "--impls=xla,pallas", "--shapes=1x128x2x32", "--repeats=1",
-                    "--warmup=1", "--check", "--profile", "--per_kernel", "--sweep=false", "--kernels=intra_fwd",
-                    out_dir=tmp_path)
+  done = run_script("experiments.bench_kda", "--impls=xla,pallas,pallas:unrolled", "--shapes=1x128x2x32",
+                    "--repeats=1", "--warmup=1", "--check", "--profile", "--per_kernel", "--sweep=false",
+                    "--kernels=intra_fwd", out_dir=tmp_path)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   rows = json.loads((tmp_path / "bench_kda.json").read_text())
   times = [r for r in rows if r["kind"] == "time"]
-  assert {(r["impl"], r["mode"]) for r in times} == {(i, m) for i in ("xla", "pallas") for m in ("fwd", "fwdbwd")}
+  assert {(r["impl"], r["mode"]) for r in times} == {(i, m) for i in ("xla", "pallas") for m in ("fwd", "fwdbwd")} | {
+      ("pallas:unrolled", "fwdbwd")}   # a column-pass form times its backward only
   assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in times)
   assert not [r for r in rows if r["kind"] == "error"]  # the profile pass ran (it finds no GPU kernels here)
   kernels = [r for r in rows if r["kind"] == "kernel"]
@@ -34,6 +35,19 @@ def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
   checks = [r for r in rows if r["kind"] == "check"]
   assert {r["case"] for r in checks} == {"random", "gates_at_bound", "fused", "packed", "repeated_keys"}
   assert all(r["ok"] for r in checks if r["case"] != "repeated_keys")
+
+
+def test_bench_kda_error_table_puts_fla_beside_ours_and_marks_ratios_past_the_bar(capsys):
+  from experiments import bench_kda
+  names = ("o", "S", "q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias", "initial_state")
+  check = lambda impl, **errs: dict(kind="check", shape="1x64x1x16", case="fused", impl=impl,
+                                    **{n: errs.get(n, 4e-3) for n in names})
+  bench_kda.print_error_table([check("pallas", g_raw=6e-3), check("fla", g_raw=4e-3), dict(kind="time")])
+  table = capsys.readouterr().out
+  assert "6.00e-03 / 4.00e-03  1.50*" in table and "4.00e-03 / 4.00e-03  1.00 " in table, table
+  assert table.splitlines()[-1].split()[-1] == "1.50", table
+  bench_kda.print_error_table([check("pallas")])                 # no FLA rows (FLA not importable): no table
+  assert capsys.readouterr().out == ""
 
 
 @pytest.mark.xdist_group("benchmarks")
@@ -63,3 +77,37 @@ def test_bench_moe_small_runs_its_sections_and_checks(tmp_path):
   for experts in (8, 16):
     entry = result[f"E{experts}"]
     assert set(entry["gate_up"]) >= {"check", "times", "vs_ragged_dot"} and entry["layer"]["moe"] > 0
+  dispatch = result["E8"]["dispatch"]
+  assert all(dispatch[run][impl][mode] > 0 for run in ("experts", "movement") for impl in ("custom_vjp", "autodiff")
+             for mode in ("fwd", "fwd_bwd"))
+  assert max(dispatch["errors"].values()) < 2e-2  # the two dispatches agree to bf16 rounding
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_bench_generate_small_runs_both_patterns_and_checks(tmp_path):
+  """Both layer patterns, B = 1 and 2, a prompt that no chunk divides: every row has its prefill and decode
+  speeds and cache bytes, the chunked prefill matched the full forward, and the table and the bars are printed."""
+  done = run_script("experiments.bench_generate", "--small", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_generate.json").read_text())
+  assert {(r["pattern"], r["B"], r["L"]) for r in rows} == {(p, b, n) for p in ("config", "mla") for b in (1, 2)
+                                                             for n in (64, 160)}
+  assert all(r["decode_tok_s_per_seq"] > 0 and r["prefill_est_tok_s"] > 0 and r["cache_gib"] > 0 for r in rows)
+  assert all("prefill_tok_s" in r for r in rows if r["B"] == 1)             # the real prefill ran at B = 1
+  assert [r["check_ok"] for r in rows if "check_ok" in r] == [True, True]
+  per_row = {p: {r["L"]: r["cache_bytes_per_token"] * r["L"] for r in rows if r["pattern"] == p and r["B"] == 1}
+             for p in ("config", "mla")}
+  slope = {p: (b[160] - b[64]) / 96 for p, b in per_row.items()}   # bytes per added token: the MLA layers' latents
+  assert slope["config"] * 4 == pytest.approx(slope["mla"])       # tiny: 1 MLA layer of 4 against 4 of 4
+  assert "cache bytes/token at the longest context" in done.stdout and "decode L=160 B=2" in done.stdout
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_bench_mla_decode_small_checks_every_implementation(tmp_path):
+  done = run_script("experiments.bench_mla_decode", "--small", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_mla_decode.json").read_text())
+  ours = [r for r in rows if r["impl"] == "pallas"]
+  assert len(ours) == 6 and all(r["ok"] and r["us"] > 0 for r in ours)
+  assert all(r["ok"] for r in rows if r["impl"] == "xla")
+  assert any(r["impl"] == "jax_mqa" and r.get("ok") for r in rows)   # JAX's kernel runs where L suits it

@@ -131,3 +131,35 @@ def test_scanned_train_state_round_trips_and_an_unrolled_one_converts_to_it(tmp_
   assert checkpoint.leaf_signatures(converted) == checkpoint.leaf_signatures(abstract)
   assert jax.tree.leaves(state_lib.shardings_of(converted)) == jax.tree.leaves(state_lib.shardings_of(abstract))
   assert_same(scanned_layout(jax.jit(init_u)(), config.model), state)
+
+
+def test_read_only_restores_without_moving_cleaning_or_creating_anything(tmp_path, capsys):
+  saved(tmp_path, [1, 2]).close()
+  victim = data_files(tmp_path / "ckpt" / "2")[-1]
+  with open(victim, "r+b") as f:
+    f.seek(victim.stat().st_size // 2)
+    f.write(bytes(b ^ 0xFF for b in f.read(16)))
+  (tmp_path / "ckpt" / "3.orbax-checkpoint-tmp-99").mkdir()   # a save cut short
+  tree = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  before = tree()
+  with checkpoint.Checkpointer(tmp_path / "ckpt", keep=1, read_only=True) as ckpt:
+    state, meta = ckpt.restore_latest(abstract(make_state(0)))
+    with pytest.raises(ValueError, match="read-only"):
+      ckpt.save(3, make_state(3), {})
+  assert meta["step"] == 1 and "left in place: read-only" in capsys.readouterr().out
+  assert_same(state, make_state(1))
+  assert tree() == before
+  with pytest.raises(FileNotFoundError):
+    checkpoint.Checkpointer(tmp_path / "absent", keep=1, read_only=True)
+  assert not (tmp_path / "absent").exists()
+
+
+def test_a_state_with_a_nan_or_an_infinity_is_never_saved(tmp_path):
+  ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", keep=2)
+  state = make_state(1)
+  bad = dict(state, params=dict(state["params"], w=state["params"]["w"].at[3, 4].set(jnp.inf)))
+  with pytest.raises(checkpoint.NonFiniteState, match=r"refusing to save step 1 .*\['w'\]"):
+    ckpt.save(1, bad, {})
+  assert checkpoint.nonfinite_leaves(bad) == ["['params']['w']"]
+  ckpt.wait()
+  assert ckpt.steps() == []

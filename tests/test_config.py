@@ -1,9 +1,11 @@
-"""Config validation (clear errors naming the field) and the layer layout of the experiment configs."""
+"""Config validation (clear errors naming the field), the layer layout of the experiment configs, and locking:
+Python-side configs reject unknown fields as the command line does."""
 import ml_collections
 import pytest
 
-from experiments import plan
+from experiments import configs
 from k3jax import config as config_lib
+from k3jax.layers import moe
 from model_testing import small_config
 
 
@@ -13,7 +15,7 @@ from model_testing import small_config
     ({"layer_pattern": ("kda", "gla")}, r"unknown layer type 'gla'"),
     ({"layer_pattern": ()}, r"model.layer_pattern must be a non-empty tuple"),
     ({"last_layer": "attention"}, r"model.last_layer must be one of"),
-    ({"moe.enabled": True, "moe.latent_dim": None}, r"model.moe.latent_dim .* must be set"),
+    ({"moe.enabled": True, "moe.latent_dim": None}, r"model.moe.latent_dim must be set"),
     ({"moe.enabled": True, "moe.latent_dim": 8, "moe.top_k": 9}, r"model.moe.top_k=9 exceeds"),
     ({"residual.mode": "hyper"}, r"model.residual.mode must be one of"),
     ({"residual.block_size": 0}, r"model.residual.block_size must be a positive int"),
@@ -27,6 +29,21 @@ def test_bad_config_raises_a_clear_value_error(changes, match):
     config_lib.validate(small_config(**changes))
 
 
+@pytest.mark.parametrize("changes,match", [
+    ({"moe.expert_hidden": None}, r"moe.expert_hidden must be set"),
+    ({"moe.num_shared_experts": None}, r"moe.num_shared_experts must be an int >= 0"),
+    ({"moe.balancer": "loss_free"}, r"moe.balancer must be one of"),
+    ({"moe.balancer_method": "median"}, r"moe.balancer_method must be one of"),
+])
+def test_the_moe_layer_and_the_model_config_raise_the_same_error(changes, match):
+  cfg = small_config(**{"moe.enabled": True, "moe.latent_dim": 8, **changes})
+  with pytest.raises(ValueError, match="model." + match) as from_model:
+    config_lib.validate(cfg)
+  with pytest.raises(ValueError, match=match) as from_layer:
+    moe.check_config(cfg.d_model, cfg.moe)
+  assert str(from_model.value) == "model." + str(from_layer.value)
+
+
 def test_explicit_head_dim_allows_heads_that_do_not_divide_the_width():
   cfg = small_config(**{"kda.num_heads": 5, "kda.head_dim": 16, "mla.num_heads": 3, "mla.qk_head_dim": 8})
   config_lib.validate(cfg)
@@ -35,13 +52,14 @@ def test_explicit_head_dim_allows_heads_that_do_not_divide_the_width():
 
 def test_missing_field_is_named():
   cfg = small_config()
-  del cfg.mla["q_lora_rank"]
+  with cfg.unlocked():
+    del cfg.mla["q_lora_rank"]
   with pytest.raises(ValueError, match=r"model.mla.q_lora_rank is missing"):
     config_lib.validate(cfg)
 
 
 def test_k3_layer_layout_is_69_kda_and_24_mla_ending_in_mla():
-  m = plan.load_config("k3_full").model
+  m = configs.load("k3_full").model
   config_lib.validate(m)
   types = config_lib.layer_types(m)
   assert (len(types), types.count("kda"), types.count("mla"), types[-1]) == (93, 69, 24, "mla")
@@ -51,13 +69,13 @@ def test_k3_layer_layout_is_69_kda_and_24_mla_ending_in_mla():
 
 @pytest.mark.parametrize("name", ["tiny", "small", "k3_full"])
 def test_experiment_configs_validate(name):
-  cfg = plan.load_config(name)
+  cfg = configs.load(name)
   config_lib.validate(cfg.model)
   assert cfg.model.moe.enabled
 
 
 def _plan(name, **changes):
-  m = plan.load_config(name).model
+  m = configs.load(name).model
   for field, value in changes.items():
     m[field] = value
   lp = config_lib.layer_plan(m)
@@ -100,3 +118,24 @@ def test_remat_is_a_policy_name(value, match):
   cfg = ml_collections.ConfigDict(dict(small_config().to_dict(), remat=value))
   with pytest.raises(ValueError, match=match):
     config_lib.validate(cfg)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "k3_full"])
+def test_experiment_configs_reject_unknown_fields_from_python(name):
+  c = configs.load(name)
+  with pytest.raises(AttributeError):
+    c.stpes = 5
+  with pytest.raises(AttributeError):
+    c.model.d_modle = 32
+  with pytest.raises(AttributeError):
+    c.optimizer.lr_peak = 1e-3
+  c.steps, c.model.d_model = 5, 32          # known fields still change
+  with c.unlocked():                         # and a new one can be added deliberately
+    c.note = "ablation"
+  assert (c.steps, c.model.d_model, c.note) == (5, 32, "ablation")
+
+
+def test_model_config_rejects_unknown_fields():
+  m = config_lib.model_config()
+  with pytest.raises(AttributeError):
+    m.kda.num_haeds = 4

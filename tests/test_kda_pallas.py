@@ -1,4 +1,4 @@
-"""Pallas KDA kernels (interpret mode on CPU) against the recurrence: outputs and every gradient (SPEC.md §8)."""
+"""Pallas KDA kernels in interpret mode against the recurrence: outputs and gradients (docs/design.md, tolerances)."""
 import functools
 
 import chex
@@ -162,6 +162,32 @@ def test_fused_entry_differentiates_through_norm_gate_and_sigmoid():
     assert rel_err(d, d_ref) < 1e-4, name
 
 
+def test_bf16_gate_gradients_are_as_accurate_as_dq_dk_at_every_tile_position():
+  """bf16, the fused entry on random raw projections (about half the gates near the bound): d g_raw, d A_log and
+  d dt_bias against the XLA path in fp32 within dq and dk's tolerance, and d g_raw's error alike at the four tile
+  positions of a chunk. The loss is linear in o alone: a final-state cotangent or an initial state adds a part of dg
+  that the pairs of rows inside a chunk do not touch, and at this length it hides their error. A pair's two terms
+  in dg must cancel: with the operands of other tiles rounded against the row tile's anchor they did not, and here
+  d g_raw was 1.6e-2, d A_log 1.6e-2, d dt_bias 2.8e-2, d g_raw 3.0e-2 in a chunk's first tile and 7e-3 in its last."""
+  B, T, H, K, V = 2, 256, 2, 32, 32
+  ks = jax.random.split(jax.random.PRNGKey(37), 8)
+  bf16 = lambda i, *shape: jax.random.normal(ks[i], shape).astype(jnp.bfloat16)
+  args = (bf16(0, B, T, H, K), bf16(1, B, T, H, K), bf16(2, B, T, H, V), bf16(3, B, T, H, K), bf16(4, B, T, H),
+          jnp.log(jax.random.uniform(ks[5], (H,), minval=1, maxval=16)), jax.random.normal(ks[6], (H, K)))
+  cot = jax.random.normal(ks[7], (B, T, H, V))
+
+  def grads(backend, args):
+    loss = lambda *a: jnp.sum(kda.fused_kda(*a, backend=backend)[0].astype(jnp.float32) * cot)
+    return dict(zip(("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias"),
+                    jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*args)))
+  got, ref = grads("pallas", args), grads("xla", [a.astype(jnp.float32) for a in args])
+  errs = {n: rel_err(got[n], ref[n]) for n in ("q", "k", "g_raw", "A_log", "dt_bias")}
+  assert max(errs.values()) <= BF16_TOL["q"], errs
+  position = (jnp.arange(T) % 64) // 16
+  by_tile = [rel_err(got["g_raw"][:, position == t], ref["g_raw"][:, position == t]) for t in range(4)]
+  assert max(by_tile) <= 2 * min(by_tile), by_tile
+
+
 def test_fused_entry_forward_matches_xla_with_padding_documents_and_states():
   """Undifferentiated, the fused entry's kernels run without their residuals and take the gate, norms and sigmoid in
   their pre-pass: o and the final state against the XLA path, T = 100 (the padding's gate must decay nothing, or the
@@ -230,9 +256,9 @@ def bwd_inputs(x, loc):
 
 @pytest.mark.parametrize("case", ["random_with_resets", "gates_at_bound", "repeated_keys"])
 def test_intra_backward_variants_agree(case):
-  """v5 (a row pass, a column pass and dg's suffix sum, each a program per tile) gives v3's five gradients to fp32
-  rounding. With every gate at the bound dg cancels ~500x, so its summation order shows (up to ~3e-5 between
-  variants; each is as far from float64, see the next test)."""
+  """v5 (a row pass, a column pass and dg's suffix sum, each a program per tile), its column pass in either form,
+  gives v3's five gradients to fp32 rounding. With every gate at the bound dg cancels ~500x, so its summation order
+  shows (up to ~3e-5 between variants; each is as far from float64, see the next test)."""
   B, T, H, K, V = 1, 128, 1, 32, 32
   x, reset = variant_case(27, case, B, T, H, K, V)
   kw = dict(scale=K ** -0.5, lower_bound=-5.0)
@@ -243,11 +269,13 @@ def test_intra_backward_variants_agree(case):
   dd = jax.random.normal(ks[6], (B, T // 64, H, K))
   run = lambda **v: bwd.intra_backward(*bwd_inputs(x, loc), reset, u, w, kk, minv, vn, dvn, do, dw, dqs, dkd, dd,
                                        **kw, **v)
-  outs = run(variant="v5", block_k=K // 2)
-  chex.assert_tree_all_finite(outs)
-  for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs, run(variant="v3")):
-    tol = 5e-5 if (name, case) == ("dg", "gates_at_bound") else 1e-5
-    assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+  ref = run(variant="v3")
+  for form in bwd.COLS_FORMS:
+    outs = run(variant="v5", block_k=K // 2, cols_form=form)
+    chex.assert_tree_all_finite(outs)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs, ref):
+      tol = 5e-5 if (name, case) == ("dg", "gates_at_bound") else 1e-5
+      assert rel_err(a, b) <= tol, (form, name, rel_err(a, b))
 
 
 def test_rows_stay_finite_on_large_unnormalised_inputs_with_gates_at_the_bound():
@@ -460,7 +488,7 @@ def test_mosaic_backward_state_pass_gives_the_triton_passes_gradients():
 
 def test_bf16_with_the_mosaic_state_pass_matches_the_recurrence(monkeypatch):
   """The whole operator in bf16 with both state passes on Mosaic GPU (all of V in one program, the forward's in 3
-  segments, interpret mode): outputs and every gradient against the recurrence within SPEC §8's bf16 tolerances,
+  segments, interpret mode): outputs and every gradient against the recurrence within the bf16 tolerances,
   with packed documents, an initial state and T = 380; the forward's pass ran with and without the backward's
   residuals, and the reverse pass ran."""
   from pallas_kernels.kda import chunk, state_mosaic
@@ -530,3 +558,5 @@ def test_bad_kernel_parameters_are_refused_before_any_work():
     fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, None, scale=1.0, lower_bound=-5.0, solve="fuse")
   with pytest.raises(ValueError, match="variant"):
     bwd.intra_backward(*([None] * 17), scale=1.0, lower_bound=-5.0, variant="v9")
+  with pytest.raises(ValueError, match="cols_form"):
+    bwd.intra_backward(*([None] * 17), scale=1.0, lower_bound=-5.0, cols_form="tiled")

@@ -1,4 +1,4 @@
-"""SiTU-GLU: the formula of SPEC.md §4, its SwiGLU limit and bound, and the dense FFN built on it."""
+"""SiTU-GLU: the formula (docs/design.md, LatentMoE), its SwiGLU limit and bound, and the dense FFN built on it."""
 import chex
 import jax
 import jax.numpy as jnp

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.layers.kda import KDALayer, short_conv
+from k3jax.layers.kda import KDALayer, conv_tail, short_conv
 from k3jax.ops.kda import kda_gate
 from kda_testing import rel_err
-from model_testing import T, T0, abstract, decode, forward, normal, prefill, random_module, segments, small_config
+from model_testing import (T, T0, abstract, chunk_lengths, decode, forward, normal, prefill, prefill_chunk,
+                           random_module, segments, small_config)
 
 TOL = 1e-5
 
@@ -94,3 +95,60 @@ def test_init_follows_documented_ranges():
     dt = g0[0, 0] / A[:, None]
     hi = 1e-1 if gate == "softplus" else np.minimum(1e-1, 2.5 / A[:, None])
     assert np.all((dt >= 1e-3 * (1 - 1e-4)) & (dt <= hi * (1 + 1e-4))), gate
+
+
+def _prefill_in_chunks(layer, x, chunk, lengths=None):
+  """Row outputs and the cache after `x` fed `chunk` tokens at a time (each row's first `lengths[b]` valid)."""
+  B, L = x.shape[:2]
+  lengths = [L] * B if lengths is None else lengths
+  cache, ys = layer.init_cache(B), []
+  for start in range(0, L, chunk):
+    y, cache = prefill_chunk(layer, x[:, start:start + chunk], cache, jnp.minimum(start, jnp.asarray(lengths)),
+                             chunk_lengths(lengths, start, chunk))
+    ys.append(y)
+  return jnp.concatenate(ys, axis=1), cache
+
+
+@pytest.mark.parametrize("chunk", [4, 5, T])
+def test_chunked_prefill_equals_one_prefill(layer, chunk):
+  x = normal(8, (2, T, layer.w_o.w.shape[1]))
+  y_ref, cache_ref = prefill(layer, x, T)
+  y, cache = _prefill_in_chunks(layer, x, chunk)
+  assert rel_err(y, y_ref) < TOL
+  assert rel_err(cache.state_BHKV, cache_ref.state_BHKV) < TOL
+  np.testing.assert_array_equal(cache.conv_BWC, cache_ref.conv_BWC)
+
+
+def test_rows_of_different_lengths_equal_each_row_alone_and_decode_on(layer):
+  """Rows of 3, 7 and 12 tokens in chunks of 5 (garbage, not zeros, past each row's end): each row's outputs and
+  cache are those of the row run alone, and the next token decoded from there is the full forward's."""
+  lengths = [3, 7, T]
+  x = normal(9, (3, T + 1, layer.w_o.w.shape[1]))
+  y, cache = _prefill_in_chunks(layer, x[:, :T], 5, lengths)
+  for b, n in enumerate(lengths):
+    y_ref, cache_ref = prefill(layer, x[b:b + 1, :n], n)
+    assert rel_err(y[b, :n], y_ref[0]) < TOL, b
+    assert rel_err(cache.state_BHKV[b], cache_ref.state_BHKV[0]) < TOL, b
+    np.testing.assert_array_equal(cache.conv_BWC[b], cache_ref.conv_BWC[0])
+  nxt = jnp.stack([x[b, n] for b, n in enumerate(lengths)])[:, None]
+  y1, _ = decode(layer, nxt, cache, None)
+  for b, n in enumerate(lengths):
+    full = forward(layer, x[b:b + 1, :n + 1], None)
+    assert rel_err(y1[b, 0], full[0, n]) < TOL, b
+
+
+def test_conv_tail_is_the_last_valid_inputs():
+  state, x = normal(10, (3, 3, 4)), normal(11, (3, 5, 4))
+  tail = conv_tail(state, x, jnp.asarray([0, 2, 5]))
+  np.testing.assert_array_equal(tail[0], state[0])
+  np.testing.assert_array_equal(tail[1], jnp.concatenate([state[1, 2:], x[1, :2]]))
+  np.testing.assert_array_equal(tail[2], x[2, 2:])
+
+
+def test_keep_rows_takes_the_new_cache_only_where_active(layer):
+  old, new = layer.init_cache(2), layer.init_cache(2)
+  new = type(new)(new.conv_BWC + 1, new.state_BHKV + 2)
+  kept = old.keep_rows(new, jnp.asarray([True, False]))
+  np.testing.assert_array_equal(kept.state_BHKV[0], new.state_BHKV[0])
+  np.testing.assert_array_equal(kept.state_BHKV[1], old.state_BHKV[1])
+  np.testing.assert_array_equal(kept.conv_BWC[1], old.conv_BWC[1])

@@ -1,4 +1,5 @@
 """Expert parallelism on 8 simulated devices: the sharded layer equals the single-device one (fp32, ≤ 1e-5)."""
+import functools
 import types
 
 import jax
@@ -63,6 +64,36 @@ def test_expert_parallel_layer_equals_single_device_outputs_and_gradients(base, 
     assert rel(g, g_ref) <= 1e-5
 
 
+def test_expert_parallel_ignores_what_the_experts_leave_in_rows_past_the_groups():
+  """A device receives up to every peer's slots; rows past what arrived are unspecified after the grouped GEMMs
+  (the Mosaic kernels leave them unwritten). NaN there changes neither the routed outputs nor any gradient."""
+  t, k, e, l, h = 64, 2, 8, 8, 4
+  keys = jax.random.split(jax.random.key(12), 5)
+  ids = jnp.stack([jax.random.permutation(key, e)[:k] for key in jax.random.split(keys[0], t)])
+  args = (jax.random.normal(keys[1], (t, l)), jax.random.uniform(keys[2], (t, k), minval=0.1, maxval=1.0),
+          jax.random.normal(keys[3], (e, l, 2 * h)), jax.random.normal(keys[4], (e, h, l)))
+  clean = functools.partial(expert_ffn, backend="xla")
+
+  def poisoned(x_ML, group_sizes_G, *weights):
+    y_ML = clean(x_ML, group_sizes_G, *weights)
+    assert y_ML.shape[0] > t * k // 4  # rows for every peer's slots: more than arrive
+    return jnp.where((jnp.arange(y_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None], y_ML, jnp.nan)
+
+  def routed(expert_fn, mesh):
+    def f(z, w, wg, wd):
+      if mesh is None:
+        return parallel.local_routed_outputs(z, ids, w, (wg, wd), num_experts=e, expert_fn=expert_fn)
+      return parallel.expert_parallel_routed_outputs(z, ids, w, (wg, wd), mesh=mesh, num_experts=e,
+                                                     expert_fn=expert_fn)
+    return f
+  cot = jax.random.normal(jax.random.key(13), (t, l))
+  (u, vjp), (u_ref, vjp_ref) = (jax.vjp(routed(fn, mesh), *args) for fn, mesh in (
+      (poisoned, parallel.mesh_from_string("data:2,expert:4")), (clean, None)))
+  assert bool(jnp.all(jnp.isfinite(u))) and rel(u, u_ref) <= 1e-5
+  for g, g_ref in zip(vjp(cot), vjp_ref(cot)):
+    assert bool(jnp.all(jnp.isfinite(g))) and rel(g, g_ref) <= 1e-5
+
+
 def test_expert_parallel_layer_works_on_an_explicit_mesh(base):
   mesh = jax.make_mesh((2, 4), (parallel.DATA, parallel.EXPERT))
   assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
@@ -92,13 +123,14 @@ def test_gpu_path_lowers_for_cuda_with_its_gradient(monkeypatch):
   keys = jax.random.split(jax.random.key(5), 4)
   ids = jax.random.randint(keys[0], (t, k), 0, e)
 
-  def loss(z, w_gate_up, w_down):
-    y = parallel.expert_parallel_slot_outputs(z, ids, (w_gate_up, w_down), mesh=mesh, num_experts=e,
-                                              expert_fn=expert_ffn, a2a_impl="ragged")
+  def loss(z, weights, w_gate_up, w_down):
+    y = parallel.expert_parallel_routed_outputs(z, ids, weights, (w_gate_up, w_down), mesh=mesh, num_experts=e,
+                                                expert_fn=expert_ffn, a2a_impl="ragged")
     return jnp.sum(y.astype(jnp.float32) ** 2)
-  args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((t, l), (e, l, 2 * h), (e, h, l))]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+      ((t, l), jnp.bfloat16), ((t, k), jnp.float32), ((e, l, 2 * h), jnp.bfloat16), ((e, h, l), jnp.bfloat16))]
   exported = jax.export.export(
-      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*args)
   module = exported.mlir_module()
   assert module.count("custom_call @ragged_all_to_all") == 4  # there and back, and both transposed

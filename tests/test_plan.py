@@ -1,45 +1,37 @@
-"""experiments/plan.py: counts match the built model, K3 reproduces the published totals, the report's format."""
-import math
+"""experiments/plan.py: the script plans the config's own mesh and stages, and an unknown config name or a mesh
+that does not divide the experts is a one-line error."""
+import subprocess
+import sys
 
-import jax
 import pytest
-from flax import nnx
 
-from experiments import plan
-from k3jax.model import K3Model
-from model_testing import MODEL, small_config
+from experiments import configs
+from train_testing import REPO
 
 
-def test_counts_match_a_built_model():
-  cfg = small_config(**MODEL)
-  counts = plan.count_params(cfg)
-  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
-  assert sum(t for t, _ in counts.values()) == sum(math.prod(x.shape) for x in
-                                                     jax.tree.leaves(nnx.state(model, nnx.Param)))
-  E, k = cfg.moe.num_experts, cfg.moe.top_k
-  routed = sum(math.prod(l.ffn.w_gate_up.shape) + math.prod(l.ffn.w_down.shape) for l in model.layers[1:])
-  assert counts["moe_routed_experts"] == (routed, routed * k // E)
-  for c in ("kda", "mla", "dense_ffn", "moe_shared_experts"):
-    assert counts[c][0] == counts[c][1] > 0
+def plan(*flags):
+  return subprocess.run([sys.executable, "-m", "experiments.plan", *flags], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
 
 
-def test_k3_full_reproduces_the_published_totals_within_3_percent():
-  counts = plan.count_params(plan.load_config("k3_full").model)
-  total, active = (sum(c[i] for c in counts.values()) for i in (0, 1))
-  assert abs(total / 2.78e12 - 1) < 0.03, total
-  assert abs(active / 104.2e9 - 1) < 0.03, active
+def test_the_config_own_mesh_and_stages_are_planned():
+  proc = plan("--config=tiny")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "memory plan: mesh data:-1,expert:1 (1 devices)" in proc.stdout and "1024 (T=64)" in proc.stdout
 
 
-def test_report_prints_counts_breakdown_and_memory_plan():
-  text = plan.report("tiny", plan.load_config("tiny").model, "data:4,expert:2", 512, 2, 140.0)
-  first = text.splitlines()[0]
-  fields = dict(f.split("=") for f in first.split()[1:])
-  assert int(fields["total_params"]) > int(fields["active_params"]) > 0
-  for word in ("kda", "mla", "moe_routed_experts", "(8 devices)", "Adam m and v", "saved activations",
-               "fits in 140 GiB", "assumptions:"):
-    assert word in text, word
+@pytest.mark.parametrize("flags,message", [
+    (["--config=huge"], "error: unknown config 'huge': expected one of ['k3_full', 'small', 'tiny'] or a path to a "
+                         ".py file"),
+    (["--config=tiny", "--mesh=data:1,expert:3"], "error: mesh 'data:1,expert:3': the expert axis (3) does not "
+                                                  "divide model.moe.num_experts=8"),
+])
+def test_bad_names_and_meshes_are_one_line_errors(flags, message):
+  proc = plan(*flags)
+  assert proc.returncode == 1 and proc.stderr.strip() == message, proc.stderr[-2000:]
 
 
-def test_mesh_must_be_axis_sizes():
-  with pytest.raises(ValueError, match="expected 'axis:N"):
-    plan.parse_mesh("data:64,expert")
+def test_config_names_are_the_files_with_a_get_config():
+  assert configs.names() == ["k3_full", "small", "tiny"]
+  with pytest.raises(FileNotFoundError):
+    configs.load("experiments/configs/absent.py")

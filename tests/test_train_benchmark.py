@@ -1,14 +1,22 @@
 """Throughput and scaling benchmarks of the train step: an expert-parallel mesh reproduces the one-device loss
-curve (fp32); variants measured in turn from their own processes; curve comparison and variant errors."""
+curve (fp32); variants measured in turn from their own processes; curve comparison and variant errors; the config's
+stage lengths; the device-time profile by kind of kernel."""
 import copy
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import tiny
-from k3jax.train import benchmark
+from experiments.configs import small, tiny
+from k3jax.train import benchmark, profile
 
 
 def small_tiny():
@@ -30,11 +38,66 @@ def test_expert_parallel_mesh_reproduces_the_one_device_curve():
   assert gap["scaling"] > 0 and all(r.compile_s > 0 for r in runs)
 
 
-def test_time_train_step_reports_finite_throughput():
+def test_time_train_step_reports_finite_throughput_and_profiles_the_step_by_kind():
   run = benchmark.compile_run(benchmark.variant(small_tiny(), pattern="mla", seq_len=16, tokens_per_step=128))
-  row = benchmark.time_train_step(run, steps=2, warmup=1)
+  row = benchmark.time_train_step(run, steps=2, warmup=1, profile_steps=2)
   assert (row["seq_len"], row["batch_size"]) == (16, 8)
   assert row["finite"] and row["tokens_per_s"] > 0 and row["mfu"] is None  # no peak FLOP/s known for a CPU
+  prof = row["profile"]
+  assert set(prof["kinds"]) == set(profile.KINDS) and prof["total_ms"] > 0 and 0 < prof["glue_share"] < 1
+  assert prof["kinds"]["gemm"]["ms"] > 0 and prof["kinds"]["dispatch"]["launches"] > 0
+  assert {"moe", "mla", "ffn"} <= set(prof["glue_by_scope"])  # the layers' named scopes reach the profile
+
+
+@pytest.mark.parametrize("name, target, op_name, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas", "", "", "gemm"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", "__cublas$lt$matmul", "", "gemm"),
+    ("gemm_fusion_dot_12", "fusion", "jit(step)/dot_general", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "__cudnn$fmhaSoftmax", "", "attention"),
+    ("kda_intra_fwd_key_tiles", "__gpu$xla.gpu.triton", "", "kda"),
+    ("kda_state_fwd_mosaic_gpu_kernel", "mosaic_gpu_v2", "", "kda"),
+    ("grouped_ragged_dot_mosaic_gpu_kernel", "mosaic_gpu_v2", "", "grouped_gemm"),
+    ("body_mosaic_gpu_kernel", "mosaic_gpu_v2", "jit(step)/transpose(jvp(moe))/grouped_gemm/pallas_call",
+     "grouped_gemm"),
+    ("body_mosaic_gpu_kernel", "", "", "grouped_gemm"),  # a trace without HLO op names
+    ("body_mosaic_gpu_kernel", "mosaic_gpu_v2", "jit(step)/jvp(kda)/pallas_call", "other"),
+    ("loop_pad_fusion_3", "fusion", "jit(step)/jvp(moe)/grouped_gemm/pad", "other"),  # glue beside the kernels
+    ("DeviceRadixSortOnesweepKernel", "", "", "dispatch"),
+    ("input_scatter_fusion_2", "fusion", "", "dispatch"),
+    ("loop_add_fusion_7", "fusion", "jit(step)/transpose(jvp(moe))/moe_dispatch/add", "dispatch"),
+    ("ncclDevKernel_AllGather_RING_LL", "", "", "collective"),
+    ("all-reduce.3", "all-reduce", "", "collective"),
+    ("input_reduce_fusion_4", "fusion", "jit(step)/jvp(kda)/reduce_sum", "other"),
+    ("dot.3", "dot", "", "gemm"), ("sort.0", "sort", "", "dispatch"), ("wrapped_add", "add", "", "other"),
+])
+def test_kernel_kind_classifies_gpu_and_cpu_kernels(name, target, op_name, kind):
+  assert profile.kernel_kind(name, target, op_name) == kind
+
+
+def test_trace_kernels_times_a_cpu_program_by_kind_with_its_op_names():
+  @jax.jit
+  def f(x, i):
+    with jax.named_scope("moe"):
+      return jnp.sum(jnp.tanh(jnp.sort(x, axis=0) @ x.T)) + jnp.sum(x[i] * 2)
+  args = jnp.ones((128, 128)), jnp.arange(128)[::-1]
+  compiled = f.lower(*args).compile()
+  compiled(*args)
+  kernels = profile.trace_kernels(lambda: [compiled(*args) for _ in range(2)], calls=2,
+                                  hlo_text=compiled.as_text())
+  summary = profile.breakdown(kernels)
+  assert summary["kinds"]["dispatch"]["launches"] > 0 and summary["kinds"]["gemm"]["ms"] > 0
+  assert summary["total_ms"] == sum(k.ms for k in kernels) and summary["glue_by_scope"]["moe"] > 0
+  assert all(k.op_name.startswith("jit(f)") for k in kernels)
+  text = profile.format_breakdown(summary, kernels)
+  assert "dispatch" in text and "glue" in text and kernels[0].name in text
+
+
+def test_stage_lengths_follow_the_config_unless_told():
+  c = small.get_config()
+  assert benchmark.stage_lengths(c) == [(1024, 65536), (4096, 65536), (16384, 65536), (65536, 65536)]
+  assert benchmark.stage_lengths(c, [4096, 16384]) == [(4096, 65536), (16384, 65536)]
+  assert benchmark.stage_lengths(c, [64], 1024) == [(64, 1024)]
+  assert benchmark.stage_lengths(tiny.get_config()) == [(64, 1024)]
 
 
 def test_measure_in_turn_returns_rows_in_config_order_and_reports_a_failing_config():
@@ -62,3 +125,19 @@ def test_variant_rejects_unknown_patterns_and_uneven_batches():
     benchmark.variant(small_tiny(), pattern="rnn")
   with pytest.raises(ValueError, match="multiple"):
     benchmark.variant(small_tiny(), seq_len=48, tokens_per_step=100)
+
+
+def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  run = lambda *flags: subprocess.run([sys.executable, "-m", "experiments.bench_train", *flags], cwd=repo, env=env,
+                                      capture_output=True, text=True, timeout=900)
+  bad = run("--config=huge")
+  assert bad.returncode != 0 and "no config of that name" in bad.stderr and "'tiny'" in bad.stderr, bad.stderr[-2000:]
+  done = run("--config=tiny", "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=4",
+             "--patterns=config", "--steps=1", "--warmup=1", "--profile", "--profile_steps=1",
+             f"--out={tmp_path / 'rows.json'}")
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "config T=16 B=4" in done.stdout and "glue by scope" in done.stdout
+  assert "profile" in json.loads((tmp_path / "rows.json").read_text())[0]

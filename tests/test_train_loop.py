@@ -1,15 +1,14 @@
-"""The train step and loop on the tiny config cut to its first two layers (2 stages, expert-parallel mesh):
+"""The trainer (k3jax/train/trainer.py) on the tiny config cut to its first two layers (tests/train_testing.py):
 micro-batches give the step of one batch and the balancer moves outside the gradient; the loss falls on a learnable
-task; a run killed with SIGKILL resumes with bit-identical losses; a damaged latest checkpoint is reported and the
-previous one used; stage 1 starts from stage 0's final checkpoint; experiments.eval reproduces the run's evaluation.
-
-Compiled programs go to a persistent compilation cache for the module's duration, so the subprocess runs reuse
-what the in-process run compiled."""
-import contextlib
-import importlib.util
+task; runs killed (SIGKILL), interrupted (SIGINT, SIGTERM) and resumed reproduce the uninterrupted losses, the
+interrupted ones with a checkpoint of the step they reached; a damaged latest checkpoint is reported and the
+previous one used, and a stage whose every checkpoint is damaged stops instead of starting over; a changed config
+or a missing metrics.jsonl is refused before anything is written; stage 1 starts from stage 0's final checkpoint;
+evaluation reproduces the run's and leaves the run directory as it was; a diverging run stops at the step, with
+no non-finite checkpoint and strict-JSON metrics."""
 import json
 import os
-import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -19,88 +18,39 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
+from experiments.configs import tiny
 from k3jax.data import pipeline
-from k3jax.train import batches, checkpoint, trainer
+from k3jax.train import batches, checkpoint, interrupt, metrics, trainer, workdir as workdir_lib
+from train_testing import CHECKPOINT_EVERY, REPO, STAGE0_STEPS, STAGE1_STEPS, load_config, records, snapshot
 
-pytestmark = pytest.mark.xdist_group("train_loop")  # one worker builds the module fixture (with --dist loadgroup)
-REPO = pathlib.Path(__file__).resolve().parents[1]
-STAGE0_STEPS, STAGE1_STEPS, CHECKPOINT_EVERY = 30, 4, 10
-CONFIG = f"""
-from experiments.configs import common, tiny
+uses_run = pytest.mark.xdist_group("train_loop")  # one worker builds the session's `trained` run (--dist loadgroup)
 
 
-def get_config():
-  c = tiny.get_config()
-  c.model.num_layers = 2  # layer 0: KDA + dense FFN, layer 1: MLA + LatentMoE; 4x cheaper steps than 4 layers
-  common.set_stages(c, [dict(seq_len=64, steps={STAGE0_STEPS}, batch_size=8),
-                        dict(seq_len=128, steps={STAGE1_STEPS}, batch_size=4, lr=1e-3)])
-  c.mesh = "data:2,expert:2"
-  c.log_every, c.checkpoint_every, c.keep_checkpoints = 1, {CHECKPOINT_EVERY}, 10
-  c.data.mix.stdlib, c.data.mix.stack = 0.0, 1.0   # stack: a learnable task (the top of the stack is often 2 back)
-  c.eval.tasks, c.eval.lengths, c.eval.examples, c.eval.batch_size, c.eval.batches = ("stack",), (64, 128), 32, 8, 0
-  return c
-"""
-TIMING = ("tokens_per_s", "mfu")
+def stage0_dir(workdir):
+  return workdir / "checkpoints" / "stage_0"
 
 
-def load_config(path):
-  spec = importlib.util.spec_from_file_location("test_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+def damage(step_dir):
+  victim = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  with open(victim, "r+b") as f:
+    f.seek(victim.stat().st_size // 2)
+    f.write(bytes(b ^ 0x5A for b in f.read(8)))
 
 
-def records(workdir, name="metrics.jsonl"):
-  lines = (pathlib.Path(workdir) / name).read_text().splitlines()
-  return [{k: v for k, v in json.loads(l).items() if k not in TIMING} for l in lines]
-
-
-CACHE_OPTIONS = {"jax_persistent_cache_min_compile_time_secs": 0, "jax_persistent_cache_min_entry_size_bytes": -1}
-
-
-@contextlib.contextmanager
-def persistent_compilation_cache(directory):
-  before = {k: getattr(jax.config, k) for k in CACHE_OPTIONS}
-  compilation_cache.reset_cache()
-  compilation_cache.set_cache_dir(str(directory))
-  for k, v in CACHE_OPTIONS.items():
-    jax.config.update(k, v)
-  try:
-    yield {"JAX_COMPILATION_CACHE_DIR": str(directory), **{k.upper(): str(v) for k, v in CACHE_OPTIONS.items()}}
-  finally:
-    compilation_cache.set_cache_dir(None)
-    for k, v in before.items():
-      jax.config.update(k, v)
-    compilation_cache.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  """(config path, Run, work directory with stage 0 done, its evaluation, env for subprocesses)."""
-  root = tmp_path_factory.mktemp("train")
-  path = root / "config.py"
-  path.write_text(CONFIG)
-  with persistent_compilation_cache(root / "jax_cache") as cache_env:
-    run = trainer.Run(load_config(path))
-    result = run.train(root / "run", stage=0)[0]
-    yield path, run, root / "run", result, dict(os.environ, **cache_env)
-
-
+@uses_run
 def test_micro_batches_give_the_step_of_one_batch_and_the_balancer_moves_outside_the_gradient(trained):
-  path, run, _, _, _ = trained
-  config = load_config(path)
+  config = load_config(trained.config_path)
   config.micro_batches = 2
-  run2 = trainer.Run(config)
+  run, run2 = trained.run, trainer.Run(config)
   data = pipeline.Mixture(config.data, 64, 0, vocab_size=config.model.vocab_size)
   steps = {}
   for r in (run, run2):
     state = r.init()
     before = jax.tree.map(np.asarray, state.balancer)
     batch = batches.train_batch(data, 0, 8, r.config.micro_batches, r.mesh)
-    after, metrics = r.train_step(state, batch)
-    steps[r.config.micro_batches] = jax.tree.map(np.asarray, (after.opt_state, after.balancer)), jax.device_get(metrics)
+    after, m = r.train_step(state, batch)
+    steps[r.config.micro_batches] = jax.tree.map(np.asarray, (after.opt_state, after.balancer)), jax.device_get(m)
   (opt1, bal1), m1 = steps[1]
   (opt2, bal2), m2 = steps[2]
   assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
@@ -115,52 +65,130 @@ def test_micro_batches_give_the_step_of_one_batch_and_the_balancer_moves_outside
   assert m1["moe_max_vio"].shape == m1["moe_load_p90"].shape == (moe_layers,)
 
 
+@uses_run
 def test_loss_falls_and_the_task_is_learned_above_chance(trained):
-  _, _, workdir, result, _ = trained
-  losses = [r["loss"] for r in records(workdir)]
-  assert [r["step"] for r in records(workdir)] == list(range(1, STAGE0_STEPS + 1))
+  losses = [r["loss"] for r in records(trained.workdir)]
+  assert [r["step"] for r in records(trained.workdir)] == list(range(1, STAGE0_STEPS + 1))
   assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
-  assert result["accuracy"]["stack@64"] > 4 * result["chance"]["stack"]
+  assert trained.result["accuracy"]["stack@64"] > 4 * trained.result["chance"]["stack"]
 
 
-def test_killed_run_resumes_and_reproduces_the_uninterrupted_losses(trained, tmp_path):
-  path, _, reference, _, env = trained
-  cmd = [sys.executable, "-m", "experiments.train", f"--config={path}", f"--workdir={tmp_path / 'run'}", "--stage=0",
-         "--config.eval.examples=0"]
-  first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  saved = tmp_path / "run" / "checkpoints" / "stage_0" / str(CHECKPOINT_EVERY)
-  while not saved.exists() and first.poll() is None:  # a step directory appears once its save is complete
-    time.sleep(0.05)
-  assert first.poll() is None, "the run ended before it could be killed:\n" + first.stdout.read().decode()[-3000:]
-  os.kill(first.pid, signal.SIGKILL)
-  first.wait()
-  second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-  resumed = int(second.stdout.split("resuming from step ")[1].split()[0])
-  assert CHECKPOINT_EVERY <= resumed < STAGE0_STEPS
-  assert records(tmp_path / "run") == records(reference)
-
-
-def test_damaged_latest_checkpoint_is_reported_and_training_redone_from_the_previous(trained, tmp_path, capsys):
-  _, run, reference, _, _ = trained
+@uses_run
+def test_killed_then_interrupted_run_saves_where_it_stopped_and_continues_exactly(trained, tmp_path):
+  """SIGKILL once the first periodic checkpoint is on disk; the restart resumes there and gets SIGINT a few steps
+  later: exit 130 with a one-line message, a checkpoint of the step reached, no carriage returns in its output
+  (not a terminal); a third start finishes with the uninterrupted run's losses."""
   workdir = tmp_path / "run"
-  shutil.copytree(reference, workdir)
-  last = workdir / "checkpoints" / "stage_0" / str(STAGE0_STEPS)
-  victim = max((p for p in (last / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-  with open(victim, "r+b") as f:
-    f.seek(victim.stat().st_size // 2)
-    f.write(bytes(b ^ 0x5A for b in f.read(8)))
+  cmd = [sys.executable, "-m", "experiments.train", f"--config={trained.config_path}", f"--workdir={workdir}",
+         "--stage=0", "--config.eval.examples=0"]
+  popen = lambda: subprocess.Popen(cmd, cwd=REPO, env=trained.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+  first = popen()
+  while not (stage0_dir(workdir) / str(CHECKPOINT_EVERY)).exists() and first.poll() is None:
+    time.sleep(0.05)  # a step directory appears once its save is complete
+  assert first.poll() is None, "the run ended before it could be killed:\n" + first.stdout.read()[-3000:]
+  first.kill()
+  first.wait()
+
+  second, lines = popen(), []
+  for line in second.stdout:
+    lines.append(line)
+    progress = re.match(r"stage 0 step (\d+)/", line)
+    if progress and int(progress.group(1)) >= CHECKPOINT_EVERY + 3:
+      second.send_signal(signal.SIGINT)
+      break
+  out = "".join(lines) + second.stdout.read()
+  assert second.wait(timeout=300) == 130, out[-3000:]
+  assert f"resuming from step {CHECKPOINT_EVERY}" in out and "\r" not in out
+  stopped = int(re.search(r"SIGINT: stopped at step (\d+) with a checkpoint of it", out).group(1))
+  assert out.strip().splitlines()[-1].startswith("SIGINT: stopped at step")
+  assert CHECKPOINT_EVERY + 3 <= stopped < STAGE0_STEPS and (stage0_dir(workdir) / str(stopped)).is_dir()
+  assert records(workdir)[-1]["step"] == stopped
+
+  third = subprocess.run(cmd, cwd=REPO, env=trained.env, capture_output=True, text=True, timeout=600)
+  assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+  assert f"resuming from step {stopped}" in third.stdout
+  assert records(workdir) == records(trained.workdir)
+
+
+@uses_run
+def test_sigterm_saves_the_step_reached_and_the_run_continues_exactly(trained, tmp_path, monkeypatch):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
+  shutil.rmtree(stage0_dir(workdir) / str(STAGE0_STEPS))  # back to step 20
+  run, calls = trained.run, []
+  build = run.batch
+
+  def batch_then_sigterm(stage, step_in_stage):  # the signal arrives while step 22's batch is built
+    calls.append(step_in_stage)
+    if len(calls) == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return build(stage, step_in_stage)
+
+  monkeypatch.setattr(run, "batch", batch_then_sigterm)
+  handler = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(interrupt.Interrupted) as stopped:
+    run.train(workdir, stage=0)
+  assert (stopped.value.signum, stopped.value.step, stopped.value.exit_code) == (signal.SIGTERM, 22, 143)
+  assert signal.getsignal(signal.SIGTERM) is handler  # restored
+  assert (stage0_dir(workdir) / "22").is_dir()
+  monkeypatch.undo()
   run.train(workdir, stage=0)
+  assert records(workdir) == records(trained.workdir)
+
+
+@uses_run
+def test_damaged_latest_checkpoint_is_reported_and_training_redone_from_the_previous(trained, tmp_path, capsys):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
+  damage(stage0_dir(workdir) / str(STAGE0_STEPS))
+  trained.run.train(workdir, stage=0)
   out = capsys.readouterr().out
   assert f"checkpoint unusable: step {STAGE0_STEPS}" in out
   assert f"resuming from step {STAGE0_STEPS - CHECKPOINT_EVERY}" in out
-  assert records(workdir) == records(reference)
+  assert records(workdir) == records(trained.workdir)
 
 
-def test_stage_one_starts_from_stage_zero_final_checkpoint(trained, tmp_path):
-  _, run, reference, _, _ = trained
+@uses_run
+def test_a_stage_whose_every_checkpoint_is_damaged_stops_instead_of_starting_over(trained, tmp_path):
   workdir = tmp_path / "run"
-  shutil.copytree(reference, workdir)
+  shutil.copytree(trained.workdir, workdir)
+  for step in range(CHECKPOINT_EVERY, STAGE0_STEPS + 1, CHECKPOINT_EVERY):
+    damage(stage0_dir(workdir) / str(step))
+  logged = (workdir / "metrics.jsonl").read_text()
+  for _ in range(2):  # the second start finds them moved aside: still no start from scratch
+    with pytest.raises(trainer.UnusableCheckpoints, match="refusing to train the stage over"):
+      trained.run.train(workdir, stage=0)
+  assert (workdir / "metrics.jsonl").read_text() == logged and not list(stage0_dir(workdir).iterdir())
+
+
+@uses_run
+def test_a_changed_config_or_missing_metrics_is_refused_before_anything_is_written(trained, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
+  config = load_config(trained.config_path)
+  config.seed, config.data.mix.stack, config.optimizer.lr = 1, 0.5, 1e-3
+  changed_run = trainer.Run(config)
+  for remembered_by in ("config.json", "the newest checkpoint"):
+    if remembered_by != "config.json":
+      (workdir / "config.json").unlink()
+    before = snapshot(workdir)
+    with pytest.raises(workdir_lib.ConfigChanged) as changed:
+      changed_run.train(workdir, stage=0)
+    assert all(f"{f}:" in str(changed.value) for f in ("seed", "data.mix.stack", "optimizer.lr")), remembered_by
+    assert snapshot(workdir) == before
+
+  (workdir / "metrics.jsonl").unlink()
+  before = snapshot(workdir)
+  with pytest.raises(metrics.MissingMetrics, match=f"resumes at step {STAGE0_STEPS}"):
+    trained.run.train(workdir, stage=0)
+  assert snapshot(workdir) == before
+
+
+@uses_run
+def test_stage_one_starts_from_stage_zero_final_checkpoint(trained, tmp_path):
+  run, workdir = trained.run, tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
   with pytest.raises(FileNotFoundError, match="run stage 0 first"):
     run.train(tmp_path / "empty", stage=1)
   stage1 = run.stages[1]
@@ -173,15 +201,57 @@ def test_stage_one_starts_from_stage_zero_final_checkpoint(trained, tmp_path):
   assert [r["step"] for r in stage1_records] == list(range(STAGE0_STEPS + 1, STAGE0_STEPS + STAGE1_STEPS + 1))
   assert all(r["seq_len"] == 128 for r in stage1_records) and set(result["accuracy"]) == {"stack@64", "stack@128"}
   assert run.train(workdir) == [None, None]  # both stages complete: nothing to do
+  evals = (workdir / "eval.jsonl").read_text().splitlines()
+  (workdir / "eval.jsonl").write_text(evals[1] + "\n")  # stage 0's evaluation cut short: evaluated again
+  assert run.train(workdir)[0]["accuracy"] == trained.result["accuracy"]
 
 
-def test_eval_script_reproduces_the_run_evaluation_from_the_checkpoint(trained, tmp_path):
-  _, _, workdir, result, env = trained
+@uses_run
+def test_eval_script_reproduces_the_run_evaluation_and_writes_only_its_output(trained, tmp_path):
   out = tmp_path / "eval.json"
-  proc = subprocess.run([sys.executable, "-m", "experiments.eval", f"--workdir={workdir}", "--stage=0",
-                         "--lengths=64,128", f"--output={out}"], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=600)
+  before = snapshot(trained.workdir)
+  proc = subprocess.run([sys.executable, "-m", "experiments.eval", f"--workdir={trained.workdir}", "--stage=0",
+                         "--lengths=64,128", f"--output={out}"], cwd=REPO, env=trained.env, capture_output=True,
+                        text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   got = json.loads(out.read_text())
   assert (got["stage"], got["step"], got["seq_len"]) == (0, STAGE0_STEPS, 64)
-  assert got["accuracy"] == result["accuracy"] and "(trained at 64)" in proc.stdout
+  assert got["accuracy"] == trained.result["accuracy"] and "(trained at 64)" in proc.stdout
+  assert snapshot(trained.workdir) == before
+
+
+@uses_run
+def test_evaluating_moves_creates_and_deletes_nothing_in_the_run(trained, tmp_path, capsys):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
+  damage(stage0_dir(workdir) / str(STAGE0_STEPS))
+  before = snapshot(workdir)
+  got = trainer.evaluate_checkpoint(workdir, overrides={"eval.examples": 8, "eval.lengths": (64,)})
+  assert got["step"] == STAGE0_STEPS - CHECKPOINT_EVERY and f"checkpoint unusable: step {STAGE0_STEPS}" in \
+      capsys.readouterr().out
+  with pytest.raises(FileNotFoundError, match="no checkpoints of stage 3"):
+    trainer.evaluate_checkpoint(workdir, stage=3)
+  assert snapshot(workdir) == before
+
+
+def test_divergence_stops_at_the_step_without_a_non_finite_checkpoint_or_json(tmp_path):
+  c = tiny.get_config()
+  c.model.num_layers = 1
+  c.seq_len, c.batch_size, c.steps, c.mesh = 32, 8, 8, "data:1,expert:1"
+  c.log_every, c.checkpoint_every, c.keep_checkpoints = 1, 1, 10
+  c.optimizer.lr = 1e4
+  c.eval.examples, c.eval.batches = 0, 0
+  run = trainer.Run(c)
+  with pytest.raises(trainer.Diverged, match=r"training diverged at step \d+") as diverged:
+    run.train(tmp_path)
+  step = int(re.search(r"step (\d+)", str(diverged.value)).group(1))
+  logged = records(tmp_path)                       # strict JSON: no NaN
+  assert logged[-1]["step"] == step and None in (logged[-1]["loss"], logged[-1]["grad_norm"])
+  saved = sorted(int(p.name) for p in stage0_dir(tmp_path).iterdir())
+  assert saved and max(saved) < step
+  with checkpoint.Checkpointer(stage0_dir(tmp_path), keep=10, read_only=True) as ckpt:
+    state, _ = ckpt.restore_latest(run.abstract)
+  assert checkpoint.nonfinite_leaves(state) == []
+  with pytest.raises(checkpoint.NonFiniteState, match="non-finite values"):
+    with checkpoint.Checkpointer(tmp_path / "other", keep=1) as ckpt:
+      ckpt.save(1, jax.tree.map(lambda x: x * np.nan if x.dtype == np.float32 else x, state), {})

@@ -195,3 +195,29 @@ def test_scanned_train_steps_match_the_unrolled_ones():
   for a, b in zip(jax.tree.leaves(second.balancer), jax.tree.leaves(s2[1].balancer)):
     assert rel_err(b, a) < 1e-5 and float(np.abs(np.asarray(b)).max()) > 0
   np.testing.assert_allclose(m2[1]["loss"], m1[1]["loss"], rtol=1e-4)   # the loss after it
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("optimizer.lr", -1.0, r"must be > 0"),
+    ("optimizer.lr", 0.0, r"must be > 0"),
+    ("optimizer.lr", float("nan"), r"must be > 0"),
+    ("optimizer.weight_decay", -0.1, r"config.optimizer.weight_decay must be >= 0"),
+    ("optimizer.b2", 1.0, r"config.optimizer.b2 must be in \[0, 1\)"),
+    ("optimizer.eps", 0.0, r"config.optimizer.eps must be > 0"),
+    ("optimizer.final_lr_fraction", 1.5, r"config.optimizer.final_lr_fraction must be in \[0, 1\]"),
+    ("optimizer.grad_clip", 0.0, r"config.optimizer.grad_clip must be > 0"),
+    ("optimizer.warmup_fraction", 0.9, r"warmup_fraction and decay_fraction must be >= 0 with sum <= 1"),
+    ("micro_batches", 0, r"config.micro_batches must be a positive int"),
+])
+def test_optimizer_and_schedule_values_out_of_range_are_rejected(field, value, match):
+  c = tiny.get_config()
+  node, name = (c.optimizer, field.split(".")[1]) if "." in field else (c, field)
+  node[name] = value
+  with pytest.raises(ValueError, match=match):
+    optimizer.make_optimizer(c, stages_lib.stages_of(c))
+
+
+def test_a_stage_with_a_non_positive_learning_rate_is_rejected():
+  c = common.set_stages(common.base_config(), [dict(seq_len=64, steps=5, batch_size=8, lr=-1e-3)])
+  with pytest.raises(ValueError, match=r"stage 0: the peak learning rate .* must be > 0"):
+    stages_lib.stages_of(c)

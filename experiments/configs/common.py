@@ -1,4 +1,6 @@
-"""Fields every experiment config shares; each config file starts from `base_config()` and fills `model`.
+"""Fields every experiment config shares; each config file starts from `base_config()`, fills `model` and returns
+the config locked (`c.lock()`): setting a field it does not have is then an error, from Python as on the command
+line (`with c.unlocked():` adds one deliberately).
 
 Training defaults suit the `tiny` config on a CPU (a few minutes: Python source and the stack task, on which a tiny
 model beats chance within a hundred steps); bigger configs override them. Overrides on the command line:

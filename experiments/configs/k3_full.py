@@ -60,4 +60,4 @@ def get_config():
   # K3's context stages 8K -> 64K -> 256K -> 1M at 16.8M tokens per step. Step counts are not published: ours put
   # ~14T tokens in the first stage (K2 trained on 15.5T) and shrink 4x per stage after the next.
   set_stages(c, [(8192, 830_000, 2048), (65536, 40_000, 256), (262144, 10_000, 64), (1048576, 2_500, 16)])
-  return c
+  return c.lock()   # unknown fields are errors, as on the command line

@@ -33,6 +33,6 @@ def get_config():
   c.model = m
   c.seq_len = 4096
   c.batch_size = 16
-  # Staged context extension, research scale (SPEC.md §7): 1K -> 4K -> 16K -> 64K at 65,536 tokens per step.
+  # Staged context extension (docs/design.md, training), research scale: 1K -> 4K -> 16K -> 64K at 65,536 tokens a step.
   set_stages(c, [(1024, 4000, 64), (4096, 1000, 16), (16384, 500, 4), (65536, 250, 1)])
-  return c
+  return c.lock()   # unknown fields are errors, as on the command line

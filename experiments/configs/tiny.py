@@ -27,4 +27,4 @@ def get_config():
   m.moe.shared_hidden = 64
   m.residual.block_size = 2             # two AttnRes blocks
   c.model = m
-  return c
+  return c.lock()   # unknown fields are errors, as on the command line

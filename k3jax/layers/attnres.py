@@ -1,5 +1,4 @@
-"""Attention residuals (docs/design.md, AttnRes): each sub-layer's input is a softmax over depth of earlier
-representations.
+"""Attention residuals (docs/design.md, AttnRes): each sub-layer reads a softmax over depth of earlier representations.
 
     h_l = Σ_i softmax_i( w_lᵀ RMSNorm_l(v_i) ) · v_i,     w_l ∈ R^d initialised to zero (uniform weights at start)
 

@@ -1,13 +1,20 @@
-"""Building blocks shared by the layers: bias-free projections (full or low rank) and RMSNorm.
+"""Building blocks shared by the layers: bias-free projections (full or low rank), RMSNorm, the embedding lookup.
 
 Parameters are stored in fp32 (the master copy); each module computes in its `dtype`. Projections are initialised
 N(0, 1/fan_in) so that unit-scale inputs give unit-scale outputs.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+# Up to this vocabulary a lookup's gradient is a one-hot matrix product (2·V·d FLOPs per token): autodiff's
+# scatter-add would have each token's row collide with about T/V others on the GPU's atomics (some 250 per row for the
+# byte vocabulary at 65,536 tokens a step).
+ONE_HOT_GRAD_MAX_VOCAB = 2048
 
 
 def normal_param(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
@@ -49,3 +56,35 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     return rms_norm(x, self.weight[...], self.eps)
+
+
+def embed(table_VD, tokens, dtype=jnp.float32):
+  """`table[tokens]`, `[..., d]` in the table's dtype. Up to ONE_HOT_GRAD_MAX_VOCAB rows its gradient is
+  `one_hot(tokens)ᵀ · dy` in `dtype` with fp32 accumulation (fp32: exact to summation order; bf16: dy rounded once),
+  not a scatter-add. Tokens index as `jnp.take`'s: negative ones from the end; outside [-V, V) they read NaN and get
+  no gradient."""
+  if table_VD.shape[0] > ONE_HOT_GRAD_MAX_VOCAB:
+    return jnp.take(table_VD, tokens, axis=0)
+  return _one_hot_grad_lookup(table_VD, tokens, jnp.dtype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _one_hot_grad_lookup(table_VD, tokens, dtype):
+  return jnp.take(table_VD, tokens, axis=0)
+
+
+def _one_hot_grad_lookup_fwd(table_VD, tokens, dtype):
+  return jnp.take(table_VD, tokens, axis=0), (table_VD, tokens)
+
+
+def _one_hot_grad_lookup_bwd(dtype, res, dy):
+  table_VD, tokens = res
+  vocab = table_VD.shape[0]
+  one_hot = jax.nn.one_hot(jnp.where(tokens < 0, tokens + vocab, tokens), vocab, dtype=dtype)
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  d_table = jnp.einsum("...v,...d->vd", one_hot, dy.astype(dtype), preferred_element_type=jnp.float32,
+                       precision=precision)
+  return d_table.astype(table_VD.dtype), None
+
+
+_one_hot_grad_lookup.defvjp(_one_hot_grad_lookup_fwd, _one_hot_grad_lookup_bwd)

@@ -1,4 +1,4 @@
-"""SiTU-GLU: the bounded SwiGLU used by the dense FFN, the routed experts and the shared experts (SPEC.md §4)."""
+"""SiTU-GLU, the bounded SwiGLU of the dense FFN, the routed and the shared experts (docs/design.md, LatentMoE)."""
 from __future__ import annotations
 
 import jax
@@ -24,6 +24,7 @@ class SiTUGLU(nnx.Module):
     self.w_down = nnx.Param(nnx.initializers.normal(hidden ** -0.5)(rngs.params(), (hidden, d_model), jnp.float32))
     self.dtype, self.beta1, self.beta2 = dtype, beta1, beta2
 
+  @jax.named_scope("ffn")
   def __call__(self, x_BTD):
     x = x_BTD.astype(self.dtype)
     ab = jnp.einsum("btd,dgf->btgf", x, self.w_gate_up[...].astype(self.dtype))

@@ -1,4 +1,4 @@
-"""The KDA layer (SPEC.md §2): projections, causal short convolution, bounded decay gate, chunked/recurrent KDA.
+"""KDA layer (docs/design.md, KDA): projections, causal short convolution, bounded decay gate, chunked/recurrent KDA.
 
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x));  q, k L2-normalised per head
     g = γ_min·σ(e^{A_log}(W_f x + dt_bias))   (or −e^{A_log}·softplus(W_f x + dt_bias)),   β = σ(W_β x)
@@ -22,7 +22,7 @@ from flax import nnx
 
 from k3jax import config as config_lib
 from k3jax.layers.common import Linear, RMSNorm, normal_param
-from k3jax.ops.kda import fused_inputs, fused_kda, kda_decode_step
+from k3jax.ops.kda import chunk_kda, fused_inputs, fused_kda, kda_decode_step
 
 # The KDA output, kept by the decoder's remat policy: the kernels' VJP needs only the layer's inputs, so with o kept
 # the backward recomputes the KDA forward once (inside the VJP) instead of twice.
@@ -34,6 +34,11 @@ class KDACache:
   """Decode state of one KDA layer: the last conv_size−1 pre-conv q|k|v inputs and the recurrent state."""
   conv_BWC: jax.Array     # [B, conv_size−1, 2·H·K + H·V], compute dtype
   state_BHKV: jax.Array   # [B, H, K, V], fp32
+
+  def keep_rows(self, new: "KDACache", active_B) -> "KDACache":
+    """`new` for the rows where `active_B` (bool `[B]`), this cache for the others."""
+    pick = lambda a, b: jnp.where(active_B.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return KDACache(pick(new.conv_BWC, self.conv_BWC), pick(new.state_BHKV, self.state_BHKV))
 
 
 def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None):
@@ -57,6 +62,15 @@ def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None):
       tap = tap * (seg_p[:, j:j + T] == segment_ids_BT)[..., None]
     y = y + tap * w[j]
   return jax.nn.silu(y).astype(x_BTC.dtype), xp[:, T:]
+
+
+def conv_tail(state_BWC, x_BTC, lengths_B):
+  """The short conv's state after the first `lengths_B[b]` inputs of each row of `x_BTC` (0..T): the last W−1 of
+  (state, those inputs), as `short_conv` returns after all T."""
+  W1 = state_BWC.shape[1]
+  xp = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC], axis=1)         # xp[W−1+t] is input t
+  take_BW = lengths_B[:, None] + jnp.arange(W1)[None]                            # the last W−1 valid entries
+  return jnp.take_along_axis(xp, take_BW[..., None], axis=1)
 
 
 class KDALayer(nnx.Module):
@@ -87,6 +101,7 @@ class KDALayer(nnx.Module):
     self.o_norm = RMSNorm(self.V, eps=model_cfg.norm_eps)
     self.w_o = lin(H * self.V, d)
 
+  @jax.named_scope("kda")
   def __call__(self, x_BTD, *, segment_ids_BT=None):
     raw, _ = self._projections(x_BTD, None, segment_ids_BT)
     o, _ = fused_kda(*raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound,
@@ -105,6 +120,28 @@ class KDALayer(nnx.Module):
     raw, conv = self._projections(x_BTD, None, None)
     o, S = fused_kda(*raw, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound,
                      output_final_state=True, backend=self.backend)
+    return self._output(o, x_BTD), KDACache(conv, S)
+
+  def prefill_chunk(self, x_BTD, cache: KDACache, start_B=None, lengths_B=None):
+    """A chunk of each row's prompt continuing from `cache`: row b's first `lengths_B[b]` tokens (all T when None);
+    the rest is padding, which leaves the row's state and conv state as they were (g = 0 and β = 0 there make
+    S_t = S_{t−1} exactly; the conv state is the row's last conv_size−1 valid inputs). `start_B` is unused (the
+    state carries position; the argument matches `GatedMLA.prefill_chunk`). Returns (y `[B, T, d]`, padding rows
+    arbitrary, the cache)."""
+    del start_B
+    B, T, _ = x_BTD.shape
+    n_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else jnp.broadcast_to(
+        jnp.asarray(lengths_B, jnp.int32), (B,))
+    (q, k, v, g_raw, beta_logits), _ = self._projections(x_BTD, cache.conv_BWC, None)
+    # The same product as inside _projections (XLA computes it once): the pre-conv inputs, for the conv state.
+    conv = conv_tail(cache.conv_BWC, self.w_qkv(x_BTD), n_B)
+    q, k, g, beta = fused_inputs(q, k, g_raw, beta_logits, self.A_log[...], self.dt_bias[...],
+                                 lower_bound=self.lower_bound)
+    valid_BT = jnp.arange(T)[None] < n_B[:, None]
+    g = jnp.where(valid_BT[..., None, None], g, 0.0)
+    beta = jnp.where(valid_BT[..., None], beta, 0.0)
+    o, S = chunk_kda(q, k, v, g, beta, initial_state=cache.state_BHKV, output_final_state=True,
+                     lower_bound=self.lower_bound, backend=self.backend)
     return self._output(o, x_BTD), KDACache(conv, S)
 
   def decode(self, x_B1D, cache: KDACache, pos=None):

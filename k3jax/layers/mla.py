@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention, NoPE (SPEC.md §3): the global-attention layers between the KDA layers.
+"""Gated multi-head latent attention, NoPE (docs/design.md, gated MLA): the global-attention layers beside the KDA ones.
 
     c_kv = RMSNorm(W_dkv x)                   latent, rank r_kv: the only thing decoding caches
     k_h = c_kv W_uk,h,   v_h = c_kv W_uv,h,   q_h = RMSNorm(x W_dq) W_uq,h   (or x W_q,h without q-LoRA)
@@ -17,12 +17,20 @@ from flax import nnx
 
 from k3jax import config as config_lib
 from k3jax.layers.common import Linear, RMSNorm, normal_param
+from k3jax.ops import mla as mla_ops
 
 
 @flax.struct.dataclass
 class MLACache:
-  """Decode state of one MLA layer: the latents of every position so far, zero-padded to the cache length."""
+  """Decode state of one MLA layer: the latents of every position so far, zero-padded to the cache length.
+  Positions at or past a row's length are scratch: a later token of that row overwrites them."""
   ckv_BLR: jax.Array      # [B, max_len, r_kv], compute dtype
+
+  def keep_rows(self, new: "MLACache", active_B) -> "MLACache":
+    """`new` for the rows where `active_B`, this cache for the others: `new` itself, since an inactive row's step
+    writes only at its length (scratch), and selecting over the whole cache would read and write all of it."""
+    del active_B
+    return new
 
 
 class GatedMLA(nnx.Module):
@@ -34,6 +42,7 @@ class GatedMLA(nnx.Module):
     (self.Dqk, self.Dv), self.H, self.R = config_lib.mla_head_dims(model_cfg), H, R
     self.dtype = config_lib.compute_dtype(model_cfg)
     self.impl = c.attention_impl
+    self.decode_impl = c.decode_impl
     lin = lambda d_in, d_out: Linear(d_in, d_out, rngs=rngs, dtype=self.dtype)
     if c.q_lora_rank is None:
       self.w_dq, self.q_norm = None, None
@@ -48,6 +57,7 @@ class GatedMLA(nnx.Module):
     self.w_g = lin(d, H * self.Dv)
     self.w_o = lin(H * self.Dv, d)
 
+  @jax.named_scope("mla")
   def __call__(self, x_BTD, *, segment_ids_BT=None):
     return self._forward(x_BTD, segment_ids_BT)[0]
 
@@ -75,6 +85,32 @@ class GatedMLA(nnx.Module):
     s = jnp.where(jnp.arange(ckv.shape[1]) <= pos, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
     o = jnp.einsum("bhr,rhv->bhv", jnp.einsum("bhl,blr->bhr", p, ckv), w_uv)
+    return self._output(o.reshape(B, 1, self.H, self.Dv), x_B1D), MLACache(ckv)
+
+  def prefill_chunk(self, x_BTD, cache: MLACache, start_B, lengths_B=None):
+    """A chunk of each row's prompt after the `start_B[b]` positions already cached (int32 `[B]` or a scalar).
+
+    Row b's first `lengths_B[b]` tokens (all T when None) take positions start_b, start_b + 1, …; their latents
+    are written to the cache there and each attends to the row's positions up to its own
+    (`k3jax.ops.mla.chunk_attention`: up-projected, block by block). The other tokens are padding: they write
+    nothing and their outputs are arbitrary. Returns (y `[B, T, d]`, the cache)."""
+    B, T, _ = x_BTD.shape
+    start_B, lengths_B = _row_lengths(start_B, lengths_B, B, T, cache.ckv_BLR.shape[1])
+    ckv = mla_ops.write_latents(cache.ckv_BLR, self._latents(x_BTD), start_B, lengths_B)
+    o = mla_ops.chunk_attention(self._queries(x_BTD), ckv, start_B, self.w_uk[...], self.w_uv[...],
+                                scale=self.Dqk ** -0.5)
+    return self._output(o, x_BTD), MLACache(ckv)
+
+  def decode_rows(self, x_B1D, cache: MLACache, pos_B):
+    """One token per row, row b's at position `pos_B[b]` (int32 `[B]` or a scalar), attending to the row's cached
+    positions 0..pos_b in the absorbed form (`k3jax.ops.mla.decode_attention`, `mla.decode_impl`)."""
+    B = x_B1D.shape[0]
+    pos_B, ones = _row_lengths(pos_B, None, B, 1, cache.ckv_BLR.shape[1])
+    q = self._queries(x_B1D)[:, 0]                                                     # [B,H,Dqk]
+    ckv = mla_ops.write_latents(cache.ckv_BLR, self._latents(x_B1D), pos_B, ones)
+    q_lat = jnp.einsum("bhd,rhd->bhr", q, self.w_uk[...].astype(self.dtype))
+    o_lat = mla_ops.decode_attention(q_lat, ckv, pos_B + 1, scale=self.Dqk ** -0.5, impl=self.decode_impl)
+    o = jnp.einsum("bhr,rhv->bhv", o_lat, self.w_uv[...].astype(self.dtype))
     return self._output(o.reshape(B, 1, self.H, self.Dv), x_B1D), MLACache(ckv)
 
   def _forward(self, x_BTD, segment_ids_BT):
@@ -109,3 +145,17 @@ class GatedMLA(nnx.Module):
       return self.impl
     on_gpu = jax.default_backend() == "gpu"
     return "cudnn" if on_gpu and self.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def _row_lengths(start_B, lengths_B, B: int, T: int, L: int):
+  """(start `[B]`, lengths `[B]`) as int32 vectors (scalars broadcast; lengths None: all T); when concrete, checked:
+  0 ≤ length ≤ T and start + length ≤ L (the cache would drop the rest)."""
+  start_B = jnp.broadcast_to(jnp.asarray(start_B, jnp.int32), (B,))
+  lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else jnp.broadcast_to(
+      jnp.asarray(lengths_B, jnp.int32), (B,))
+  if not isinstance(start_B, jax.core.Tracer) and not isinstance(lengths_B, jax.core.Tracer):
+    if int(jnp.min(lengths_B)) < 0 or int(jnp.max(lengths_B)) > T or int(jnp.min(start_B)) < 0:
+      raise ValueError(f"need 0 <= lengths <= T={T} and start >= 0, got start {start_B}, lengths {lengths_B}")
+    if int(jnp.max(start_B + lengths_B)) > L:
+      raise ValueError(f"the cache holds {L} positions; start + length reaches {int(jnp.max(start_B + lengths_B))}")
+  return start_B, lengths_B

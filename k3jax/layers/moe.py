@@ -1,10 +1,11 @@
-"""Stable LatentMoE (SPEC.md §4): sigmoid router with a balancer bias, routed SiTU-GLU experts in a latent space.
+"""Stable LatentMoE (docs/design.md, LatentMoE): sigmoid router with a balancer bias, SiTU-GLU experts in latent space.
 
     s = σ(x W_r) (fp32),  sel = top_k(s + b),  p = s[sel] / Σ s[sel] · routed_scaling
     y = Shared(x) + W_up RMSNorm(Σ_{i∈sel} p_i E_i(W_down x))
 
-Dropless: token-slots are sorted by expert and run through grouped GEMMs (`pallas_kernels.grouped_gemm`);
-with a mesh, experts are sharded over its `expert` axis (`k3jax.parallel`). The shared experts are one SiTU-GLU of
+Dropless: token-slots are sorted by expert once (`k3jax.ops.moe_dispatch`), run through grouped GEMMs
+(`pallas_kernels.grouped_gemm`) and combined per token in fp32, returned in the compute dtype; with a mesh, experts
+are sharded over its `expert` axis (`k3jax.parallel`). The shared experts are one SiTU-GLU of
 width `num_shared_experts · shared_hidden`: a sum of GLUs on the same input is one GLU over their concatenated
 hidden units.
 """
@@ -17,13 +18,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx, struct
 
-from k3jax import balancer, parallel
+from k3jax import balancer, config as config_lib, parallel
 from k3jax.layers.common import Linear, RMSNorm
 from k3jax.layers.ffn import SiTUGLU, situ_glu
 from pallas_kernels.grouped_gemm import grouped_matmul
-
-BALANCERS = ("quantile", "none", "aux_loss", "sign")
-
 
 @struct.dataclass
 class MoEStats:
@@ -33,26 +31,11 @@ class MoEStats:
 
 
 def check_config(d_model: int, cfg: ml_collections.ConfigDict, mesh=None) -> None:
-  """ValueErrors for a MoE config (and mesh) the layer cannot be built from, naming the field."""
-  def get(name):
-    if name not in cfg or cfg[name] is None:
-      raise ValueError(f"moe.{name} must be set for the MoE layer")
-    return cfg[name]
-  for name in ("num_experts", "top_k", "latent_dim", "expert_hidden"):
-    if not isinstance(get(name), int) or get(name) < 1:
-      raise ValueError(f"moe.{name} must be a positive int, got {get(name)!r}")
-  if get("top_k") > get("num_experts"):
-    raise ValueError(f"moe.top_k={cfg.top_k} exceeds moe.num_experts={cfg.num_experts}")
-  if not isinstance(get("num_shared_experts"), int) or cfg.num_shared_experts < 0:
-    raise ValueError(f"moe.num_shared_experts must be an int >= 0, got {cfg.num_shared_experts!r}")
-  if cfg.num_shared_experts and (not isinstance(get("shared_hidden"), int) or cfg.shared_hidden < 1):
-    raise ValueError(f"moe.shared_hidden must be a positive int with shared experts, got {cfg.shared_hidden!r}")
-  if get("balancer") not in BALANCERS:
-    raise ValueError(f"moe.balancer must be one of {BALANCERS}, got {cfg.balancer!r}")
-  if cfg.balancer == "quantile" and get("balancer_method") not in ("exact", "histogram"):
-    raise ValueError(f"moe.balancer_method must be 'exact' or 'histogram', got {cfg.balancer_method!r}")
+  """ValueErrors for a MoE config (`k3jax.config.validate_moe`) and mesh the layer cannot be built from, naming
+  the field."""
   if not isinstance(d_model, int) or d_model < 1:
     raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+  config_lib.validate_moe(cfg, root="moe")
   if mesh is not None and cfg.num_experts % parallel.expert_parallel_size(mesh):
     raise ValueError(f"moe.num_experts={cfg.num_experts} is not divisible by the expert-parallel size "
                      f"{parallel.expert_parallel_size(mesh)}")
@@ -93,31 +76,35 @@ class LatentMoE(nnx.Module):
     self.cfg = ml_collections.FrozenConfigDict(moe_cfg)  # hashable: it is static module data
     self.dtype, self.mesh, self.backend = dtype, mesh, grouped_gemm_backend
 
+  @jax.named_scope("moe")
   def __call__(self, x_BTD):
     b, t, d = x_BTD.shape
     cfg = self.cfg
     x_TD = x_BTD.reshape(b * t, d)
-    scores_TE = jax.nn.sigmoid(self.router(x_TD))
-    weights_TK, ids_TK = balancer.select(scores_TE, self.balancer.get_value().bias, top_k=cfg.top_k,
-                                         routed_scaling=cfg.routed_scaling)
+    with jax.named_scope("router"):
+      scores_TE = jax.nn.sigmoid(self.router(x_TD))
+      weights_TK, ids_TK = balancer.select(scores_TE, self.balancer.get_value().bias, top_k=cfg.top_k,
+                                           routed_scaling=cfg.routed_scaling)
     z_TL = self.latent_down(x_TD)
     e, l, _, h = self.w_gate_up.shape
     experts = (self.w_gate_up[...].reshape(e, l, 2 * h).astype(self.dtype), self.w_down[...].astype(self.dtype))
     expert_fn = functools.partial(expert_ffn, backend=self.backend)
-    if self.mesh is None:
-      y_TKL = parallel.local_slot_outputs(z_TL, ids_TK, experts, num_experts=e, expert_fn=expert_fn)
-    else:
-      y_TKL = parallel.expert_parallel_slot_outputs(z_TL, ids_TK, experts, mesh=self.mesh, num_experts=e,
-                                                    expert_fn=expert_fn)
-    u_TL = jnp.einsum("tkl,tk->tl", y_TKL.astype(jnp.float32), weights_TK)
+    with jax.named_scope("routed_experts"):
+      if self.mesh is None:
+        u_TL = parallel.local_routed_outputs(z_TL, ids_TK, weights_TK, experts, num_experts=e, expert_fn=expert_fn)
+      else:
+        u_TL = parallel.expert_parallel_routed_outputs(z_TL, ids_TK, weights_TK, experts, mesh=self.mesh,
+                                                       num_experts=e, expert_fn=expert_fn)
     y_BTD = self.latent_up(self.norm(u_TL)).reshape(b, t, d)
     if self.shared is not None:
-      y_BTD = y_BTD + self.shared(x_BTD)
+      with jax.named_scope("shared_experts"):
+        y_BTD = y_BTD + self.shared(x_BTD)
     aux = (cfg.aux_loss_coef * balancer.switch_aux_loss(scores_TE, ids_TK) if cfg.balancer == "aux_loss"
            else jnp.zeros((), jnp.float32))
     stats = MoEStats(scores_TE=scores_TE, aux_loss=aux, load_E=balancer.expert_load(ids_TK, cfg.num_experts))
     return y_BTD, stats
 
+  @jax.named_scope("balancer")
   def update_balance(self, stats_list) -> None:
     """After the optimizer step: the new bias from this step's router scores (a list of stats, or one). A module
     of stacked layers (bias `[..., E]`, the scanned decoder's) takes stats stacked the same way, layer by layer."""

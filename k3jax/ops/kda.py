@@ -1,7 +1,7 @@
 """KDA (Kimi Delta Attention): public entry points, input checks, the gate and the reference recurrence.
 
 Shapes: q, k, g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, states `[B,H,K,V]` (fp32). q and k arrive
-L2-normalised; g is the per-channel log-decay (<= 0). SPEC.md §2 has the formulas.
+L2-normalised; g is the per-channel log-decay (<= 0). The formulas: docs/design.md, KDA.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def kda_gate(g_raw: Array, A_log: Array, dt_bias: Array, *, lower_bound: float |
 
 def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                         segment_ids=None):
-  """The recurrence of SPEC.md §2, one token at a time in fp32: the reference every fast path is checked against."""
+  """The recurrence (docs/design.md, KDA), one token at a time in fp32: the reference every fast path is held to."""
   B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
   scale = K ** -0.5 if scale is None else float(scale)
   o, S = _recurrence(q, k, v, g, beta, _zero_or(initial_state, B, H, K, V), reset_mask(segment_ids, B, T), scale)
@@ -160,7 +160,7 @@ def _pick_backend(backend, lower_bound, K, V):
     if not gate_ok:
       raise ValueError(
           f"backend='pallas' needs a bounded gate with lower_bound in [{SAFE_LOWER_BOUND}, 0) so every 16-token tile "
-          f"factorises safely (SPEC.md §2); got lower_bound={lower_bound}. Use backend='xla' for this gate.")
+          f"factorises safely (docs/design.md, KDA); got lower_bound={lower_bound}. Use backend='xla' for this gate.")
     if not dims_ok:
       raise ValueError(f"backend='pallas' needs head dims K, V in (16, 32, 64, 128, 256); got K={K}, V={V}")
     return "pallas"

@@ -3,8 +3,8 @@
 Within a chunk of C tokens, exponents are anchored per 16-token sub-chunk I at R_I, the cumulative log-decay just
 before I (causal: nothing after a token moves its anchor). Query-side factors e^{G_i - R_I} are <= 1 and key-side
 factors e^{R_I - G_j} are <= 1 for every j before I, for any gate. Inside the diagonal tile e^{R_I - G_j} reaches
-e^{16·|γ_min|}; with the bounded gate that is finite (SPEC.md §2) and the tile is one matrix product. The anchor
-is then shifted by the constant 8·γ_min, still causal, so each factor stays within e^{±8|γ_min|} (<= e^{44}):
+e^{16·|γ_min|}; with the bounded gate that is finite (docs/design.md, KDA) and the tile is one matrix product. The
+anchor is then shifted by the constant 8·γ_min, still causal, so each factor stays within e^{±8|γ_min|} (<= e^{44}):
 unshifted, the query side would reach e^{-80} and its small components would underflow to denormals and flush
 to zero. With the softplus gate (`lower_bound=None`) the diagonal tiles use pairwise e^{G_i - G_j}.
 """

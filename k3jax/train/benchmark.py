@@ -15,7 +15,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from k3jax.train import flops, trainer
+from k3jax.train import flops, profile, trainer
+from k3jax.train.stages import stages_of
 
 PATTERNS = {"config": None, "mla": ("mla",), "kda": ("kda",)}
 
@@ -38,6 +39,15 @@ def variant(config, *, pattern: str = "config", seq_len: int | None = None, toke
   if mesh is not None:
     c.mesh = mesh
   return c
+
+
+def stage_lengths(config, seq_lens=None, tokens_per_step: int | None = None) -> list[tuple[int, int]]:
+  """(seq_len, tokens per step) of each variant to measure: `seq_lens` at `tokens_per_step` (default: the config's
+  tokens per step) when given, else the config's stages at their own tokens per step (or `tokens_per_step`)."""
+  stages = stages_of(config)
+  if seq_lens:
+    return [(int(t), tokens_per_step or stages[0].seq_len * stages[0].batch_size) for t in seq_lens]
+  return [(s.seq_len, tokens_per_step or s.seq_len * s.batch_size) for s in stages]
 
 
 @dataclasses.dataclass
@@ -127,8 +137,10 @@ def _measure_child(index, config, measure, queue, turn):
     queue.put(("error", index, traceback.format_exc(limit=-3)))
 
 
-def time_train_step(c: CompiledRun, *, steps: int, warmup: int) -> dict:
-  """Tokens/s, MFU and peak memory of `steps` train steps after `warmup` untimed ones (two batches, alternated)."""
+def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: int = 0) -> dict:
+  """Tokens/s, MFU and peak memory of `steps` train steps after `warmup` untimed ones (two batches, alternated);
+  with `profile_steps`, also "profile": the device time of that many more steps by kind of kernel
+  (`profile.breakdown`) and the slowest kernels."""
   stage = c.stage
   host = [c.batch(i) for i in range(2)]
   state = c.init()
@@ -140,6 +152,15 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int) -> dict:
     state, m = c.step(state, host[i % 2])
   loss = float(m["loss"])
   elapsed = time.perf_counter() - start
+  traced = None
+  if profile_steps:
+    def run():
+      nonlocal state
+      for i in range(profile_steps):
+        state, _ = c.step(state, host[i % 2])
+      return state
+    kernels = profile.trace_kernels(run, calls=profile_steps, hlo_text=c.step.as_text())
+    traced = {**profile.breakdown(kernels), "kernels": [dataclasses.asdict(k) for k in kernels[:40]]}
   del state
   tokens_per_s = steps * stage.batch_size * stage.seq_len / elapsed
   flops_token = flops.flops_per_token(c.run.config.model, stage.seq_len)
@@ -154,7 +175,7 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int) -> dict:
           "model_tflops_per_s": tokens_per_s * flops_token / 1e12,
           "mfu": flops.mfu(tokens_per_s, flops_token, devices), "compile_s": c.compile_s, "loss": loss,
           "finite": bool(np.isfinite(loss)), "peak_gib": peak and max(peak) / 2 ** 30,
-          "step_gib": step_bytes and step_bytes / 2 ** 30}
+          "step_gib": step_bytes and step_bytes / 2 ** 30, **({"profile": traced} if traced else {})}
 
 
 def loss_curve(c: CompiledRun, *, steps: int, warmup: int = 5) -> dict:
@@ -198,13 +219,15 @@ def compare_curves(reference: dict, other: dict, *, tail: int = 50) -> dict:
 
 def format_table(rows: list[dict]) -> str:
   head = (f"{'variant':<10} {'T':>6} {'B':>4} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'step GiB':>9} {'peak GiB':>9} {'compile s':>9}")
+          f"{'step GiB':>9} {'peak GiB':>9} {'compile s':>9} {'glue':>6}")
   lines = [head]
   for r in rows:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
     peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
     step_gib = f"{r['step_gib']:.1f}" if r.get("step_gib") is not None else "-"
+    glue = r.get("profile", {}).get("glue_share")
+    glue = f"{glue:.0%}" if glue is not None else "-"
     lines.append(f"{r['variant']:<10} {r['seq_len']:>6} {r['batch_size']:>4} {r['step_ms']:>9.1f} "
                  f"{r['tokens_per_s']:>11,.0f} {r['model_tflops_per_s']:>8.2f} {mfu:>6} {step_gib:>9} {peak:>9} "
-                 f"{r['compile_s']:>9.0f}")
+                 f"{r['compile_s']:>9.0f} {glue:>6}")
   return "\n".join(lines)

@@ -5,7 +5,8 @@ Each step directory holds two items: `state` (the TrainState arrays) and `meta` 
 the run's config, and the fingerprint). Orbax writes a step into a temporary directory and renames it when
 complete, so a save cut short by a crash never shows up as a step (the leftovers are removed on the next start).
 A restore that raises, or whose arrays do not reproduce the saved fingerprint, marks the step unusable: it is
-reported, moved to `<dir>.corrupt/`, and the next older step is tried.
+reported, moved to `<dir>.corrupt/` (left in place by a read-only Checkpointer), and the next older step is tried.
+A state holding a non-finite float is never saved (`NonFiniteState`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ class CorruptCheckpoint(Exception):
   """A checkpoint step that cannot be restored exactly."""
 
 
+class NonFiniteState(ValueError):
+  """A state with NaN or infinite values, refused by `Checkpointer.save`."""
+
+
 def _leaf_fingerprint(x):
   """Position-weighted sum (mod 2^32) of the bit patterns of `x`: any single changed word changes it."""
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -35,9 +40,16 @@ def _leaf_fingerprint(x):
   return jnp.sum(w * odd, dtype=jnp.uint32)
 
 
+def _all_finite(x):
+  return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+
+
 @jax.jit
-def _fingerprints(tree):
-  return jnp.stack([_leaf_fingerprint(x) for x in jax.tree.leaves(tree)] or [jnp.uint32(0)])
+def _summaries(tree):
+  """(fingerprint of every leaf, whether every leaf is finite), in leaf order."""
+  leaves = jax.tree.leaves(tree)
+  return (jnp.stack([_leaf_fingerprint(x) for x in leaves] or [jnp.uint32(0)]),
+          jnp.stack([_all_finite(x) for x in leaves] or [jnp.bool_(True)]))
 
 
 def leaf_signatures(tree) -> list[str]:
@@ -46,29 +58,57 @@ def leaf_signatures(tree) -> list[str]:
           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _gather(x):
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def fingerprint(tree) -> list[int]:
   """One uint32 per array of `tree` (in leaf order), computed on device."""
-  return [int(v) for v in np.asarray(multihost_utils.process_allgather(_fingerprints(tree), tiled=True))]
+  return [int(v) for v in _gather(_summaries(tree)[0])]
+
+
+def nonfinite_leaves(tree) -> list[str]:
+  """The paths of the leaves of `tree` that hold a NaN or an infinity."""
+  finite = _gather(_summaries(tree)[1])
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return [p for p, ok in zip(paths, finite) if not ok]
 
 
 class Checkpointer:
-  """Saves and restores `(state, meta)` pairs by step in `directory`, keeping the newest `keep`."""
+  """Saves and restores `(state, meta)` pairs by step in `directory`, keeping the newest `keep`.
 
-  def __init__(self, directory: str | os.PathLike, *, keep: int, async_save: bool = True):
+  `read_only=True` opens an existing directory for restoring only: nothing in it is created, removed or moved.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int, async_save: bool = True, read_only: bool = False):
     if keep < 1:
       raise ValueError(f"keep must be >= 1, got {keep}")
     self.directory = pathlib.Path(directory).absolute()
-    options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(n=keep), cleanup_tmp_directories=True,
-        enable_async_checkpointing=async_save, create=True)
+    self.read_only = read_only
+    if read_only:
+      if not self.directory.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {self.directory}")
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
+                                             save_interval_steps=0)
+    else:
+      options = ocp.CheckpointManagerOptions(
+          preservation_policy=ocp.checkpoint_managers.LatestN(n=keep), cleanup_tmp_directories=True,
+          enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
   def save(self, step: int, state, meta: dict) -> None:
-    """Starts saving `state` at `step` (returns once the arrays are copied off the device)."""
-    meta = dict(meta, step=int(step), leaves=leaf_signatures(state), fingerprint=fingerprint(state))
+    """Starts saving `state` at `step` (returns once the arrays are copied off the device); NonFiniteState if
+    any of its floats is NaN or infinite."""
+    if self.read_only:
+      raise ValueError(f"{self.directory} is open read-only")
+    prints, finite = (_gather(x) for x in _summaries(state))
+    if not finite.all():
+      raise NonFiniteState(f"refusing to save step {step} in {self.directory}: non-finite values in "
+                           f"{nonfinite_leaves(state)[:6]}")
+    meta = dict(meta, step=int(step), leaves=leaf_signatures(state), fingerprint=[int(v) for v in prints])
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)))
 
@@ -120,8 +160,8 @@ class Checkpointer:
   def restore_latest(self, abstract_state, *, at: int | None = None):
     """`(state, meta)` of the newest usable step (or of step `at` exactly), or None if there is none.
 
-    Unusable steps newer than the one returned are reported and moved aside, so later saves can reuse their
-    numbers.
+    Unusable steps newer than the one returned are reported and (unless read-only) moved aside, so later saves
+    can reuse their numbers.
     """
     for step in reversed(self.steps()):
       if at is not None and step != at:
@@ -132,8 +172,17 @@ class Checkpointer:
         self._quarantine(step, e)
     return None
 
+  @property
+  def quarantine_directory(self) -> pathlib.Path:
+    return self.directory.parent / f"{self.directory.name}.corrupt"
+
   def _quarantine(self, step: int, error: Exception) -> None:
-    target = self.directory.parent / f"{self.directory.name}.corrupt" / f"{step}.{int(time.time())}"
+    if self.read_only:
+      message = f"checkpoint unusable: {error}; trying the previous step (left in place: read-only)"
+      logging.error(message)
+      print(f"WARNING: {message}", flush=True)
+      return
+    target = self.quarantine_directory / f"{step}.{int(time.time())}"
     message = f"checkpoint unusable: {error}; moving it to {target} and trying the previous step"
     logging.error(message)
     print(f"WARNING: {message}", flush=True)

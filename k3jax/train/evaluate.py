@@ -6,6 +6,8 @@ of the evaluated length; `chance` is what uniform guessing among the task's answ
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from k3jax.data import pipeline, tasks
@@ -45,13 +47,16 @@ def check(config, seq_lens, mesh) -> None:
       raise ValueError(f"config.eval: task {name!r} needs lengths >= {tasks.TASKS[name].min_length}, got {short}")
 
 
-def evaluate(eval_step, state, config, seq_len: int, mesh) -> dict:
+def evaluate(eval_step, state, config, seq_len: int, mesh, *, interrupt: Callable[[], None] | None = None) -> dict:
   """{"heldout_loss", "heldout_tokens", "accuracy": {"task@L": acc}, "chance": {task: p}} for a stage of
-  length `seq_len`; `eval_step` is the jitted `step.make_eval_step` function."""
+  length `seq_len`; `eval_step` is the jitted `step.make_eval_step` function. `interrupt` is called before each
+  batch (it may raise to stop the evaluation)."""
   check(config, [seq_len], mesh)
   e = config.eval
 
   def run(rows):
+    if interrupt is not None:
+      interrupt()
     out = eval_step(state, batches.to_device(rows, batches.rows_sharding(mesh)))
     return {k: float(v) for k, v in out.items()}
 

@@ -2,39 +2,27 @@
 
     flops/token = 6·N_active                                   matmuls, forward + backward (2 + 4 per weight)
                 + Σ_MLA 3·T·H·(d_qk + d_v)                     causal attention: T/2 keys on average, QKᵀ and PV
-                + Σ_KDA 3·H·(6·K·V + 3·C·K + C²)               chunked KDA (SPEC.md §2, forward ×3), C = 64
+                + Σ_KDA 3·H·(6·K·V + 3·C·K + C²)               chunked KDA (docs/design.md, KDA; ×3), C = 64
 
-N_active counts every weight matrix applied to each token: embeddings are a lookup and are left out (a tied
-head counts once), the short convolutions are left out, routed experts count top_k/E of their weights.
+N_active counts every weight matrix applied to each token (`sizing.param_rows`): embeddings are a lookup and are
+left out (a tied head counts once), as are the short convolutions and the elementwise vectors; routed experts
+count top_k/E of their weights.
 MFU = tokens/s · flops/token / (peak bf16 dense FLOP/s · devices); peaks are the vendors' dense bf16 numbers.
 """
 from __future__ import annotations
 
-import jax
-from flax import nnx
-
 from k3jax import config as config_lib
-from k3jax.model import K3Model, unstacked_ndim
 from k3jax.ops import kda_chunk
+from k3jax.train import sizing
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
-NOT_MATMUL = ("embed", "conv")
 
 
 def active_matmul_params(model_cfg) -> tuple[int, int]:
   """(active, total) weights of the matrices applied to each token (see the module docstring)."""
-  model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
-  total = 0
-  for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-    names = {str(getattr(k, "key", k)) for k in path}
-    if unstacked_ndim(path, x) >= 2 and not names & set(NOT_MATMUL):
-      total += x.size
-  if model_cfg.tie_embeddings:
-    total += model_cfg.vocab_size * model_cfg.d_model
-  routed = sum(layer.w_gate_up.size + layer.w_down.size for layer in model.moe_layers())
-  moe = model_cfg.moe
-  active = total - routed + (routed * moe.top_k // moe.num_experts if routed else 0)
-  return active, total
+  rows = [r for r in sizing.param_rows(model_cfg) if r.matmul]
+  tied = model_cfg.vocab_size * model_cfg.d_model if model_cfg.tie_embeddings else 0
+  return sum(r.active for r in rows) + tied, sum(r.size for r in rows) + tied
 
 
 def flops_per_token(model_cfg, seq_len: int) -> float:

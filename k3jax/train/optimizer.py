@@ -1,6 +1,8 @@
 """Optimizer: global-norm clipping, then AdamW (or Muon for matrices), on a warmup-stable-decay schedule per stage."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -8,7 +10,7 @@ from optax import contrib
 
 from k3jax.model import unstacked_ndim
 
-# SPEC.md §2: the KDA decay parameters take no weight decay; nor do vectors (norm weights, biases, AttnRes queries).
+# The KDA decay parameters take no weight decay (docs/design.md, KDA); nor do vectors (norms, biases, AttnRes queries).
 NO_DECAY_NAMES = ("A_log", "dt_bias")
 # Muon orthogonalises the 2-D hidden matrices; embeddings, the output head and the depthwise short-conv kernels
 # stay with AdamW (as do vectors and the stacked 3-D / 4-D weights: per-head and per-expert tensors). Ranks are
@@ -56,18 +58,33 @@ def muon_dims(params):
   return jax.tree_util.tree_map_with_path(dims, params)
 
 
+def check(o) -> None:
+  """ValueErrors for `config.optimizer` values out of range, naming the field (the peak lr of each stage is
+  checked by `stages.stages_of`)."""
+  def require(field, ok, what):
+    value = o[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+      raise ValueError(f"config.optimizer.{field} must be {what}, got {value!r}")
+  if o.name not in ("adamw", "muon"):
+    raise ValueError(f"config.optimizer.name must be 'adamw' or 'muon', got {o.name!r}")
+  require("lr", lambda v: v > 0, "> 0")
+  require("b1", lambda v: 0 <= v < 1, "in [0, 1)")
+  require("b2", lambda v: 0 <= v < 1, "in [0, 1)")
+  require("eps", lambda v: v > 0, "> 0")
+  require("weight_decay", lambda v: v >= 0, ">= 0")
+  require("final_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]")
+  require("grad_clip", lambda v: v > 0, "> 0")
+
+
 def make_optimizer(config, stages) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """(optimizer, learning-rate schedule) for `config.optimizer`."""
   o = config.optimizer
+  check(o)
   lr = learning_rate(config, stages)
   if o.name == "adamw":
     core = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
-  elif o.name == "muon":
+  else:
     core = contrib.muon(lr, beta=o.b1, weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
                         adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.weight_decay,
                         muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2)
-  else:
-    raise ValueError(f"config.optimizer.name must be 'adamw' or 'muon', got {o.name!r}")
-  if not o.grad_clip > 0:
-    raise ValueError(f"config.optimizer.grad_clip must be > 0, got {o.grad_clip}")
   return optax.chain(optax.clip_by_global_norm(o.grad_clip), core), lr

@@ -7,6 +7,7 @@ covers global steps `[start, end)`, and it starts from stage i-1's checkpoint at
 from __future__ import annotations
 
 import dataclasses
+import math
 
 REQUIRED = ("seq_len", "steps", "batch_size")
 SCHEDULE = ("lr", "warmup_fraction", "decay_fraction")
@@ -31,6 +32,8 @@ class Stage:
 def stages_of(config) -> list[Stage]:
   """The stages of `config`, validated (positive sizes, constant tokens per step, divisible micro-batches)."""
   opt = config.optimizer
+  if isinstance(config.micro_batches, bool) or not isinstance(config.micro_batches, int) or config.micro_batches < 1:
+    raise ValueError(f"config.micro_batches must be a positive int, got {config.micro_batches!r}")
   raw = [dict(s) for s in config.stages] or [dict(seq_len=config.seq_len, steps=config.steps,
                                                    batch_size=config.batch_size)]
   out, start = [], 0
@@ -43,6 +46,9 @@ def stages_of(config) -> list[Stage]:
     stage = Stage(i, int(s["seq_len"]), int(s["batch_size"]), int(s["steps"]), start,
                   float(s.get("lr", opt.lr)), float(s.get("warmup_fraction", opt.warmup_fraction)),
                   float(s.get("decay_fraction", opt.decay_fraction)))
+    if not (math.isfinite(stage.lr) and stage.lr > 0):
+      raise ValueError(f"stage {i}: the peak learning rate (config.optimizer.lr or the stage's lr) must be > 0, got "
+                       f"{stage.lr}")
     if min(stage.seq_len, stage.batch_size, stage.steps) <= 0:
       raise ValueError(f"config.stages[{i}]: seq_len, batch_size and steps must be positive, got {s}")
     if stage.batch_size % config.micro_batches:

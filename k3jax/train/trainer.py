@@ -1,30 +1,84 @@
 """The training run: stages one after another, each resumable from its own checkpoints.
 
 Layout of a work directory:
-    config.json                     the run's config
+    config.json                     the run's config (`workdir.py`: a resumed run must match it)
+    config_changes.jsonl            changes made on resume, one JSON object each
     checkpoints/stage_<i>/<step>/   orbax steps of stage i (global step numbers)
     metrics.jsonl, eval.jsonl       one JSON object per logged step / per evaluation
     tensorboard/                    event files
 
 Running the same command again continues each stage from its newest usable checkpoint; a finished stage is
-skipped. Stage i > 0 starts from stage i−1's final checkpoint (its last step), which must exist when a stage is
-run alone.
+skipped (evaluated if its evaluation is missing). Stage i > 0 starts from stage i−1's final checkpoint (its last
+step), which must exist when a stage is run alone. SIGINT / SIGTERM stop the run after the current step with a
+checkpoint of it (`Interrupted`); a non-finite loss or gradient norm stops it before anything of that step is
+saved (`Diverged`); a stage whose every checkpoint is unusable stops instead of starting over.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
+import math
 import pathlib
 import time
+from typing import Any, Callable
 
 import jax
 import ml_collections
+import optax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import parallel
 from k3jax.data import pipeline
-from k3jax.train import batches, checkpoint, evaluate, flops, metrics as metrics_lib
+from k3jax.train import batches, checkpoint, evaluate, flops, interrupt, metrics as metrics_lib
 from k3jax.train import optimizer, stages as stages_lib, state as state_lib, step as step_lib
+from k3jax.train import workdir as workdir_lib
+
+config_from_json = workdir_lib.config_from_json
+
+
+class Diverged(FloatingPointError):
+  """The loss or the gradient norm of a step is not finite."""
+
+
+class UnusableCheckpoints(RuntimeError):
+  """Every checkpoint of a stage is unusable: the stage would otherwise start over."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+  """What a config's train state is, without data or compiled steps: enough to restore a checkpoint."""
+  config: ml_collections.ConfigDict
+  stages: list[stages_lib.Stage]
+  mesh: Any
+  tx: optax.GradientTransformation
+  lr: optax.Schedule
+  graphdef: Any
+  abstract: state_lib.TrainState       # ShapeDtypeStructs with shardings
+  init: Callable[[], state_lib.TrainState]
+
+
+def state_spec(config, *, mesh: str | None = None) -> StateSpec:
+  """The StateSpec of `config`, its arrays placed on `mesh` (default `config.mesh`)."""
+  stages = stages_lib.stages_of(config)
+  mesh = parallel.mesh_from_string(config.mesh if mesh is None else mesh)
+  tx, lr = optimizer.make_optimizer(config, stages)
+  graphdef, abstract, init = state_lib.abstract_state(config, tx, mesh)
+  return StateSpec(config, stages, mesh, tx, lr, graphdef, abstract, init)
+
+
+@dataclasses.dataclass
+class _Session:
+  """One call of `Run.train`: where, the signal guard, and the config record written once before the first write."""
+  workdir: pathlib.Path
+  stop: interrupt.StopSignals
+  allow_missing_metrics: bool
+  change: dict | None
+  committed: bool = False
+
+  def commit(self, config) -> None:
+    if not self.committed:
+      workdir_lib.commit(self.workdir, config, self.change)
+      self.committed = True
 
 
 class Run:
@@ -32,34 +86,38 @@ class Run:
 
   def __init__(self, config):
     self.config = config
-    self.stages = stages_lib.stages_of(config)
     for field in ("log_every", "checkpoint_every", "keep_checkpoints"):
-      if config[field] < 1:
-        raise ValueError(f"config.{field} must be >= 1, got {config[field]}")
-    self.mesh = parallel.mesh_from_string(config.mesh)
+      if isinstance(config[field], bool) or not isinstance(config[field], int) or config[field] < 1:
+        raise ValueError(f"config.{field} must be an int >= 1, got {config[field]!r}")
+    spec = state_spec(config)
+    self.stages, self.mesh, self.tx, self.lr = spec.stages, spec.mesh, spec.tx, spec.lr
+    self.graphdef, self.abstract = spec.graphdef, spec.abstract
     # Every stage's data and evaluation are checked here, before anything trains.
     self.data = [pipeline.Mixture(config.data, s.seq_len, pipeline.derive_seed(config.seed, s.index, "train"),
                                   vocab_size=config.model.vocab_size) for s in self.stages]
     evaluate.check(config, [s.seq_len for s in self.stages], self.mesh)
-    self.tx, self.lr = optimizer.make_optimizer(config, self.stages)
-    self.graphdef, self.abstract, init = state_lib.abstract_state(config, self.tx, self.mesh)
     shardings = state_lib.shardings_of(self.abstract)
-    self.init = jax.jit(init, out_shardings=shardings)
+    self.init = jax.jit(spec.init, out_shardings=shardings)
     self.train_step = jax.jit(step_lib.make_train_step(self.graphdef, self.tx, self.lr, config.model),
                               donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())))
     self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef))
 
-  def train(self, workdir, *, stage: int | None = None) -> list[dict | None]:
+  def train(self, workdir, *, stage: int | None = None, allow_config_change: bool = False,
+            allow_missing_metrics: bool = False) -> list[dict | None]:
     """Trains every stage in `workdir` (or only stage `stage`); returns each stage's evaluation (None: skipped,
-    the stage was already complete)."""
+    the stage was already complete and evaluated).
+
+    A directory trained with another config is refused (`workdir.ConfigChanged`) unless `allow_config_change`;
+    a resume without the metrics.jsonl of the earlier steps is refused unless `allow_missing_metrics`.
+    """
     if stage is not None and not 0 <= stage < len(self.stages):
       raise ValueError(f"stage={stage}: the config has stages 0..{len(self.stages) - 1}")
     workdir = pathlib.Path(workdir)
-    if jax.process_index() == 0:
-      workdir.mkdir(parents=True, exist_ok=True)
-      (workdir / "config.json").write_text(self.config.to_json_best_effort(indent=2) + "\n")
+    change = workdir_lib.check_resume(workdir, self.config, allow_change=allow_config_change)
     chosen = self.stages if stage is None else [self.stages[stage]]
-    return [self.run_stage(s, workdir) for s in chosen]
+    with interrupt.StopSignals() as stop:
+      session = _Session(workdir, stop, allow_missing_metrics, change)
+      return [self.run_stage(s, session) for s in chosen]
 
   def batch(self, stage: stages_lib.Stage, step_in_stage: int) -> dict:
     """The device batch of a stage's step (a pure function of the stage and the step)."""
@@ -67,15 +125,23 @@ class Run:
                                self.mesh)
 
   def checkpointer(self, workdir, stage_index: int) -> checkpoint.Checkpointer:
-    return checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints" / f"stage_{stage_index}",
+    return checkpoint.Checkpointer(workdir_lib.stage_directory(workdir, stage_index),
                                    keep=self.config.keep_checkpoints)
 
   def initial_state(self, stage: stages_lib.Stage, workdir, ckpt: checkpoint.Checkpointer):
-    """The newest usable checkpoint of the stage, else the previous stage's final one, else a fresh init."""
+    """The newest usable checkpoint of the stage, else the previous stage's final one, else a fresh init.
+    UnusableCheckpoints if the stage has checkpoints but none of them is usable."""
+    had = ckpt.steps()
     restored = ckpt.restore_latest(self.abstract)
     if restored is not None:
       print(f"stage {stage.index}: resuming from step {restored[1]['step']} ({ckpt.directory})", flush=True)
       return restored[0]
+    quarantined = sorted(p.name for p in ckpt.quarantine_directory.glob("*"))
+    if had or quarantined:
+      raise UnusableCheckpoints(
+          f"stage {stage.index}: no checkpoint in {ckpt.directory} is usable (unusable steps moved to "
+          f"{ckpt.quarantine_directory}: {quarantined}); refusing to train the stage over from its start. Repair "
+          f"them, or move both directories away to start the stage afresh")
     if stage.index == 0:
       return self.init()
     with self.checkpointer(workdir, stage.index - 1) as prev:
@@ -86,22 +152,28 @@ class Run:
           f"in {prev.directory}, which is missing or unusable: run stage {stage.index - 1} first")
     return restored[0]
 
-  def run_stage(self, stage: stages_lib.Stage, workdir) -> dict | None:
+  def run_stage(self, stage: stages_lib.Stage, session: _Session) -> dict | None:
     """Trains one stage to its end and evaluates it; returns the evaluation (None if it was already done)."""
-    workdir = pathlib.Path(workdir)
+    workdir = session.workdir
     with self.checkpointer(workdir, stage.index) as ckpt:
       state = self.initial_state(stage, workdir, ckpt)
       first = int(state.step)
       if not stage.start <= first <= stage.end:
         raise ValueError(f"stage {stage.index} covers steps [{stage.start}, {stage.end}], its state is at step "
                          f"{first}")
+      metrics_lib.check_continuation(workdir, first, allow_missing=session.allow_missing_metrics)
+      session.commit(self.config)
       if first == stage.end:
-        print(f"stage {stage.index}: already complete at step {first}", flush=True)
-        return None
-      log = metrics_lib.RunLog(workdir, first)
+        if metrics_lib.has_evaluation(workdir, stage.index, stage.end):
+          print(f"stage {stage.index}: already complete at step {first}", flush=True)
+          return None
+        print(f"stage {stage.index}: complete at step {first}, evaluating it (no evaluation recorded)", flush=True)
+      log = metrics_lib.RunLog(workdir, first if first < stage.end else None)
       try:
-        state = self._steps(stage, state, ckpt, log)
-        result = evaluate.evaluate(self.eval_step, state, self.config, stage.seq_len, self.mesh)
+        if first < stage.end:
+          state = self._steps(stage, state, ckpt, log, session.stop)
+        result = evaluate.evaluate(self.eval_step, state, self.config, stage.seq_len, self.mesh,
+                                   interrupt=lambda: session.stop.check(stage.end))
         log.evaluation({"step": stage.end, "stage": stage.index, "seq_len": stage.seq_len, **result})
       finally:
         log.close()
@@ -109,77 +181,107 @@ class Run:
           + evaluate.format_table(result, self.config.data.task_length or stage.seq_len), flush=True)
     return result
 
-  def _steps(self, stage, state, ckpt, log):
-    """The stage's remaining steps: train, log every `log_every`, checkpoint every `checkpoint_every` and at the
-    end (waiting until the last save is on disk)."""
+  def _steps(self, stage, state, ckpt, log, stop):
+    """The stage's remaining steps: train, log every `log_every`, checkpoint every `checkpoint_every`, at the end
+    and when a stop is requested (waiting until the last save is on disk); every step's loss and gradient norm
+    are checked before the next step's result is awaited and before any save."""
     config = self.config
     first = int(state.step)
     print(f"stage {stage.index}: compiling the train step for {stage.batch_size} x {stage.seq_len} tokens (minutes "
           f"on a GPU for the larger configs)", flush=True)
-    progress = metrics_lib.Progress(stage, first - stage.start)
     tokens_per_step = stage.batch_size * stage.seq_len
+    progress = metrics_lib.Progress(stage, first - stage.start, tokens_per_step=tokens_per_step)
     flops_token = flops.flops_per_token(config.model, stage.seq_len)
-    clock, timed_steps, m = None, 0, None
+    clock, timed_steps, m, saved = None, 0, None, first
     start = time.perf_counter()
-    for s in range(first, stage.end):
-      batch = self.batch(stage, s - stage.start)
-      jax.block_until_ready(m)  # keep one step in flight: the next batch is built while this one runs
-      state, m = self.train_step(state, batch)
-      done = s + 1
-      if clock is None:  # the first step compiles: time from its end
-        jax.block_until_ready(m)
-        clock = time.perf_counter()
-        print(f"stage {stage.index}: first step done in {clock - start:.0f} s, compilation included", flush=True)
-      else:
-        timed_steps += 1
-      if done % config.log_every == 0 or done == stage.end:
-        m = jax.device_get(m)
-        now = time.perf_counter()
-        tok_s = timed_steps * tokens_per_step / (now - clock) if timed_steps else None
-        log.metrics({"step": done, "stage": stage.index, "seq_len": stage.seq_len, **m, "tokens_per_s": tok_s,
-                     "mfu": tok_s and flops.mfu(tok_s, flops_token, list(self.mesh.devices.flat))})
-        progress.update(1, float(m["loss"]), tok_s or 0.0)
-        clock, timed_steps = now, 0
-      else:
-        progress.update(1)
-      if done % config.checkpoint_every == 0 or done == stage.end:
-        ckpt.save(done, state, {"stage": stage.index, "seq_len": stage.seq_len,
-                                "data_rows": (done - stage.start) * stage.batch_size,
-                                "config": json.loads(config.to_json_best_effort())})
-    progress.close()
+
+    def check_finite(metrics, step):
+      loss, grad_norm = (float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"])))
+      if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+      log.metrics({"step": step, "stage": stage.index, "seq_len": stage.seq_len, **jax.device_get(metrics)})
+      raise Diverged(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}. Nothing of this "
+                     f"step was saved; the newest checkpoint is step {saved}. Lower config.optimizer.lr (now "
+                     f"{config.optimizer.lr:g}) or raise the warmup, then start a new run or resume with "
+                     f"--allow_config_change")
+
+    try:
+      for s in range(first, stage.end):
+        batch = self.batch(stage, s - stage.start)
+        if m is not None:
+          check_finite(m, s)  # waits for step s: one step stays in flight while the next batch is built
+        state, m = self.train_step(state, batch)
+        done = s + 1
+        if clock is None:  # the first step compiles: time from its end
+          jax.block_until_ready(m)
+          clock = time.perf_counter()
+          print(f"stage {stage.index}: first step done in {clock - start:.0f} s, compilation included", flush=True)
+        else:
+          timed_steps += 1
+        if done % config.log_every == 0 or done == stage.end:
+          check_finite(m, done)
+          m = jax.device_get(m)
+          now = time.perf_counter()
+          tok_s = timed_steps * tokens_per_step / (now - clock) if timed_steps else None
+          log.metrics({"step": done, "stage": stage.index, "seq_len": stage.seq_len, **m, "tokens_per_s": tok_s,
+                       "mfu": tok_s and flops.mfu(tok_s, flops_token, list(self.mesh.devices.flat))})
+          progress.update(1, float(m["loss"]), tok_s)
+          clock, timed_steps = now, 0
+        else:
+          progress.update(1)
+        signum = stop.requested()
+        if signum or done % config.checkpoint_every == 0 or done == stage.end:
+          check_finite(m, done)
+          ckpt.save(done, state, {"stage": stage.index, "seq_len": stage.seq_len,
+                                  "data_rows": (done - stage.start) * stage.batch_size,
+                                  "config": workdir_lib.as_json(config)})
+          saved = done
+        if signum:
+          ckpt.wait()
+          raise interrupt.Interrupted(signum, done)
+    finally:
+      progress.close()
     ckpt.wait()
     return state
 
 
-def train(config, workdir, *, stage: int | None = None) -> list[dict | None]:
+def train(config, workdir, *, stage: int | None = None, allow_config_change: bool = False,
+          allow_missing_metrics: bool = False) -> list[dict | None]:
   """Trains every stage of `config` in `workdir` (or only stage `stage`); see `Run.train`."""
-  return Run(config).train(workdir, stage=stage)
+  return Run(config).train(workdir, stage=stage, allow_config_change=allow_config_change,
+                           allow_missing_metrics=allow_missing_metrics)
 
 
-def config_from_json(d: dict) -> ml_collections.ConfigDict:
-  """A config saved as JSON (lists back to tuples, as the config files write them)."""
-  def tuples(x):
-    if isinstance(x, dict):
-      return {k: tuples(v) for k, v in x.items()}
-    return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-  return ml_collections.ConfigDict(tuples(d))
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """A checkpoint of a run, restored: its stage, its config (with any overrides), the state and its meta."""
+  stage: int
+  config: ml_collections.ConfigDict
+  spec: StateSpec
+  state: state_lib.TrainState
+  meta: dict
 
 
-def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None = None,
-                        overrides: dict | None = None) -> dict:
-  """Evaluates a run's checkpoint (default: the newest usable step of the last stage that has one) with the config
-  saved in it; `overrides` maps dotted config fields (e.g. "eval.lengths") to new values."""
+def restore(workdir, *, stage: int | None = None, step: int | None = None, overrides: dict | None = None,
+            mesh: str | None = None) -> Restored:
+  """A run's checkpoint (default: the newest usable step of the last stage that has one; with `step` alone, the
+  stage holding that step) with the config saved in it, without touching the run directory: nothing there is
+  created, moved or removed (an unusable step is reported and skipped). `overrides` maps dotted config fields
+  (e.g. "eval.lengths") to new values; `mesh` places the arrays (default: the run's mesh). Builds no data."""
+  found = workdir_lib.checkpointed_stages(workdir)
   root = pathlib.Path(workdir) / "checkpoints"
   if stage is None:
-    found = sorted(int(p.name.split("_")[1]) for p in root.glob("stage_*") if p.name.split("_")[1].isdigit()
-                   and any(q.name.isdigit() for q in p.iterdir()))
-    if not found:
-      raise FileNotFoundError(f"no checkpoints under {root}")
-    stage = found[-1]
-  with checkpoint.Checkpointer(root / f"stage_{stage}", keep=1) as ckpt:
+    holding = [i for i, steps in found.items() if step is None or step in steps]
+    if not holding:
+      raise FileNotFoundError(f"no checkpoint {'' if step is None else f'of step {step} '}under {root} "
+                              f"(steps by stage: {found})")
+    stage = holding[-1]
+  if stage not in found:
+    raise FileNotFoundError(f"no checkpoints of stage {stage} under {root} (steps by stage: {found})")
+  with checkpoint.Checkpointer(workdir_lib.stage_directory(workdir, stage), keep=1, read_only=True) as ckpt:
     steps = [s for s in ckpt.steps() if step is None or s == step]
     if not steps:
-      raise FileNotFoundError(f"no checkpoint step {step or ''} in {ckpt.directory} (have {ckpt.steps()})")
+      raise FileNotFoundError(f"no checkpoint step {step} in {ckpt.directory} (have {ckpt.steps()})")
     config = config_from_json(ckpt.read_meta(steps[-1])["config"])
     for dotted, value in (overrides or {}).items():
       *path, last = dotted.split(".")
@@ -187,15 +289,24 @@ def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None =
       for p in path:
         node = node[p]
       node[last] = value
-    run = Run(config)
-    restored = ckpt.restore_latest(run.abstract, at=step)
+    spec = state_spec(config, mesh=mesh)
+    restored = ckpt.restore_latest(spec.abstract, at=step)
     if restored is None:
-      raise FileNotFoundError(f"no usable checkpoint in {ckpt.directory}")
-  state, meta = restored
-  result = evaluate.evaluate(run.eval_step, state, config, meta["seq_len"], run.mesh)
-  print(f"stage {stage}, step {meta['step']}:\n"
-        + evaluate.format_table(result, config.data.task_length or meta["seq_len"]), flush=True)
-  return {"stage": stage, "step": meta["step"], "seq_len": meta["seq_len"], **result}
+      raise FileNotFoundError(f"no usable checkpoint {'' if step is None else f'of step {step} '}in "
+                              f"{ckpt.directory}")
+  return Restored(stage, config, spec, *restored)
+
+
+def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None = None,
+                        overrides: dict | None = None) -> dict:
+  """Evaluates a run's checkpoint (see `restore`; the "mesh" override also places the arrays); returns
+  {stage, step, seq_len, **evaluation}. Writes nothing."""
+  r = restore(workdir, stage=stage, step=step, overrides=overrides)
+  result = evaluate.evaluate(jax.jit(step_lib.make_eval_step(r.spec.graphdef)), r.state, r.config,
+                             r.meta["seq_len"], r.spec.mesh)
+  print(f"stage {r.stage}, step {r.meta['step']}:\n"
+        + evaluate.format_table(result, r.config.data.task_length or r.meta["seq_len"]), flush=True)
+  return {"stage": r.stage, "step": r.meta["step"], "seq_len": r.meta["seq_len"], **result}
 
 
 def init_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:

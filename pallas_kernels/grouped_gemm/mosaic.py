@@ -43,7 +43,7 @@ class Configs:
 
 
 # What `grouped_matmul` uses when given no tiles: the first whose shape constraints hold. The first is the best of
-# bench_moe's sweep on the H200 (BUILD_NOTES run 6: 0.62-0.87 of a dense GEMM at E = 64 and 256); the second fits any
+# bench_moe's sweep on the H200 (its numbers: BUILD_NOTES.md, LatentMoE and grouped GEMM); the second fits any
 # N that is a multiple of 128.
 DEFAULT_CONFIGS = (
     Configs(fwd=TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=4, compute_wgs=2),

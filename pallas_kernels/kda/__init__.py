@@ -1,4 +1,4 @@
-"""Pallas GPU kernels for chunked KDA with the bounded decay gate (SPEC.md §2)."""
+"""Pallas GPU kernels for chunked KDA with the bounded decay gate (docs/design.md, KDA)."""
 from pallas_kernels.kda.chunk import chunk_kda_pallas
 
 __all__ = ["chunk_kda_pallas"]

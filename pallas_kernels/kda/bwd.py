@@ -162,26 +162,61 @@ def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref
   store(dkw_ref, None, beta_i * gamma * dXk)
 
 
+COLS_FORMS = ("loop", "unrolled")   # `intra_backward`'s forms of the column pass's pair products
+
+
+def _pair_products(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, tg, j, dtype, form):
+  """The column pass's products over pairs of rows in tiles I >= J, every operand rounded against its own tile's
+  anchor: each 16x16 block of dA_qk and dB times one tile's rows, the anchor shift e^{R_I - R_J} applied in fp32
+  to the block's product by Horner's rule over the tiles (a factor e^{tot} >= e^{16·γ_min} a step, so no shift
+  underflows while its pair still counts). `form` "loop": only the blocks causality leaves nonzero, j + 1 key tiles
+  and 4 - j query tiles; "unrolled": all four of each, the zero blocks' steps leaving the sums as they are. Returns
+  dq̂, dk̂ of tile j's rows and dk̃ of its keys."""
+  rows_j = pl.ds(j * SUB, SUB)
+  rows = lambda t: pl.ds(t * SUB, SUB)
+  tile = lambda ref, t: ref[rows(t), :].astype(F32)
+  tot = lambda t: loc_ref[pl.ds(t * SUB + SUB - 1, 1), :].astype(F32)     # tile t's total log-decay, [1,K]
+
+  def key_tile(t, acc):                  # dq̂ = Σ_{t<=j} e^{R_j - R_t} dA_qk[j, t] k̃_t, likewise dk̂ from dB
+    keys = tile(k_ref, t) * jnp.exp(tg.c - tile(loc_ref, t))
+    shift = jnp.where(t <= j, jnp.exp(tot(jnp.maximum(t - 1, 0))), 1.0)  # e^{tot_{t-1}}; the sums are zero at t = 0
+    return tuple(a * shift + mm(ref[rows_j, rows(t)], keys, dtype) for a, ref in zip(acc, (dAqk_ref, dB_ref)))
+
+  def query_tile(step, acc):             # dk̃ = Σ_{t>=j} e^{R_t - R_j} (dA_qk[t, j]ᵀ q̂_t + dB[t, j]ᵀ k̂_t), t = 3 .. j
+    t = NT - 1 - step
+    e = jnp.exp(tile(loc_ref, t) - tg.c)
+    products = (t_mm(dAqk_ref[rows(t), rows_j], tile(q_ref, t) * e, dtype)
+                + t_mm(dB_ref[rows(t), rows_j], tile(k_ref, t) * e, dtype))
+    return acc * jnp.where(t >= j, jnp.exp(tot(t)), 1.0) + products
+
+  zeros = jnp.zeros((SUB, loc_ref.shape[-1]), F32)
+  if form == "loop":
+    return (*jax.lax.fori_loop(0, j + 1, key_tile, (zeros, zeros)), jax.lax.fori_loop(0, NT - j, query_tile, zeros))
+  acc, dkeys = (zeros, zeros), zeros
+  for t in range(NT):
+    acc, dkeys = key_tile(t, acc), query_tile(t, dkeys)
+  return (*acc, dkeys)
+
+
 def _intra_bwd_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
-                           lower_bound, has_reset, dtype):
+                           lower_bound, has_reset, dtype, form):
   """v5, second pass, one program per tile J and block of K: dq and dk of the tile's rows, and dG, each row's own
-  term of dg (`_dg_suffix_kernel` sums it over the chunk's later rows)."""
+  term of dg (`_dg_suffix_kernel` sums it over the chunk's later rows). A pair of rows i >= j gives dG a term at i
+  and its negative at j, both from the same bf16 operands, each rounded against its own tile's anchor
+  (`_pair_products`), so the two cancel in dg where they should (with the operands of other tiles rounded against
+  tile J's anchor they did not, and d g_raw was 2.5x less accurate than FLA's in bf16)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dq_ref, dk_ref, dG_ref = refs
   j = pl.program_id(3)
   docs = TileDocs(reset_ref, j)
   tg = TileGates(loc_ref, docs, lower_bound)
+  dqh, dkh, dkeys = _pair_products(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, tg, j, dtype, form)
   e_q, e_k = tg.e_q(), tg.e_k()
   rounded = lambda a: a.astype(dtype).astype(F32)
   q_j, k_j = load(q_ref, j), load(k_ref, j)
   gamma = tg.gamma()
-  keys = load(k_ref) * tg.keys_factor()                       # the chunk's keys scaled for anchor J
-  dqh, dkh = mm(load(dAqk_ref, j), keys, dtype), mm(load(dB_ref, j), keys, dtype)
   dqs = load(dqs_ref, j)
   store(dq_ref, None, dqh * e_q + scale * gamma * dqs)
-  queries = tg.queries_factor()                               # the chunk's queries scaled from anchor J
-  cols = (slice(None), pl.ds(j * SUB, SUB))
-  dkeys = t_mm(dAqk_ref[cols], load(q_ref) * queries, dtype) + t_mm(dB_ref[cols], load(k_ref) * queries, dtype)
   te, dkd = tg.to_end(), load(dkd_ref, j)
   dkw = load(dkw_ref, j)
   store(dk_ref, None, dkh * e_q + dkw + dkeys * e_k + te * dkd)
@@ -202,7 +237,7 @@ def _dg_suffix_kernel(k_ref, loc_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_boun
 
 
 def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *,
-                           scale, lower_bound, num_warps, block_k):
+                           scale, lower_bound, num_warps, block_k, cols_form):
   """v5: three launches, each a program per tile: the row pass (grid chunks × heads × 4), the column pass (grid
   chunks × heads × K blocks × 4), and dg's sum over later rows (grid chunks × heads × K blocks)."""
   B, T, H, K = q.shape
@@ -229,7 +264,7 @@ def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_
   dd_spec = pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
   tile_col = pl.BlockSpec((None, SUB, None, block_k), lambda n, bh, kb, j: (bh // H, n * NT + j, bh % H, kb))
   dq, dk, dG = triton_call(
-      functools.partial(_intra_bwd_cols_kernel, **flags), grid=(N, B * H, K // block_k, NT),
+      functools.partial(_intra_bwd_cols_kernel, **flags, form=cols_form), grid=(N, B * H, K // block_k, NT),
       in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
       out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
       num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
@@ -241,18 +276,22 @@ def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_
 
 
 def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
-                   lower_bound, num_warps=4, variant="v5", block_k=64):
+                   lower_bound, num_warps=4, variant="v5", block_k=64, cols_form="loop"):
   """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W, B and M, the
   state pass's v_new and its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v5"
   (a row pass, a column pass over `block_k` columns and dg's suffix sum, each a program per tile,
   `_intra_backward_passes`) or "v3" (one kernel: the reference the tests hold v5 to); same outputs. The default is
-  the fastest setting checked on the H200 (v5, 4 warps, 64 columns: 5.05 ms at 8×4096 against 6.30 for session 3's
-  v4, a per-chunk row pass and a column pass carrying dg, at its best setting; BUILD_NOTES KDA run 8)."""
+  the fastest setting measured on the H200 (v5, 4 warps, 64 columns: BUILD_NOTES.md, KDA kernels).
+  `cols_form` (v5): the column pass's pair products over the nonzero blocks only ("loop") or over all ("unrolled"),
+  `_pair_products`; the same gradients to fp32 rounding."""
   if variant not in ("v3", "v5"):
     raise ValueError(f"intra_backward: variant must be 'v3' or 'v5', got {variant!r}")
+  if cols_form not in COLS_FORMS:
+    raise ValueError(f"intra_backward: cols_form must be one of {COLS_FORMS}, got {cols_form!r}")
   if variant == "v5":
     return _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
-                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k)
+                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k,
+                                  cols_form=cols_form)
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK

@@ -135,8 +135,8 @@ def _prepare_kernel(*refs, fused, lower_bound, valid_len, save):
       store(xn_ref, None, x)
     return x
 
-  # q, then k, each loaded where used: v12 first held q, k, g and the sums at once, 0.55 ms against 0.35 (run 12).
-  # A tile per program, not a chunk: 0.26 ms against 0.35 at 8x4096 (run 14).
+  # q, then k, each loaded where used, and a tile per program: holding q, k, g and the sums at once, or a chunk per
+  # program, was slower.
   c = SUB / 2 * lower_bound
   e_q = jnp.exp(loc - c)
   store(qe_ref, None, normalised(q_ref, qn_ref) * e_q)
@@ -149,7 +149,7 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   """The forward's first launch (`_prepare_kernel`), returning `Prepared`. `gate` None: g is the log-decay and q,
   k, β are taken as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q
   and k are L2-normalised and β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also write what
-  the backward reads (normalised q, k and loc). 4 warps: 0.242 ms against 8's 0.273 at 8x4096 (H200, KDA run 15)."""
+  the backward reads (normalised q, k and loc). 4 warps: the fastest on the H200."""
   B, T, H, K = g.shape
   fused = gate is not None
   row = lambda d: pl.BlockSpec((None, SUB, None, d), lambda bh, n: (bh // H, n, bh % H, 0))
@@ -170,8 +170,7 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   if save:
     out_shape, out_specs = out_shape + [jax.ShapeDtypeStruct((B, T, H, K), F32)], out_specs + [row(K)]
   kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, valid_len=valid_len, save=save)
-  # Heads first in every intra launch: programs launched together read a token's neighbouring heads
-  # (BUILD_NOTES KDA run 17).
+  # Heads first in every intra launch: programs launched together read a token's neighbouring heads.
   outs = list(triton_call(kernel, grid=(B * H, T // SUB), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           name="kda_prepare", num_warps=num_warps or 4, num_stages=1)(*args))
   q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
@@ -186,9 +185,9 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   queries (`prepare`'s qe, kq: against their own anchor R_I) times the chunk's keys ke rescaled for R_I, and tile
   I's rows of Qs, Kd and βΓK, `block_k` columns of K at a time; the chunk's state decay from tile 0's program; with
   `beta_by_head`, tile I's β again, heads before time (for the Mosaic solve's TMA). No exponential of a [64,K]
-  tile: `prepare` took them (v10 took them here for every anchor, four times the chunk's, and was issue-bound:
-  BUILD_NOTES run 10). With `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the
-  Mosaic solve's `diagonal_inverted`)."""
+  tile: `prepare` took them once (here they would be taken for every anchor, four times the chunk's). With
+  `invert_diagonal`, B's diagonal block I holds (I + βB_II)⁻¹ − I instead (for the Mosaic solve's
+  `diagonal_inverted`)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   aqk_ref, kk_ref, qs_ref, kd_ref, kgb_ref, decay_ref, *beta_t_ref = refs
   docs = TileDocs(reset_ref, pl.program_id(0))
@@ -222,7 +221,7 @@ def _key_tile_kernel(qe_ref, kq_ref, ke_ref, tot_ref, beta_ref, *refs, scale, lo
   if invert_diagonal:   # the diagonal block, masked, read back (registers cannot be sliced) and replaced
     diag = pl.ds(docs.i * SUB, SUB)
     barrier()
-    m = unit_lower_inverse(beta_i * kk_ref[:, diag], True)   # 0.02 ms less than substitution at 8x4096 (run 14)
+    m = unit_lower_inverse(beta_i * kk_ref[:, diag], True)   # by products: faster than substitution
     barrier()
     kk_ref[:, diag] = m - jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), 1.0, 0.0)
 
@@ -245,7 +244,7 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
 
 def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
                   block_cols=64, solve=None, invert_diagonal=False):
-  """The intra pass on `prepare`'s outputs (v12, BUILD_NOTES KDA run 12): the key-tile launch (`_key_tile_kernel`),
+  """The intra pass on `prepare`'s outputs: the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
   queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), the chunks' state decay (fp32
@@ -288,7 +287,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
                 pl.BlockSpec((None, SUB, None), lambda i, bh, n: (bh // H, n * NT + i, bh % H))]
       + [pl.BlockSpec((None, CHUNK), lambda i, bh, n: (bh // H, n))] * len(resets),
       out_specs=out_specs, out_shape=outs, name="kda_intra_fwd_key_tiles",
-      num_warps=num_warps or 2, num_stages=3)(qe, kq, ke, tot, beta, *resets)   # warps 2 (run 12), stages 3 (run 15)
+      num_warps=num_warps or 2, num_stages=3)(qe, kq, ke, tot, beta, *resets)   # the fastest on the H200
   if mosaic:
     w, u, minv = solve_mosaic.solve(beta_t[0], kk, kgb, v, save=save, diagonal_inverted=invert_diagonal)
     return w, u, qs, kd, aqk, decay, kk, minv
@@ -309,8 +308,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
 def walk_chunks(num_chunks, step, S, decay_ref, reverse=False):
   """S <- step(n, S, decay_row) over the chunks n (last to first with `reverse`), decay_row chunk n's state decay
   ([1,K], as loaded) read first in the chunk: Triton pipelines only loads that feed products, and this one, issued
-  where used, was waited for in every chunk (the state pass 0.246 ms against 0.265 at 8x4096; carried a chunk ahead
-  0.308: BUILD_NOTES KDA run 16)."""
+  where used, was waited for in every chunk (loaded a chunk ahead, it was slower still)."""
   chunk = (lambda i: num_chunks - 1 - i) if reverse else (lambda i: i)
   return jax.lax.fori_loop(0, num_chunks, lambda i, S: step(chunk(i), S, decay_ref[pl.ds(chunk(i), 1), :]), S)
 
@@ -408,7 +406,7 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
   kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, has_start=bool(starts))
-  num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200 (run 9)
+  num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200
   o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
                                 out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
                                 num_stages=2)(w, u, qs, kd, aqk, decay, *starts)

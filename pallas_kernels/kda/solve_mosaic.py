@@ -1,5 +1,5 @@
 """The intra pass's solve as a Mosaic GPU kernel (wgmma, TMA), one warpgroup per chunk: the default on Hopper for
-bf16 (`available`), 0.45 ms against the Triton `fwd._solve_kernel`'s 0.59 at 8×4096 (BUILD_NOTES KDA run 11).
+bf16 (`available`), faster there than the Triton `fwd._solve_kernel` (BUILD_NOTES.md, KDA kernels).
 
 wgmma takes fp32 operands (as tf32) only from shared memory and untransposed, so the products here run on bf16
 halves instead: x ≈ hi + lo, x·y ≈ hi·hi + hi·lo + lo·hi with fp32 accumulation (≈ 16 bits of mantissa, more than

@@ -1,8 +1,8 @@
 """The sequential state passes as Mosaic GPU kernels (wgmma, TMA), as `fwd.state_forward` and `bwd.state_backward`:
 one warpgroup per (batch·head, segment) keeps its [K,V] fp32 state (or its gradient) in registers, as the update's
-wgmma accumulator, and walks the chunks while TMA brings the next chunk's operands. At 8×4096 on the H200 the
-forward's takes 0.183 ms against the Triton pass's 0.245 (mma.sync from 4 warps that hold the state), the reverse
-pass 0.262 against 0.381 (BUILD_NOTES KDA run 17). On the CPU they run in Mosaic GPU's interpret mode.
+wgmma accumulator, and walks the chunks while TMA brings the next chunk's operands. On the H200 both are faster than
+the Triton passes, whose mma.sync runs from 4 warps that also hold the state (BUILD_NOTES.md, KDA kernels). On the
+CPU they run in Mosaic GPU's interpret mode.
 """
 from __future__ import annotations
 

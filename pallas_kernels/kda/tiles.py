@@ -3,7 +3,7 @@
 A chunk has C = 64 tokens, in 4 tiles of 16. Exponents are anchored at the start of each tile I (R_I, the
 cumulative log-decay before the tile), shifted by the constant c = 8·γ_min: causal (no later token moves an
 anchor), and with g >= γ_min >= -5.5 the query factor e^{G_i - R_I - c} and the key factor e^{R_I - G_j + c} of
-the diagonal tile both stay within e^{±8|γ_min|} (<= e^{44}), so the diagonal tile is a plain GEMM (SPEC.md §2)
+the diagonal tile both stay within e^{±8|γ_min|} (<= e^{44}), so the diagonal tile is a plain GEMM (docs/design.md, KDA)
 and neither factor underflows to a denormal (unshifted, the query side reaches e^{-80}). Off the diagonal the key
 factor is below e^{c}. The forward's first kernel writes the products' operands already against their own tile's
 anchor, with each tile's total log-decay (`TileAnchors` rescales keys from those), and for the backward each row's
@@ -244,19 +244,7 @@ class TileGates(TileAnchors):
 
   def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
     super().__init__(tile_totals(loc_ref, cols), docs, lower_bound)
-    # Queries of tile J >= i against anchor R_i take e^{R_J - R_i} = e^{Σ_{i<=P<J} tot_P}.
-    zero = jnp.zeros_like(self.tot[0])
-    self.query_span = [sum((jnp.where(p >= self.i, self.tot[p], 0.0) for p in range(j)), zero) for j in range(NT)]
-    self.loc_all = loc_ref[:, cols].astype(F32)                                           # tile start -> row
     self.loc = loc_ref[pl.ds(docs.i * SUB, SUB), cols].astype(F32)                        # [16,K], tile i
-
-  def keys_factor(self):
-    """[64,K]: e^{c - (G - R_J) + R_i - R_J} on rows of tiles J <= i, 0 after: the chunk's keys for anchor i."""
-    return jnp.exp(jnp.where(tile_of_row() <= self.i, self.c - self.loc_all + per_tile(self.key_span), -jnp.inf))
-
-  def queries_factor(self):
-    """[64,K]: e^{G - R_J - c + R_J - R_i} on rows of tiles J >= i, 0 before: the chunk's queries for anchor i."""
-    return jnp.exp(jnp.where(tile_of_row() >= self.i, self.loc_all - self.c + per_tile(self.query_span), -jnp.inf))
 
   def e_q(self):
     """[16,K]: the tile's query factor e^{G - R_i - c}."""
@@ -284,7 +272,7 @@ def store_block_diagonal(ref, blocks):
 
 def unit_lower_inverse(a, exact):
   """(I + a)⁻¹ of a strictly lower [n,n] a (the chunk's 64 rows, or a tile's 16), from [n,n] products only (no
-  substitution, so no row reductions: 4 warps spent most of v6's inverse launch in them). The 4x4 diagonal blocks by
+  substitution, so no row reductions, whose partial sums cross warps). The 4x4 diagonal blocks by
   their Neumann series I − n + n² − n³ (n⁴ = 0; no term above 3·max|n|³, unlike a long series), then doubling steps
   X ← X − X L X, L the blocks of a between the halves of each 8-, 16-, ... row block: the exact block inverse
   [[A⁻¹, 0], [−D⁻¹CA⁻¹, D⁻¹]]. `exact`: fp32 products, else tf32."""

@@ -1,0 +1,207 @@
+"""Long-context generation (docs/design.md, generation): a prompt prefilled in chunks from a preallocated cache,
+then a jitted decode loop, with per-row lengths throughout.
+
+- `init_cache(model, batch, max_len)`: empty per-layer caches (KDA state and conv state; MLA latents for
+  `max_len` positions) and each row's length (0).
+- `prefill_chunked(model, tokens_BT, lengths_B, chunk=…)`: row b's first `lengths_B[b]` tokens appended to its
+  cache `chunk` tokens at a time; each chunk runs the KDA kernels from the previous state and attends over the MLA
+  latents cached so far, so no layer ever holds more than `chunk` tokens of activations. One compile per
+  (batch, chunk, max_len). Returns the logits after each row's last token and the cache.
+- `decode_loop(model, logits_BV, cache, rng, max_new=…, options=…)`: samples a token per row from the logits,
+  feeds it, and repeats inside one `lax.while_loop` (the cache donated: updated in place) until every row is
+  done: a stop token, its own budget `max_new_B[b]`, or a full cache. One compile per (batch, max_len, max_new,
+  options). Returns the new tokens `[B, max_new]` (`options.pad_id` after a row is done), how many each row got,
+  and the cache, which holds every token fed so far (not each row's last sampled token).
+
+Rows are independent: a row's tokens never see another row's, and padding (a row shorter than the chunk) leaves
+its caches as they were (`KDALayer.prefill_chunk`, `GatedMLA.prefill_chunk`).
+
+The layers run as in training (`K3Model.run_layers`: the scanned groups under one scan, their caches stacked over
+the groups as their parameters are), each token mixer's training call replaced by its cached one.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import sampling
+from k3jax.layers import attnres
+from k3jax.layers.kda import KDALayer
+
+
+@flax.struct.dataclass
+class GenerationCache:
+  """A `KDACache` or `MLACache` per unrolled decoder layer (`layers`, in the order of `K3Model.layers`) and per
+  position of the scanned group (`groups`, as `K3Model.groups`: each array stacked over the groups on a leading
+  axis; None when nothing is scanned), and each row's length: the tokens its caches hold, which is also the
+  position its next token takes."""
+  layers: tuple
+  groups: tuple | None
+  lengths_B: jax.Array                                   # int32 [B]
+  max_len: int = flax.struct.field(pytree_node=False)   # positions the MLA caches hold
+
+
+def init_cache(model, batch: int, max_len: int) -> GenerationCache:
+  """Empty caches for `batch` rows of up to `max_len` tokens each (MLA: `batch × max_len × kv_lora_rank` latents in
+  the compute dtype; KDA: a fixed state per row)."""
+  if batch < 1 or max_len < 1:
+    raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
+  empty = lambda layer: layer.mixer.init_cache(batch, max_len)
+  stacked = lambda c: jax.tree.map(lambda x: jnp.repeat(x[None], model.plan.num_groups, axis=0), c)
+  groups = None if model.groups is None else tuple(stacked(empty(layer)) for layer in model.groups)
+  return GenerationCache(layers=tuple(empty(layer) for layer in model.layers), groups=groups,
+                         lengths_B=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+
+
+def cache_bytes(cache) -> int:
+  """Bytes of every array in a cache."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def prefill_chunk(model, cache: GenerationCache, tokens_BT, lengths_B):
+  """Row b's first `lengths_B[b]` tokens of `tokens_BT` (0..T; the rest padding) appended to its cache.
+  Returns (fp32 logits after each row's last token of the chunk `[B, V]`; arbitrary for rows with none, the
+  advanced cache)."""
+  stream = attnres.start(model._embed(tokens_BT), model.mode)
+  start_B = cache.lengths_B
+  mix = lambda mixer, x, layer_cache: mixer.prefill_chunk(x, layer_cache, start_B, lengths_B)
+  stream, cache = _run_layers(model, stream, cache, mix)
+  last_B = jnp.maximum(lengths_B - 1, 0)
+  last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_B[:, None, None], axis=1), stream)
+  return model._logits(last)[:, 0], cache.replace(lengths_B=start_B + lengths_B)
+
+
+def decode_step(model, cache: GenerationCache, token_B, active_B):
+  """One token per row at the row's own position `cache.lengths_B[b]`; rows not `active_B` keep their caches and
+  length (their logits are arbitrary). Returns (fp32 logits `[B, V]`, the advanced cache)."""
+  stream = attnres.start(model._embed(token_B[:, None]), model.mode)
+  pos_B = cache.lengths_B
+
+  def mix(mixer, x, layer_cache):
+    y, new = mixer.decode(x, layer_cache) if isinstance(mixer, KDALayer) else mixer.decode_rows(x, layer_cache, pos_B)
+    return y, layer_cache.keep_rows(new, active_B)
+
+  stream, cache = _run_layers(model, stream, cache, mix)
+  return model._logits(stream)[:, 0], cache.replace(lengths_B=pos_B + active_B.astype(jnp.int32))
+
+
+def _run_layers(model, stream, cache: GenerationCache, mix: Callable):
+  """`stream` through every decoder layer, `mix(token mixer, its input, its cache) -> (output, cache)` in place of
+  the mixer's training call; returns (stream, the cache with every layer's new cache; lengths unchanged)."""
+  run = lambda layer, s, closes, c: layer._apply(s, closes, lambda x: mix(layer.mixer, x, c))
+  stream, (layers, groups), _ = model.run_layers(stream, run, (cache.layers, cache.groups))
+  return stream, cache.replace(layers=layers, groups=groups)
+
+
+def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: int | None = None,
+                    cache: GenerationCache | None = None, progress: Callable[[int, int], None] | None = None,
+                    step=None):
+  """Row b's first `lengths_B[b]` tokens (1..T; all T when None) appended to `cache` (a new one of `max_len`
+  positions when None; a given cache is consumed: donated) `chunk` tokens at a time. `progress(tokens done, tokens
+  in all)` after each chunk (dispatched, not finished). `step`: the chunk step compiled ahead (`lower`), else
+  jitted here. Returns (fp32 logits after each row's last token `[B, V]`, the cache)."""
+  tokens_BT = jnp.asarray(tokens_BT)
+  if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+    raise ValueError(f"tokens_BT must be a non-empty integer array [B,T], got {tokens_BT.dtype}{tokens_BT.shape}")
+  B, T = tokens_BT.shape
+  lengths = np.full((B,), T) if lengths_B is None else np.asarray(lengths_B)
+  if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer) or lengths.min() < 1 or lengths.max() > T:
+    raise ValueError(f"lengths_B must be B={B} ints in [1, T={T}], got {lengths_B!r}")
+  if not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+  if cache is None:
+    if max_len is None:
+      raise ValueError("prefill_chunked needs max_len (or a cache)")
+    cache = init_cache(model, B, max_len)
+  have = np.asarray(cache.lengths_B)
+  if have.shape != (B,):
+    raise ValueError(f"the cache holds {have.shape[0]} rows, the tokens {B}")
+  if int((have + lengths).max()) > cache.max_len:
+    raise ValueError(f"the cache holds {cache.max_len} positions; a row would reach {int((have + lengths).max())}")
+  num_chunks = -(-int(lengths.max()) // chunk)
+  tokens_BT = jnp.pad(tokens_BT.astype(jnp.int32), ((0, 0), (0, max(0, num_chunks * chunk - T))))
+  graphdef, state = nnx.split(model)
+  step = step or functools.partial(_prefill_step, graphdef)
+  logits = jnp.zeros((B, model.vocab_size), jnp.float32)
+  for c in range(num_chunks):
+    n_B = jnp.asarray(np.clip(lengths - c * chunk, 0, chunk), jnp.int32)
+    logits, cache = step(state, cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)
+    if progress is not None:
+      progress(int(np.clip(lengths, 0, (c + 1) * chunk).sum()), int(lengths.sum()))
+  return logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "logits_BV"))
+def _prefill_step(graphdef, state, cache, tokens_BT, lengths_B, logits_BV):
+  new, cache = prefill_chunk(nnx.merge(graphdef, state), cache, tokens_BT, lengths_B)
+  return jnp.where((lengths_B > 0)[:, None], new, logits_BV), cache
+
+
+def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_new_B=None,
+                options: sampling.SamplingOptions = sampling.SamplingOptions(), loop=None):
+  """Up to `max_new` (static) new tokens per row, row b's budget `max_new_B[b]` (≤ max_new; all max_new when None),
+  sampled from `logits_BV` (the prefill's) and then from each step's. A row is done after a stop token
+  (`options.stop_tokens`), its budget, or when its cache is full. The cache is consumed (donated). `loop`: the
+  decode loop compiled ahead (`lower`, for these max_new and options), else jitted here. Returns (int32 tokens
+  `[B, max_new]`, pad_id after each row's end; int32 `[B]` tokens each row got; the cache, which holds every token
+  but each row's last)."""
+  B = cache.lengths_B.shape[0]
+  if not isinstance(max_new, int) or max_new < 1:
+    raise ValueError(f"max_new must be a positive int, got {max_new!r}")
+  budget = np.full((B,), max_new) if max_new_B is None else np.asarray(max_new_B)
+  if budget.shape != (B,) or budget.min() < 1 or budget.max() > max_new:
+    raise ValueError(f"max_new_B must be B={B} ints in [1, max_new={max_new}], got {max_new_B!r}")
+  if logits_BV.shape != (B, model.vocab_size):
+    raise ValueError(f"logits must be [B={B}, V={model.vocab_size}], got {tuple(logits_BV.shape)}")
+  graphdef, state = nnx.split(model)
+  loop = loop or functools.partial(_decode_loop, graphdef, max_new=max_new, options=options)
+  return loop(state, cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))
+
+
+def lower(model, batch: int, max_len: int, *, chunk: int, max_new: int,
+          options: sampling.SamplingOptions = sampling.SamplingOptions()):
+  """(prefill chunk step, decode loop) lowered for `batch` rows, a cache of `max_len`, chunks of `chunk` tokens and
+  `max_new` decoded tokens: `.compile()` them (in threads: XLA compiles outside the GIL) and pass them to
+  `prefill_chunked(step=…)` and `decode_loop(loop=…)`."""
+  graphdef, state = nnx.split(model)
+  cache = jax.eval_shape(lambda: init_cache(model, batch, max_len))
+  rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  logits = jax.ShapeDtypeStruct((batch, model.vocab_size), jnp.float32)
+  step = _prefill_step.lower(graphdef, state, cache, jax.ShapeDtypeStruct((batch, chunk), jnp.int32), rows, logits)
+  loop = _decode_loop.lower(graphdef, state, cache, logits, jax.random.PRNGKey(0), rows, max_new=max_new,
+                            options=options)
+  return step, loop
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "options"), donate_argnames=("cache",))
+def _decode_loop(graphdef, state, cache, logits_BV, rng, budget_B, *, max_new, options):
+  model = nnx.merge(graphdef, state)
+  B = budget_B.shape[0]
+  pick = lambda logits, t: sampling.sample(logits, jax.random.fold_in(rng, t), temperature=options.temperature,
+                                           top_p=options.top_p)
+  token = pick(logits_BV, 0)
+  out_BN = jnp.full((B, max_new), options.pad_id, jnp.int32).at[:, 0].set(token)
+  got_B = jnp.ones((B,), jnp.int32)
+  done_B = sampling.finished(jnp.zeros((B,), bool), token, got_B, budget_B, options.stop_tokens)
+
+  def cond(carry):
+    t, _, done_B, _, _, cache = carry
+    return (t < max_new) & ~jnp.all(done_B | (cache.lengths_B >= cache.max_len))
+
+  def body(carry):
+    t, token_B, done_B, got_B, out_BN, cache = carry
+    active_B = ~done_B & (cache.lengths_B < cache.max_len)
+    logits, cache = decode_step(model, cache, token_B, active_B)
+    token_B = jnp.where(active_B, pick(logits, t), options.pad_id)
+    got_B = got_B + active_B.astype(jnp.int32)
+    done_B = ~active_B | sampling.finished(done_B, token_B, got_B, budget_B, options.stop_tokens)
+    return t + 1, token_B, done_B, got_B, out_BN.at[:, t].set(token_B), cache
+
+  _, _, _, got_B, out_BN, cache = jax.lax.while_loop(cond, body, (jnp.int32(1), token, done_B, got_B, out_BN, cache))
+  return out_BN, got_B, cache

@@ -1,0 +1,157 @@
+"""Where a compiled program's device time goes: its kernels traced by the JAX profiler, grouped by kind.
+
+Kinds (first rule that matches a kernel's name, its HLO instruction's custom-call target or its op_name scope):
+  kda           the KDA Pallas kernels (`kda_*`)
+  grouped_gemm  the MoE grouped GEMMs (Mosaic kernels under the `grouped_gemm` scope, `*ragged_dot*`)
+  attention     cuDNN / flash attention
+  gemm          cuBLAS / cutlass / XLA-Triton matrix products (on a CPU: dot and YNNPACK fusions)
+  collective    NCCL and XLA collectives
+  dispatch      sorts, scatters and gathers (MoE dispatch under the `moe_dispatch` scope, embedding, top-k)
+  other         every other fusion, copy and memset: elementwise and reduction glue
+Glue is everything but gemm, grouped_gemm, attention and kda; it is also split by the layers' named scopes (SCOPES,
+found in a kernel's op_name; "unscoped" for the rest: embedding, loss, optimizer, ...). On a GPU the times are
+the device streams' kernel events; on a CPU they are XLA:CPU's thunks (they overlap on its thread pool: proportions,
+not a timeline).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+import warnings
+from typing import Callable
+
+import jax
+
+from k3jax.ops.moe_dispatch import SCOPE as DISPATCH_SCOPE
+from pallas_kernels.grouped_gemm.ops import SCOPE as GROUPED_GEMM_SCOPE
+
+KINDS = ("gemm", "grouped_gemm", "attention", "kda", "dispatch", "collective", "other")
+COMPUTE = ("gemm", "grouped_gemm", "attention", "kda")  # the rest is glue
+SCOPES = ("moe", "kda", "mla", "ffn", "attnres", "balancer")  # the layers' named scopes
+_GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|gemv|cublas|matmul|onednn|^dot\b|^ynn_fusion", re.IGNORECASE)
+_COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|all[-_]?to[-_]?all|reduce[-_]?scatter|"
+                         r"collective[-_]?permute", re.IGNORECASE)
+_DISPATCH = re.compile(r"sort|scatter|gather|radix|top_?k", re.IGNORECASE)
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\b([\w\-]+)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  name: str            # the kernel (GPU) or thunk (CPU)
+  kind: str
+  launches: float      # per call
+  ms: float            # per call
+  op_name: str = ""    # the JAX op_name of its HLO instruction, when the trace names one
+
+  @property
+  def scope(self) -> str:
+    """The outermost of SCOPES in the op_name ("unscoped" when none)."""
+    found = [(m.start(), s) for s in SCOPES for m in [re.search(rf"\b{s}\b", self.op_name)] if m]
+    return min(found)[1] if found else "unscoped"
+
+
+def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:
+  """The kind (one of KINDS) of a kernel from its name, its HLO instruction's custom-call target and op_name."""
+  in_scope = lambda scope: re.search(rf"\b{scope}\b", op_name) is not None
+  if name.startswith("kda_"):
+    return "kda"
+  mosaic = target.startswith("mosaic_gpu") or "mosaic_gpu" in name
+  # Without an op_name (a trace that names no HLO op), the model's only other Mosaic kernels are KDA's, named above.
+  if "ragged_dot" in name or (mosaic and (in_scope(GROUPED_GEMM_SCOPE) or not op_name)):
+    return "grouped_gemm"
+  if re.search(r"cudnn|fmha|flash|sdpa", f"{name} {target}", re.IGNORECASE):
+    return "attention"
+  if _GEMM.search(name) or "cublas" in target:
+    return "gemm"
+  if _COLLECTIVE.search(name) or _COLLECTIVE.search(target):
+    return "collective"
+  if _DISPATCH.search(name) or in_scope(DISPATCH_SCOPE):
+    return "dispatch"
+  return "other"
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """Instruction name -> (custom-call target or opcode, op_name), from a compiled program's HLO text."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _HLO_LINE.match(line)
+    if m:
+      target, op_name = _TARGET.search(line), _OP_NAME.search(line)
+      out[m.group(1)] = (target.group(1) if target else m.group(2), op_name.group(1) if op_name else "")
+  return out
+
+
+def trace_kernels(run: Callable[[], object], *, calls: int, hlo_text: str = "") -> list[Kernel]:
+  """Runs `run()` (which makes `calls` calls of a compiled program and returns their outputs) under the profiler,
+  and returns the program's kernels per call, slowest first. `hlo_text` (the compiled program's `as_text()`) names
+  their instructions' custom-call targets and op_names; without it, kinds come from kernel names alone."""
+  from jax.profiler import ProfileData
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      jax.block_until_ready(run())
+    path, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
+    module = re.match(r"HloModule ([^\s,]+)", hlo_text)
+    events = list(_kernel_events(ProfileData.from_file(path), module and module.group(1)))
+  instructions = hlo_instructions(hlo_text)
+  launches, ns, ops = collections.Counter(), collections.Counter(), {}
+  for name, hlo_op, duration_ns in events:
+    launches[name] += 1
+    ns[name] += duration_ns
+    ops.setdefault(name, instructions.get(hlo_op, ("", "")))
+  kernels = [Kernel(name, kernel_kind(name, *ops[name]), launches[name] / calls, ns[name] / calls / 1e6,
+                    ops[name][1]) for name in ns]
+  return sorted(kernels, key=lambda k: -k.ms)
+
+
+def _kernel_events(profile, module: str | None):
+  """(name, HLO instruction, duration ns) of each kernel of `module` (any when None; events that name no module are
+  kept): the GPU planes' stream lines (their derived "XLA Ops" line repeats the same time), else XLA:CPU's thunks
+  (host events that name an HLO op)."""
+  gpu = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+  for plane in gpu or [p for p in profile.planes if p.name.startswith("/host:CPU")]:
+    for line in plane.lines:
+      if gpu and not line.name.startswith("Stream #"):
+        continue
+      for event in line.events:
+        with warnings.catch_warnings():  # the stats' C type warns of a missing __module__ when iterated
+          warnings.simplefilter("ignore", DeprecationWarning)
+          stats = dict(event.stats)
+        if (gpu or "hlo_op" in stats) and stats.get("hlo_module", module) in (module, None):
+          yield event.name, stats.get("hlo_op", ""), event.duration_ns
+
+
+def breakdown(kernels: list[Kernel]) -> dict:
+  """Per kind: ms and launches per call; the total, and the glue's share."""
+  kinds = {kind: {"ms": 0.0, "launches": 0.0} for kind in KINDS}
+  for k in kernels:
+    kinds[k.kind]["ms"] += k.ms
+    kinds[k.kind]["launches"] += k.launches
+  glue_by_scope = collections.Counter()
+  for k in kernels:
+    if k.kind not in COMPUTE:
+      glue_by_scope[k.scope] += k.ms
+  total = sum(v["ms"] for v in kinds.values())
+  glue = sum(glue_by_scope.values())
+  return {"kinds": kinds, "total_ms": total, "launches": sum(v["launches"] for v in kinds.values()),
+          "glue_share": glue / total if total else None, "glue_by_scope": dict(glue_by_scope.most_common())}
+
+
+def format_breakdown(summary: dict, kernels: list[Kernel], *, top: int = 15) -> str:
+  """The kinds table, then the `top` slowest kernels with their op_names."""
+  total = summary["total_ms"] or float("nan")
+  lines = [f"{'kind':<13} {'ms/step':>9} {'share':>6} {'launches':>9}"]
+  for kind, v in summary["kinds"].items():
+    lines.append(f"{kind:<13} {v['ms']:>9.2f} {v['ms'] / total:>6.1%} {v['launches']:>9.0f}")
+  glue = "-" if summary["glue_share"] is None else f"{summary['glue_share']:.1%}"
+  lines.append(f"{'total':<13} {summary['total_ms']:>9.2f} {'':>6} {summary['launches']:>9.0f}   glue {glue}")
+  lines.append("glue by scope: " + ", ".join(f"{s} {ms:.2f} ms" for s, ms in summary["glue_by_scope"].items()))
+  lines.append(f"slowest {top}:")
+  for k in kernels[:top]:
+    lines.append(f"  {k.ms:>8.3f} ms x{k.launches:<5g} {k.kind:<12} {k.name[:70]}  {k.op_name[-80:]}")
+  return "\n".join(lines)

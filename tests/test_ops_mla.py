@@ -1,0 +1,81 @@
+"""MLA attention over a latent cache: the blocked chunk attention and the absorbed decode against dense float64
+formulas, with per-row starts and lengths, blocks that do not divide the cache, and the cache writes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops import mla
+from kda_testing import rel_err
+
+B, H, D, DV, R = 3, 2, 8, 6, 12
+
+
+def _dense_chunk_reference(q, ckv, start, w_uk, w_uv, scale):
+  """Query t of row b (position start_b + t) attends to positions 0..start_b + t: float64 NumPy."""
+  q, ckv, w_uk, w_uv = (np.asarray(a, np.float64) for a in (q, ckv, w_uk, w_uv))
+  k, v = np.einsum("blr,rhd->blhd", ckv, w_uk), np.einsum("blr,rhv->blhv", ckv, w_uv)
+  s = np.einsum("bthd,blhd->bhtl", q, k) * scale
+  T, L = q.shape[1], ckv.shape[1]
+  qpos = np.asarray(start)[:, None] + np.arange(T)[None]
+  allowed = np.arange(L)[None, None] <= qpos[:, :, None]                                 # [B,T,L]
+  s = np.where(allowed[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bhtl,blhv->bthv", p, v)
+
+
+def _draw(seed, T, L):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return (jax.random.normal(ks[0], (B, T, H, D)), jax.random.normal(ks[1], (B, L, R)),
+          jax.random.normal(ks[2], (R, H, D)) * R ** -0.5, jax.random.normal(ks[3], (R, H, DV)) * R ** -0.5)
+
+
+@pytest.mark.parametrize("query_block,key_block", [(3, 5), (4, 7), (64, 64)])
+def test_chunk_attention_matches_dense_formula_with_per_row_starts(query_block, key_block):
+  """L = 23 positions: key blocks of 5 and 7 leave a last block shifted back over the previous one; query tiles of
+  3 and 4 do not divide T = 10; 64 is one block of each."""
+  T, L = 10, 23
+  q, ckv, w_uk, w_uv = _draw(0, T, L)
+  start = jnp.asarray([0, 7, 13], jnp.int32)
+  got = jax.jit(lambda *a: mla.chunk_attention(*a, scale=0.3, query_block=query_block, key_block=key_block))(
+      q, ckv, start, w_uk, w_uv)
+  assert got.shape == (B, T, H, DV)
+  assert rel_err(got, _dense_chunk_reference(q, ckv, start, w_uk, w_uv, 0.3)) < 1e-5
+
+
+def test_write_latents_writes_each_rows_valid_tokens_at_its_start_and_nothing_else():
+  ckv = jax.random.normal(jax.random.PRNGKey(1), (B, 9, R))
+  c = jax.random.normal(jax.random.PRNGKey(2), (B, 4, R))
+  start, lengths = jnp.asarray([0, 3, 7]), jnp.asarray([4, 2, 2])
+  out = np.asarray(mla.write_latents(ckv, c, start, lengths))
+  want = np.array(ckv)
+  for b in range(B):
+    want[b, int(start[b]):int(start[b] + lengths[b])] = np.asarray(c)[b, :int(lengths[b])]
+  np.testing.assert_array_equal(out, want)
+
+
+def test_decode_attention_xla_matches_dense_formula_with_per_row_lengths():
+  L = 17
+  q = jax.random.normal(jax.random.PRNGKey(3), (B, H, R))
+  ckv = jax.random.normal(jax.random.PRNGKey(4), (B, L, R))
+  lengths = jnp.asarray([1, 9, L], jnp.int32)
+  got = mla.decode_attention(q, ckv, lengths, scale=0.25, impl="xla")
+  q64, c64 = np.asarray(q, np.float64), np.asarray(ckv, np.float64)
+  s = np.einsum("bhr,blr->bhl", q64, c64) * 0.25
+  s = np.where(np.arange(L)[None, None] < np.asarray(lengths)[:, None, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  assert rel_err(got, np.einsum("bhl,blr->bhr", p / p.sum(-1, keepdims=True), c64)) < 1e-5
+
+
+def test_decode_impl_choice_and_refusals():
+  assert mla.pick_decode_impl("xla", 256, 4096) == "xla"
+  assert mla.pick_decode_impl("auto", 256, 4096) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+  assert mla.pick_decode_impl("auto", 96, 4096) == "xla"
+  with pytest.raises(ValueError, match="power of two >= 16"):
+    mla.pick_decode_impl("pallas", 24, 4096)
+  with pytest.raises(ValueError, match="cache of >= 16"):
+    mla.pick_decode_impl("pallas", 32, 8)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    mla.decode_attention(jnp.zeros((1, 1, 16)), jnp.zeros((1, 4, 16)), jnp.ones((1,), jnp.int32), scale=1.0,
+                         impl="cuda")
