@@ -20,10 +20,12 @@ MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
 BALANCERS = ("quantile", "none", "aux_loss", "sign")
 BALANCER_METHODS = ("exact", "histogram")
 DTYPES = ("float32", "bfloat16", "float16")
-# What each decoder layer (unrolled or scanned) keeps for its backward pass: "none" everything (no
-# rematerialisation), "full" only its inputs (the rest is recomputed in the backward pass), "save_kda_out" its
-# inputs and the KDA kernels' output (the kernels' VJP recomputes from the layer's inputs, so with the output kept
-# the KDA forward runs once more, not twice).
+# What each decoder layer keeps for its backward pass (the jax.checkpoint policy of an unrolled layer, by name):
+# "none" everything (no rematerialisation); "full" only its inputs (the rest is recomputed in the backward pass);
+# "save_kda_out" its inputs and the KDA kernels' output (the kernels' VJP recomputes from the layer's inputs, so
+# with the output kept the KDA forward runs once more, not twice). The scanned groups, under either of the last
+# two, keep each layer's input and recompute the layer once in the backward pass, from which its VJP keeps what it
+# needs (`k3jax.model.recomputing_scan`): the KDA forward runs once more, no KDA output is kept.
 REMAT_POLICIES = ("none", "full", "save_kda_out")
 
 

@@ -8,8 +8,9 @@ Layers run as `config.layer_plan` says: the repeating group of the layer pattern
 its FFN) under one `jax.lax.scan` over parameters stacked on a leading axis (`K3Model.groups`), so a deep model
 traces and compiles one group; the layers outside the repetition (a dense first layer, a remainder, a forced last
 layer) one by one (`K3Model.layers`). The residual stream crosses the scan as an `attnres.Carry`. Rematerialisation
-(`model.remat`) is per layer, in the scan as outside it: rematerialising a whole group would hold all its layers'
-activations at once in the backward pass.
+(`model.remat`) is per layer, in the scan as outside it (a whole group would hold all its layers' activations at
+once in the backward pass): `jax.checkpoint` with the policy named for an unrolled layer, `recomputing_scan` for
+the groups, which keeps the carry's buffer of AttnRes sources once rather than once per group.
 
 Initialisation: embedding N(0, 1); untied LM head N(0, 1/d); a tied head reuses the embedding scaled by d^-0.5.
 The layers are initialised one by one in layer order, then stacked: a scanned model starts from the parameters of
@@ -92,15 +93,14 @@ class DecoderLayer(nnx.Module):
     return stream, cache, stats
 
 
-def _layer_unit(layer, run, closes, remat: str, **checkpoint_kwargs):
-  """`(stream, cache) -> run(layer, stream, closes, cache)`, rematerialised as `remat` names. Under jax.checkpoint
-  it runs as a pure function of the layer's state (nnx.remat would write every variable back, the balancer state
-  too, which lives outside the gradient's trace and may not be written from inside it)."""
+def _layer_unit(layer, run, closes, remat: str):
+  """`(stream, cache) -> run(layer, stream, closes, cache)` for an unrolled layer, rematerialised as `remat` names.
+  Under jax.checkpoint it runs as a pure function of the layer's state (nnx.remat would write every variable back,
+  the balancer state too, which lives outside the gradient's trace and may not be written from inside it)."""
   if remat == "none":
     return lambda stream, cache: run(layer, stream, closes, cache)
   graphdef, state = nnx.split(layer)
-  fn = jax.checkpoint(lambda st, s, c: run(nnx.merge(graphdef, st), s, closes, c), policy=REMAT_POLICIES[remat],
-                      **checkpoint_kwargs)
+  fn = jax.checkpoint(lambda st, s, c: run(nnx.merge(graphdef, st), s, closes, c), policy=REMAT_POLICIES[remat])
   return lambda stream, cache: fn(state, stream, cache)
 
 
@@ -196,28 +196,35 @@ class K3Model(nnx.Module):
     """The scanned groups: (stream after them, stacked caches per position, stacked MoE stats per position)."""
     plan, closes = self.plan, self.closes
     count = attnres.num_sources(self.mode, [c for layer in closes[:plan.end] for c in layer])
-    flags_PG2 = np.array([[closes[i] for i in plan.position(j)] for j in range(plan.group_size)], bool)
+    flags_GP2 = np.array([[closes[i] for i in plan.position(j)] for j in range(plan.group_size)], bool)
+    flags_GP2 = flags_GP2.transpose(1, 0, 2)
     # A flag equal in every group stays a Python bool (no select in the body); the others are scanned over.
-    static = [[bool(f[0]) if f.all() or not f.any() else None for f in flags_PG2[j].T]
+    static = [[bool(f[0]) if f.all() or not f.any() else None for f in flags_GP2[:, j].T]
               for j in range(plan.group_size)]
-    graphdef, state = nnx.split(self.groups)
+    graphdefs, params, rest = zip(*(nnx.split(layer, nnx.Param, ...) for layer in self.groups))
 
-    def body(carry, xs):
-      state_g, flags_P2, caches_g = xs
-      group = nnx.merge(graphdef, state_g)
-      out_caches, out_stats = [], []
-      for j, layer in enumerate(group):
-        layer_closes = tuple(flags_P2[j, s] if static[j][s] is None else static[j][s] for s in (0, 1))
-        with jax.named_scope(f"position_{j}"):
-          carry, cache, layer_stats = _layer_unit(layer, run, layer_closes, remat, prevent_cse=False)(
-              carry, None if caches_g is None else caches_g[j])
-        out_caches.append(cache)
-        out_stats.append(layer_stats)
-      return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
+    def layer_step(j, params_j, rest_j, flags_P2, carry, cache):
+      layer_closes = tuple(flags_P2[j, s] if static[j][s] is None else static[j][s] for s in (0, 1))
+      with jax.named_scope(f"position_{j}"):
+        return run(nnx.merge(graphdefs[j], params_j, rest_j), carry, layer_closes, cache)
 
+    carry = attnres.to_carry(stream, count)
+    flags = jnp.asarray(flags_GP2)
     with jax.named_scope("groups"):
-      carry, (caches, stats) = jax.lax.scan(body, attnres.to_carry(stream, count),
-                                            (state, jnp.asarray(flags_PG2.transpose(1, 0, 2)), caches))
+      if remat == "none" or caches is not None:
+        def body(carry, xs):
+          params_g, rest_g, flags_P2, caches_g = xs
+          out_caches, out_stats = [], []
+          for j in range(plan.group_size):
+            carry, cache, layer_stats = layer_step(j, params_g[j], rest_g[j], flags_P2, carry,
+                                                   None if caches_g is None else caches_g[j])
+            out_caches.append(cache)
+            out_stats.append(layer_stats)
+          return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
+        carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
+      else:
+        step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
+        carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
@@ -270,6 +277,84 @@ def _check_tokens(tokens_BT, segment_ids_BT):
                                      or not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer)):
     raise ValueError(f"segment_ids_BT must be an integer array shaped like tokens {tuple(tokens_BT.shape)}, got "
                      f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
+
+
+def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G):
+  """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input.
+
+  `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
+  `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
+  differentiated) hold a tuple per position of arrays stacked over the groups. Returns (the flushed carry after the
+  last group, per position the MoE stats stacked over the groups).
+
+  The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
+  in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
+  layer's VJP on its input with that final buffer in place of the one it read: the read-outs mask the buffer to the
+  first `count` sources, and those slots never change once written, so the layer sees what it saw. Under
+  `jax.checkpoint` inside a `lax.scan` the scan would instead keep the buffer of every group.
+  """
+  def group(carry, xs):
+    params_g, rest_g, xs_g = xs
+    inputs, stats = [], []
+    for j in range(num_positions):
+      inputs.append(carry.replace(sources_NBTD=None))
+      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
+      stats.append(layer_stats)
+    return attnres.flush(carry), (tuple(stats), tuple(inputs))
+
+  @jax.custom_vjp
+  def groups(params_G, rest_G, xs_G, carry):
+    carry, (stats, _) = jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
+    return carry, stats
+
+  def forward(params_G, rest_G, xs_G, carry):
+    def kept_group(carry, xs):  # the layers' inputs, each array once (a closed sum is also the next partial sum)
+      carry, (stats, inputs) = group(carry, xs)
+      leaves, treedef = jax.tree.flatten(inputs)
+      unique = list({id(x): x for x in leaves}.values())
+      layout.append((treedef, [[id(u) for u in unique].index(id(x)) for x in leaves]))
+      return carry, (stats, unique)
+    layout = []
+    carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_G, rest_G, xs_G))
+    treedef, index = layout[0]
+    inputs_G = jax.tree.unflatten(treedef, [unique_G[i] for i in index])
+    return (carry, stats), (params_G, rest_G, xs_G, inputs_G, carry.sources_NBTD)
+
+  def backward(residuals, cotangents):
+    params_G, rest_G, xs_G, inputs_G, sources = residuals
+    d_carry, d_stats_G = cotangents
+
+    def layer_vjp(j, params_j, rest_j, xs_g, input_carry, d_out, d_stats):
+      """(d params_j, d input) of layer j (then the flush, for the last position); the differentiable part of a
+      carry is (buffer, partial sum, closed sums)."""
+      flags = [closed for _, closed in input_carry.closed]
+
+      def fn(params_j, diff):
+        sources, partial, closed = diff
+        c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)))
+        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
+        if j == num_positions - 1:
+          c = attnres.flush(c)
+        return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
+
+      diff = (sources, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed))
+      _, vjp = jax.vjp(fn, params_j, diff)
+      return vjp((d_out, d_stats))
+
+    def body(d, xs):
+      params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
+      d_params = [None] * num_positions
+      for j in reversed(range(num_positions)):
+        d_params[j], d = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], d, d_stats_g[j])
+      return d, tuple(d_params)
+
+    (d_sources, d_partial, _), d_params_G = jax.lax.scan(
+        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_G, rest_G, xs_G, inputs_G, d_stats_G),
+        reverse=True)
+    return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, partial_BTD=d_partial)
+
+  groups.defvjp(forward, backward)
+  return groups(params_G, rest_G, xs_G, carry)
 
 
 def unstacked_ndim(path, x) -> int:

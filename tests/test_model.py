@@ -188,6 +188,23 @@ def test_scanned_groups_give_the_unrolled_loss_gradients_stats_and_balancer_upda
     assert float(jnp.abs(a).max()) > 0 and rel_err(b, a) < 1e-5
 
 
+def test_the_scanned_backward_keeps_the_source_buffer_once_not_per_group():
+  # Rematerialised, each layer keeps its input for the backward pass. Unrolled, the AttnRes sources are arrays of
+  # their own, kept once; scanned, they live in a buffer the scan carries, which a scan's own VJP would keep at
+  # every group. Kept here: the arrays with a token axis (activations) of jax.vjp's residuals, traced only.
+  T_ = 200
+  def kept_bytes(scan):
+    cfg = small_config(**{**SCANNED, "remat": "full", "scan_layers": scan})
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((2, T_), jnp.int32))[0])
+    residuals = jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(loss, p)[1]), params)
+    return sum(x.size * x.dtype.itemsize for x in residuals if T_ in x.shape)
+  buffer = 3 * 2 * T_ * 32 * 4    # x_0 and the two blocks' sums, fp32 [B, T, D]
+  unrolled, scanned = kept_bytes(False), kept_bytes(True)
+  # The final buffer, and the zero slots the scan's first buffer is padded with (a constant).
+  assert unrolled < scanned <= unrolled + 2 * buffer, (unrolled, scanned)
+
+
 def test_decode_with_scanned_groups_matches_the_full_forward():
   model = shared_model(tuple(SCANNED.items()))
   assert model.plan.num_groups == 2

@@ -176,8 +176,10 @@ def test_scanned_train_steps_match_the_unrolled_ones():
   # The layers are initialised one by one in layer order and then stacked, so both models start from the same
   # parameters. Muon orthogonalises the stacked matrices over their batch axis; quantile balancing updates the
   # stacked MoE layers from stacked micro-batch stats.
-  scanned_cfg = small_config(**SCANNED)
-  (m1, s1), (m2, s2) = _run_steps(small_config(**SCANNED, scan_layers=False), 2), _run_steps(scanned_cfg, 2)
+  # Rematerialised (the scanned groups' own recomputing VJP) under the scan over micro-batches.
+  scanned_cfg = small_config(**SCANNED, remat="save_kda_out")
+  unrolled_cfg = small_config(**SCANNED, remat="save_kda_out", scan_layers=False)
+  (m1, s1), (m2, s2) = _run_steps(unrolled_cfg, 2), _run_steps(scanned_cfg, 2)
   to_scanned = lambda s: state_lib.TrainState(s.step, *(model.scanned_layout(x, scanned_cfg)
                                                          for x in (s.params, s.opt_state, s.balancer, s.other)))
   first, second = to_scanned(s1[0]), to_scanned(s1[1])
