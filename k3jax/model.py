@@ -18,6 +18,8 @@ the unrolled one (`scanned_layout` maps the one to the other).
 """
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -69,8 +71,13 @@ class DecoderLayer(nnx.Module):
       self.ffn = SiTUGLU(d, model_cfg.ffn_hidden, rngs=rngs, dtype=self.dtype)
 
   def __call__(self, stream, closes, *, segment_ids_BT=None):
-    """Training / full forward: returns (stream, None, MoE stats or None)."""
-    return self._apply(stream, closes, lambda x: (self.mixer(x, segment_ids_BT=segment_ids_BT), None))
+    """Training / full forward: returns (stream, None, MoE stats or None). It runs as one jitted function of the
+    layer's state (`_layer_forward`), so alike layers on alike inputs (a model's KDA + MoE layers, unrolled or at
+    their positions of the scanned group) are traced, differentiated and lowered once, not once each."""
+    graphdef, state = nnx.split(self)
+    static = tuple(c if isinstance(c, bool) else None for c in closes)
+    traced = tuple(c for c in closes if not isinstance(c, bool))
+    return _layer_forward(graphdef, static, state, stream, traced, segment_ids_BT)
 
   def prefill(self, stream, closes, max_len: int):
     return self._apply(stream, closes, lambda x: self.mixer.prefill(x, max_len))
@@ -91,6 +98,15 @@ class DecoderLayer(nnx.Module):
       y, stats = self.ffn(h) if self.uses_moe else (self.ffn(h), None)
       stream = attnres.add(stream, y, close=closes[1])
     return stream, cache, stats
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _layer_forward(graphdef, static_closes, state, stream, traced_closes, segment_ids_BT):
+  """`DecoderLayer.__call__` of the layer `nnx.merge(graphdef, state)`; `static_closes` holds its close flags, None
+  where the flag is the next of `traced_closes`."""
+  layer, traced = nnx.merge(graphdef, state), iter(traced_closes)
+  closes = tuple(next(traced) if c is None else c for c in static_closes)
+  return layer._apply(stream, closes, lambda x: (layer.mixer(x, segment_ids_BT=segment_ids_BT), None))
 
 
 def _layer_unit(layer, run, closes, remat: str):
@@ -186,8 +202,10 @@ class K3Model(nnx.Module):
     if plan.num_groups:
       stream, group_caches, group_stats = self._scan(stream, run, group_caches, remat)
       for j, position_stats in enumerate(group_stats):
-        for g, i in enumerate(plan.position(j)):
-          stats[i] = None if position_stats is None else jax.tree.map(lambda x: x[g], position_stats)
+        if position_stats is not None:  # stacked over the groups: one array per group (one split, not G slices)
+          leaves, treedef = jax.tree.flatten(position_stats)
+          for i, group_leaves in zip(plan.position(j), zip(*(jnp.unstack(x) for x in leaves)), strict=True):
+            stats[i] = jax.tree.unflatten(treedef, group_leaves)
     for k in range(len(before), len(plan.unrolled)):
       stream = unrolled(k, stream)
     return stream, (tuple(layer_caches), group_caches), stats

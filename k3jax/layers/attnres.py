@@ -71,7 +71,8 @@ def to_carry(stream: Stream, capacity: int) -> Carry:
     raise ValueError(f"capacity={capacity} is less than the stream's {n} sources")
   like = stream.sources[0] if n else stream.partial
   # Concatenated, not scattered into zeros: the scatter's VJP would keep the zeros for the backward pass.
-  sources = jnp.concatenate([jnp.stack(stream.sources)] * bool(n) + [jnp.zeros((capacity - n, *like.shape))])
+  pieces = ([jnp.stack(stream.sources)] if n else []) + [jnp.zeros((capacity - n, *like.shape), jnp.float32)]
+  sources = jnp.concatenate(pieces)
   partial = jnp.zeros(like.shape, jnp.float32) if stream.partial is None else stream.partial
   return Carry(sources, jnp.asarray(n, jnp.int32), partial, jnp.asarray(stream.partial is not None))
 
