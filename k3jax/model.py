@@ -356,6 +356,9 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
         return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
 
       diff = (sources, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed))
+      # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
+      # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
+      (params_j, diff), d_out = jax.lax.optimization_barrier(((params_j, diff), d_out))
       _, vjp = jax.vjp(fn, params_j, diff)
       return vjp((d_out, d_stats))
 
