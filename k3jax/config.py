@@ -156,6 +156,17 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
   _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
 
 
+def saved_model_fields(d: dict) -> dict:
+  """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
+  model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
+  (True was "save_kda_out", False "none")."""
+  d = dict(d)
+  d.setdefault("scan_layers", False)
+  if isinstance(d.get("remat"), bool):
+    d["remat"] = "save_kda_out" if d["remat"] else "none"
+  return d
+
+
 def layer_types(m) -> tuple[str, ...]:
   """The type of every decoder layer: `layer_pattern` cycled, then `last_layer` on the last one."""
   pattern, n = tuple(m.layer_pattern), m.num_layers
