@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.numerics import kda_outputs_and_grads, rel_err
+from k3jax.numerics import rel_err
+from k3jax.ops.kda.testing import kda_outputs_and_grads
 from k3jax.ops import kda
 
 GATES = {"bounded": -5.0, "softplus": None}   # the lower bound each gate lets the ops assume
