@@ -21,8 +21,7 @@ from absl import app, flags
 
 from experiments import harness
 from experiments.configs import ablations
-from k3jax.ablations import notebook, runs, verdicts
-from k3jax.data import corpus
+from k3jax.ablations import notebook, verdicts
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -37,54 +36,23 @@ _PRECOMPILE = flags.DEFINE_bool("precompile", None, "compile every notebook's pr
                                 "the GPU scale)")
 
 
-def chosen(names) -> list[pathlib.Path]:
-  """The notebook sources named by stem ("01_gate") or number ("01"), in order; all when `names` is empty."""
-  paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
-  if not names:
-    return paths
-  picked = []
-  for n in names:
-    match = [p for p in paths if p.stem == n or p.stem.split("_")[0] == n]
-    if len(match) != 1:
-      raise app.UsageError(f"--notebooks: {n!r} names none of {[p.stem for p in paths]}")
-    picked += match
-  return picked
-
-
-def precompile(paths, scale: str, workdir: pathlib.Path) -> dict:
-  """Compiles the programs of every unfinished training run of the notebooks `paths` at `scale` at once (the
-  notebooks' work directories under `workdir`, as `notebook.directories` places them); returns {"wall_s",
-  "variants": {notebook/variant: compile seconds or error}}."""
-  configs, seeds = {}, {}
-  for path in paths:
-    study = ablations.NOTEBOOKS[path.stem](scale)
-    for name, config in study.configs().items():
-      todo = [s for s in study.seeds
-              if not runs.finished(runs.run_dir(workdir / path.stem / scale, name, s), runs.with_seed(config, s))]
-      if todo:
-        configs[f"{path.stem}/{name}"], seeds[f"{path.stem}/{name}"] = config, todo
-  start = time.perf_counter()
-  corpus.stdlib_shards()   # tokenised once here, not by every process at once
-  print(f"compiling the programs of {len(configs)} variants at once: {', '.join(configs) or 'none'}", flush=True)
-  compiled = runs.precompile_variants(configs, seeds=seeds) if configs else {}
-  for name, result in compiled.items():
-    print(f"  {name}: " + (f"{result:.0f} s" if isinstance(result, float) else f"failed ({result})"), flush=True)
-  return {"wall_s": time.perf_counter() - start, "variants": compiled}
-
-
 def main(argv):
   harness.check_argv(argv)
   scale = _SCALE.value
   out = pathlib.Path(_OUT.value).resolve()
   out.mkdir(parents=True, exist_ok=True)
   workdir = pathlib.Path(_WORKDIR.value or out / "runs").resolve()
-  paths = chosen(_NAMES.value)
+  try:
+    paths = notebook.pick(sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py")), _NAMES.value)
+  except ValueError as e:
+    raise app.UsageError(f"--notebooks: {e}") from None
   summary = {"scale": scale, "executor": _EXECUTOR.value, "precompile": None, "notebooks": []}
   env = {}
   if _PRECOMPILE.value if _PRECOMPILE.value is not None else scale == "gpu":
     env = {"JAX_COMPILATION_CACHE_DIR": str(workdir / "xla_cache"), notebook.PRECOMPILED_ENV: "1"}
     harness.enable_compilation_cache(env["JAX_COMPILATION_CACHE_DIR"])
-    summary["precompile"] = precompile(paths, scale, workdir)
+    summary["precompile"] = notebook.precompile_studies({p.stem: ablations.NOTEBOOKS[p.stem](scale) for p in paths},
+                                                        workdir)
   start = time.perf_counter()
   for path in paths:
     print(f"== {path.stem} at scale {scale}", flush=True)

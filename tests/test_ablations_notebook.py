@@ -52,7 +52,8 @@ def test_variants_change_only_their_overrides_and_train_equal_tokens(name, scale
 def test_the_context_study_is_staged_against_direct_at_the_final_length():
   for scale, lengths, beyond in (("cpu", [128, 256], (1, 2)), ("gpu", [1024, 4096, 16384], (1, 2, 4))):
     study = ablations.context(scale)
-    staged, direct = (trainer.Run(study.configs()[n]).stages for n in ("staged", "direct"))
+    staged, direct = (trainer.Run(runs.override(study.configs()[n], {"mesh": "data:1,expert:1"})).stages
+                      for n in ("staged", "direct"))
     assert [s.seq_len for s in staged] == lengths and [s.seq_len for s in direct] == lengths[-1:]
     assert sum(s.steps for s in staged) == direct[0].steps
     assert study.settings["eval_lengths"] == tuple(k * lengths[-1] for k in beyond)
@@ -146,3 +147,25 @@ def test_notebooks_precompile_on_the_gpu_unless_the_runner_has(monkeypatch):
   assert notebook.precompile("gpu") and not notebook.precompile("cpu")
   monkeypatch.setenv(notebook.PRECOMPILED_ENV, "1")
   assert not notebook.precompile("gpu")
+
+
+def test_notebooks_are_picked_by_number_or_stem_in_the_order_named():
+  paths = [pathlib.Path(f"notebooks/{n}.py") for n in ablations.NOTEBOOKS]
+  assert notebook.pick(paths, None) == paths
+  assert [p.stem for p in notebook.pick(paths, ["05", "01_gate"])] == ["05_hybrid", "01_gate"]
+  for bad in (["06"], ["gate"]):
+    with pytest.raises(ValueError, match="names none"):
+      notebook.pick(paths, bad)
+
+
+def test_precompile_asks_for_each_unfinished_variant_with_its_remaining_seeds(monkeypatch, tmp_path):
+  asked = {}
+  monkeypatch.setattr(runs, "precompile_variants", lambda configs, seeds: asked.update(configs=configs, seeds=seeds)
+                      or {n: 1.0 for n in configs})
+  done = {("bounded", 1), ("softplus", 0), ("softplus", 1)}   # finished runs: nothing to compile for softplus
+  monkeypatch.setattr(runs, "finished", lambda directory, config: (directory.parent.name,
+                                                                   int(directory.name.split("_")[1])) in done)
+  out = notebook.precompile_studies({"01_gate": ablations.gate("gpu")}, tmp_path)
+  assert list(asked["configs"]) == ["01_gate/bounded"] and asked["seeds"] == {"01_gate/bounded": [0]}
+  assert asked["configs"]["01_gate/bounded"].model.kda.gate == "bounded"
+  assert out["variants"] == {"01_gate/bounded": 1.0} and out["wall_s"] >= 0

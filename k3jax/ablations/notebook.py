@@ -40,6 +40,45 @@ def directories(name: str, scale: str) -> tuple[pathlib.Path, pathlib.Path]:
   return out, work
 
 
+def pick(paths, names) -> list[pathlib.Path]:
+  """The notebook sources among `paths` named by stem ("01_gate") or number ("01"), in the order named; all of
+  `paths` when `names` is empty. ValueError for a name that picks none."""
+  paths = [pathlib.Path(p) for p in paths]
+  picked = []
+  for n in names or ():
+    match = [p for p in paths if p.stem == n or p.stem.split("_")[0] == n]
+    if len(match) != 1:
+      raise ValueError(f"{n!r} names none of {[p.stem for p in paths]}")
+    picked += match
+  return picked or paths
+
+
+def precompile_studies(studies, workdir) -> dict:
+  """Compiles the programs of every unfinished training run of `studies` ({notebook: Study}) at once
+  (`runs.precompile_variants`: each variant once, with the seeds it has still to train), the runs where the
+  notebooks put them under `workdir` (`directories`); needs JAX's persistent compilation cache on. Returns
+  {"wall_s", "variants": {notebook/variant: compile seconds or the error}}."""
+  import time
+
+  from k3jax.ablations import runs
+  from k3jax.data import corpus
+
+  configs, seeds = {}, {}
+  for name, study in studies.items():
+    for variant, config in study.configs().items():
+      todo = [s for s in study.seeds if not runs.finished(
+          runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s), runs.with_seed(config, s))]
+      if todo:
+        configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = config, todo
+  start = time.perf_counter()
+  corpus.stdlib_shards()   # tokenised once here, not by every process at once
+  print(f"compiling the programs of {len(configs)} variants at once: {', '.join(configs) or 'none'}", flush=True)
+  compiled = runs.precompile_variants(configs, seeds=seeds) if configs else {}
+  for name, result in compiled.items():
+    print(f"  {name}: " + (f"{result:.0f} s" if isinstance(result, float) else f"failed ({result})"), flush=True)
+  return {"wall_s": time.perf_counter() - start, "variants": compiled}
+
+
 class Session:
   """One notebook run: its study at the chosen scale, where its results and runs go, and the results so far.
 
