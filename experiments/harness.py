@@ -1,4 +1,5 @@
-"""What the experiment scripts share: their argv check and the benchmarks' timers."""
+"""What the experiment scripts share: their argv check, the training scripts' exit statuses and the benchmarks'
+timers."""
 import collections
 import glob
 import json
@@ -18,6 +19,20 @@ def check_argv(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+
+
+def run_guarded(fn) -> int | None:
+  """`fn()` as the training scripts run it: a run stopped by a signal prints why and returns its exit status
+  (128 + the signal); a refused, diverged or unusable run exits with a one-line error."""
+  from k3jax.train import interrupt, metrics, trainer, workdir
+  try:
+    fn()
+  except interrupt.Interrupted as e:
+    print(e, flush=True)
+    return e.exit_code
+  except (workdir.ConfigChanged, trainer.Diverged, trainer.UnusableCheckpoints, metrics.MissingMetrics) as e:
+    raise SystemExit(f"error: {e}") from None
+  return None
 
 
 def median_seconds(fn, *args, repeats: int, warmup: int = 2) -> float:

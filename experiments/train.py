@@ -12,7 +12,7 @@ from ml_collections import config_flags
 
 from experiments import harness
 from k3jax.data import corpus
-from k3jax.train import interrupt, metrics, trainer, workdir
+from k3jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, TensorBoard events")
@@ -35,14 +35,9 @@ def main(argv):
   harness.enable_compilation_cache(_CACHE.value)
   if _DISTRIBUTED.value:
     trainer.init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  try:
-    trainer.train(_CONFIG.value, _WORKDIR.value, stage=_STAGE.value, allow_config_change=_ALLOW_CHANGE.value,
-                  allow_missing_metrics=_ALLOW_MISSING_METRICS.value)
-  except interrupt.Interrupted as e:
-    print(e, flush=True)
-    return e.exit_code
-  except (workdir.ConfigChanged, trainer.Diverged, trainer.UnusableCheckpoints, metrics.MissingMetrics) as e:
-    raise SystemExit(f"error: {e}") from None
+  return harness.run_guarded(lambda: trainer.train(
+      _CONFIG.value, _WORKDIR.value, stage=_STAGE.value, allow_config_change=_ALLOW_CHANGE.value,
+      allow_missing_metrics=_ALLOW_MISSING_METRICS.value))
 
 
 if __name__ == "__main__":

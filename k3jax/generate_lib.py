@@ -6,12 +6,14 @@ then a jitted decode loop, with per-row lengths throughout.
 - `prefill_chunked(model, tokens_BT, lengths_B, chunk=…)`: row b's first `lengths_B[b]` tokens appended to its
   cache `chunk` tokens at a time; each chunk runs the KDA kernels from the previous state and attends over the MLA
   latents cached so far, so no layer ever holds more than `chunk` tokens of activations. One compile per
-  (batch, chunk, max_len). Returns the logits after each row's last token and the cache.
+  (batch, chunk, max_len). Returns the logits after each row's last token and the cache. Given a cache it
+  continues it (a row may take no tokens and keeps its logits): a multi-turn rollout appends a tool result so.
 - `decode_loop(model, logits_BV, cache, rng, max_new=…, options=…)`: samples a token per row from the logits,
   feeds it, and repeats inside one `lax.while_loop` (the cache donated: updated in place) until every row is
-  done: a stop token, its own budget `max_new_B[b]`, or a full cache. One compile per (batch, max_len, max_new,
-  options). Returns the new tokens `[B, max_new]` (`options.pad_id` after a row is done), how many each row got,
-  and the cache, which holds every token fed so far (not each row's last sampled token).
+  done: a stop token, a stop sequence, its own budget `max_new_B[b]` (0: the row sits out), or a full cache. One
+  compile per (batch, max_len, max_new, options). Returns the new tokens `[B, max_new]` (`options.pad_id` after a
+  row is done), how many each row got, and the cache, which holds every token fed so far (not each row's last
+  sampled token).
 
 Rows are independent: a row's tokens never see another row's, and padding (a row shorter than the chunk) leaves
 its caches as they were (`KDALayer.prefill_chunk`, `GatedMLA.prefill_chunk`).
@@ -100,19 +102,21 @@ def _run_layers(model, stream, cache: GenerationCache, mix: Callable):
 
 
 def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: int | None = None,
-                    cache: GenerationCache | None = None, progress: Callable[[int, int], None] | None = None,
-                    step=None):
-  """Row b's first `lengths_B[b]` tokens (1..T; all T when None) appended to `cache` (a new one of `max_len`
-  positions when None; a given cache is consumed: donated) `chunk` tokens at a time. `progress(tokens done, tokens
-  in all)` after each chunk (dispatched, not finished). `step`: the chunk step compiled ahead (`lower`), else
-  jitted here. Returns (fp32 logits after each row's last token `[B, V]`, the cache)."""
+                    cache: GenerationCache | None = None, logits_BV=None,
+                    progress: Callable[[int, int], None] | None = None, step=None):
+  """Row b's first `lengths_B[b]` tokens (0..T; all T when None) appended to `cache` (a new one of `max_len`
+  positions when None; a given cache is consumed: donated) `chunk` tokens at a time. A row given no tokens keeps
+  its cache and its row of `logits_BV` (the logits its last call returned, consumed; zeros when None).
+  `progress(tokens done, tokens in all)` after each chunk (dispatched, not finished). `step`: the chunk step
+  compiled ahead (`lower`), else jitted here. Returns (fp32 logits after each row's last token `[B, V]`, the
+  cache)."""
   tokens_BT = jnp.asarray(tokens_BT)
   if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
     raise ValueError(f"tokens_BT must be a non-empty integer array [B,T], got {tokens_BT.dtype}{tokens_BT.shape}")
   B, T = tokens_BT.shape
   lengths = np.full((B,), T) if lengths_B is None else np.asarray(lengths_B)
-  if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer) or lengths.min() < 1 or lengths.max() > T:
-    raise ValueError(f"lengths_B must be B={B} ints in [1, T={T}], got {lengths_B!r}")
+  if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer) or lengths.min() < 0 or lengths.max() > T:
+    raise ValueError(f"lengths_B must be B={B} ints in [0, T={T}], got {lengths_B!r}")
   if not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk must be a positive int, got {chunk!r}")
   if cache is None:
@@ -128,7 +132,10 @@ def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: in
   tokens_BT = jnp.pad(tokens_BT.astype(jnp.int32), ((0, 0), (0, max(0, num_chunks * chunk - T))))
   graphdef, state = nnx.split(model)
   step = step or functools.partial(_prefill_step, graphdef)
-  logits = jnp.zeros((B, model.vocab_size), jnp.float32)
+  if logits_BV is not None and (logits_BV.shape != (B, model.vocab_size) or logits_BV.dtype != jnp.float32):
+    raise ValueError(f"logits_BV must be fp32 [B={B}, V={model.vocab_size}], got {logits_BV.dtype}"
+                     f"{tuple(logits_BV.shape)}")
+  logits = jnp.zeros((B, model.vocab_size), jnp.float32) if logits_BV is None else logits_BV
   for c in range(num_chunks):
     n_B = jnp.asarray(np.clip(lengths - c * chunk, 0, chunk), jnp.int32)
     logits, cache = step(state, cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)
@@ -145,9 +152,10 @@ def _prefill_step(graphdef, state, cache, tokens_BT, lengths_B, logits_BV):
 
 def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_new_B=None,
                 options: sampling.SamplingOptions = sampling.SamplingOptions(), loop=None):
-  """Up to `max_new` (static) new tokens per row, row b's budget `max_new_B[b]` (≤ max_new; all max_new when None),
-  sampled from `logits_BV` (the prefill's) and then from each step's. A row is done after a stop token
-  (`options.stop_tokens`), its budget, or when its cache is full. The cache is consumed (donated). `loop`: the
+  """Up to `max_new` (static) new tokens per row, row b's budget `max_new_B[b]` (0..max_new; all max_new when None;
+  a row of budget 0 gets none and keeps its cache), sampled from `logits_BV` (the prefill's) and then from each
+  step's. A row is done after a stop token (`options.stop_tokens`), when its new tokens end with a stop sequence
+  (`options.stop_sequences`), after its budget, or when its cache is full. The cache is consumed (donated). `loop`: the
   decode loop compiled ahead (`lower`, for these max_new and options), else jitted here. Returns (int32 tokens
   `[B, max_new]`, pad_id after each row's end; int32 `[B]` tokens each row got; the cache, which holds every token
   but each row's last)."""
@@ -155,8 +163,8 @@ def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_n
   if not isinstance(max_new, int) or max_new < 1:
     raise ValueError(f"max_new must be a positive int, got {max_new!r}")
   budget = np.full((B,), max_new) if max_new_B is None else np.asarray(max_new_B)
-  if budget.shape != (B,) or budget.min() < 1 or budget.max() > max_new:
-    raise ValueError(f"max_new_B must be B={B} ints in [1, max_new={max_new}], got {max_new_B!r}")
+  if budget.shape != (B,) or budget.min() < 0 or budget.max() > max_new:
+    raise ValueError(f"max_new_B must be B={B} ints in [0, max_new={max_new}], got {max_new_B!r}")
   if logits_BV.shape != (B, model.vocab_size):
     raise ValueError(f"logits must be [B={B}, V={model.vocab_size}], got {tuple(logits_BV.shape)}")
   graphdef, state = nnx.split(model)
@@ -185,23 +193,32 @@ def _decode_loop(graphdef, state, cache, logits_BV, rng, budget_B, *, max_new, o
   B = budget_B.shape[0]
   pick = lambda logits, t: sampling.sample(logits, jax.random.fold_in(rng, t), temperature=options.temperature,
                                            top_p=options.top_p)
-  token = pick(logits_BV, 0)
+
+  def finished(done_B, token_B, got_B, recent_BW):
+    """(done after `token_B`, the window of latest tokens the stop sequences look at)."""
+    recent_BW = sampling.push(recent_BW, token_B)
+    done_B = sampling.finished(done_B, token_B, got_B, budget_B, options.stop_tokens)
+    return done_B | sampling.ends_with(recent_BW, options.stop_sequences), recent_BW
+
+  live_B = budget_B > 0
+  token = jnp.where(live_B, pick(logits_BV, 0), options.pad_id)
   out_BN = jnp.full((B, max_new), options.pad_id, jnp.int32).at[:, 0].set(token)
-  got_B = jnp.ones((B,), jnp.int32)
-  done_B = sampling.finished(jnp.zeros((B,), bool), token, got_B, budget_B, options.stop_tokens)
+  got_B = live_B.astype(jnp.int32)
+  done_B, recent_BW = finished(~live_B, token, got_B, jnp.full((B, options.stop_window), -1, jnp.int32))
 
   def cond(carry):
-    t, _, done_B, _, _, cache = carry
+    t, _, done_B, _, _, _, cache = carry
     return (t < max_new) & ~jnp.all(done_B | (cache.lengths_B >= cache.max_len))
 
   def body(carry):
-    t, token_B, done_B, got_B, out_BN, cache = carry
+    t, token_B, done_B, got_B, recent_BW, out_BN, cache = carry
     active_B = ~done_B & (cache.lengths_B < cache.max_len)
     logits, cache = decode_step(model, cache, token_B, active_B)
     token_B = jnp.where(active_B, pick(logits, t), options.pad_id)
     got_B = got_B + active_B.astype(jnp.int32)
-    done_B = ~active_B | sampling.finished(done_B, token_B, got_B, budget_B, options.stop_tokens)
-    return t + 1, token_B, done_B, got_B, out_BN.at[:, t].set(token_B), cache
+    done_B, recent_BW = finished(done_B, token_B, got_B, recent_BW)
+    return t + 1, token_B, ~active_B | done_B, got_B, recent_BW, out_BN.at[:, t].set(token_B), cache
 
-  _, _, _, got_B, out_BN, cache = jax.lax.while_loop(cond, body, (jnp.int32(1), token, done_B, got_B, out_BN, cache))
+  start = (jnp.int32(1), token, done_B, got_B, recent_BW, out_BN, cache)
+  _, _, _, got_B, _, out_BN, cache = jax.lax.while_loop(cond, body, start)
   return out_BN, got_B, cache

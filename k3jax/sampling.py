@@ -1,5 +1,5 @@
 """Choosing the next token (docs/design.md, generation): greedy, temperature and nucleus (top-p) sampling from
-logits `[B, V]`, and when a row is done (a stop token, its own budget of new tokens).
+logits `[B, V]`, and when a row is done (a stop token, a stop sequence, its own budget of new tokens).
 
 Pure functions of arrays, usable under `jax.jit`: `temperature` and `top_p` may be traced, and either a scalar or
 one value per row `[B]`. Sampling is deterministic given the key.
@@ -18,6 +18,9 @@ class SamplingOptions:
   temperature: float = 0.0               # 0: greedy (argmax); else sample from softmax(logits / temperature)
   top_p: float = 1.0                     # nucleus: the smallest set of most likely tokens holding ≥ top_p
   stop_tokens: tuple[int, ...] = ()      # a row is done once it has emitted one of these (the stop is kept)
+  # A row is done once its new tokens end with one of these (a stop string's tokens, e.g. the end of a tool call);
+  # only tokens of the same call count, not the prompt's.
+  stop_sequences: tuple[tuple[int, ...], ...] = ()
   pad_id: int = 0                        # what a done row emits afterwards
 
   def __post_init__(self):
@@ -27,6 +30,16 @@ class SamplingOptions:
       raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_tokens):
       raise ValueError(f"stop_tokens must be non-negative ints, got {self.stop_tokens!r}")
+    if not isinstance(self.stop_sequences, tuple) or any(
+        not isinstance(s, tuple) or not s or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in s)
+        for s in self.stop_sequences):
+      raise ValueError(f"stop_sequences must be a tuple of non-empty tuples of non-negative ints, got "
+                       f"{self.stop_sequences!r}")
+
+  @property
+  def stop_window(self) -> int:
+    """How many of a row's latest tokens the stop sequences look at (the longest one's length)."""
+    return max((len(s) for s in self.stop_sequences), default=0)
 
 
 def top_p_mask(logits_BV, top_p):
@@ -72,6 +85,23 @@ def finished(done_B, token_B, generated_B, max_new_B, stop_tokens: tuple[int, ..
   """bool `[B]`: rows done after emitting `token_B`, their `generated_B`-th new token (counting it): done before,
   a stop token, or the row's budget `max_new_B` reached."""
   return done_B | is_stop(token_B, stop_tokens) | (generated_B >= max_new_B)
+
+
+def push(recent_BW, token_B):
+  """The window of each row's latest W tokens after `token_B` (the oldest drops out; W may be 0)."""
+  return jnp.concatenate([recent_BW, token_B[:, None].astype(recent_BW.dtype)], axis=1)[:, 1:]
+
+
+def ends_with(recent_BW, stop_sequences: tuple[tuple[int, ...], ...]):
+  """bool `[B]`: whether each row's window of latest tokens (`push`; -1 where a row has fewer) ends with one of
+  `stop_sequences` (none longer than the window)."""
+  W = recent_BW.shape[1]
+  match_B = jnp.zeros(recent_BW.shape[:1], bool)
+  for seq in stop_sequences:
+    if len(seq) > W:
+      raise ValueError(f"stop sequence {seq} is longer than the window of {W} tokens")
+    match_B |= jnp.all(recent_BW[:, W - len(seq):] == jnp.asarray(seq, recent_BW.dtype), axis=1)
+  return match_B
 
 
 def _per_row(value, B):

@@ -1,9 +1,11 @@
-"""The single interface between k3jax kernels and the Pallas Triton lowering."""
+"""The single interface between k3jax kernels and Pallas's GPU lowerings: interpret mode, the Triton launch, and
+whether a Mosaic GPU kernel applies."""
 from __future__ import annotations
 
 import os
 
 import jax
+import jax.extend
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -13,6 +15,20 @@ def interpret_mode() -> bool:
   the GPU anywhere (to export a GPU program from a CPU machine)."""
   forced = os.environ.get("K3JAX_PALLAS_INTERPRET")
   return forced == "1" if forced in ("0", "1") else jax.default_backend() != "gpu"
+
+
+def mosaic_gpu_reason(*, off_gpu: bool = False) -> str | None:
+  """Why Mosaic GPU kernels (Hopper's wgmma and TMA) cannot run here, or None when they can: on a GPU of compute
+  capability 9.x. With `off_gpu`, also wherever there is no GPU (interpret mode, or lowering for the GPU from a
+  machine without one), for kernels whose tests run them so."""
+  if off_gpu and (interpret_mode() or jax.default_backend() != "gpu"):
+    return None
+  if jax.default_backend() != "gpu":
+    return f"the default backend is {jax.default_backend()!r}, not 'gpu'"
+  capability = getattr(jax.devices()[0], "compute_capability", "")
+  if not str(capability).startswith("9."):
+    return f"the kernels use Hopper wgmma (compute capability 9.x); this GPU has {capability!r}"
+  return None
 
 
 def triton_call(kernel, *, grid, in_specs, out_specs, out_shape, name, num_warps=4, num_stages=2):
@@ -27,6 +43,22 @@ def triton_call(kernel, *, grid, in_specs, out_specs, out_shape, name, num_warps
       interpret=interpret_mode(),
       name=name,
   )
+
+
+def triton_launches(fn, *args) -> dict[str, tuple[int, int]]:
+  """The Triton kernels `fn(*args)` launches, by name, each with its (num_warps, num_stages), read from the traced
+  program (nothing is compiled or run): which launches a call makes, with which parameters."""
+  found = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      params = eqn.params.get("compiler_params")
+      if eqn.primitive.name == "pallas_call" and isinstance(params, pltriton.CompilerParams):
+        found[eqn.params["name"]] = (params.num_warps, params.num_stages)
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+      walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
 
 
 def barrier():

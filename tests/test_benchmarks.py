@@ -38,15 +38,15 @@ def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
 
 
 def test_bench_kda_error_table_puts_fla_beside_ours_and_marks_ratios_past_the_bar(capsys):
-  from experiments import bench_kda
+  from experiments import kda_benchmark
   names = ("o", "S", "q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias", "initial_state")
   check = lambda impl, **errs: dict(kind="check", shape="1x64x1x16", case="fused", impl=impl,
                                     **{n: errs.get(n, 4e-3) for n in names})
-  bench_kda.print_error_table([check("pallas", g_raw=6e-3), check("fla", g_raw=4e-3), dict(kind="time")])
+  kda_benchmark.print_error_table([check("pallas", g_raw=6e-3), check("fla", g_raw=4e-3), dict(kind="time")])
   table = capsys.readouterr().out
   assert "6.00e-03 / 4.00e-03  1.50*" in table and "4.00e-03 / 4.00e-03  1.00 " in table, table
   assert table.splitlines()[-1].split()[-1] == "1.50", table
-  bench_kda.print_error_table([check("pallas")])                 # no FLA rows (FLA not importable): no table
+  kda_benchmark.print_error_table([check("pallas")])                 # no FLA rows (FLA not importable): no table
   assert capsys.readouterr().out == ""
 
 

@@ -1,6 +1,8 @@
 """Long-context generation: a chunked prefill with per-row lengths equals each row's full forward, decoding after
-it is the argmax of full forwards, stop tokens / budgets / a full cache end rows, sampling is reproducible; the
-first and the greedy decode also on a model with scanned layer groups (their caches stacked over the groups)."""
+it is the argmax of full forwards, stop tokens / stop sequences / budgets / a full cache end rows, a turn after a
+tool result appended to some rows continues their caches as a full forward over the whole context, sampling is
+reproducible; the first and the greedy decode also on a model with scanned layer groups (their caches stacked over
+the groups)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from flax import nnx
 
 from k3jax import generate_lib, sampling
-from kda_testing import rel_err
+from k3jax.numerics import rel_err
 from model_testing import MODEL, SCANNED, T, shared_model
 
 TOL = 1e-4   # fp32 roundoff over the layers (as tests/test_model.py)
@@ -104,6 +106,68 @@ def test_stop_tokens_budgets_and_a_full_cache_end_rows():
   np.testing.assert_array_equal(new[2, :5], jnp.argmax(full[0, T - 1:T + 4], -1))
 
 
+def _ends_at_stop(tokens, stops, limit):
+  """How many of `tokens` a row keeps: up to the first end of one of `stops` within them, at most `limit`."""
+  tokens = [int(t) for t in tokens]
+  return next((i for i in range(1, limit + 1) if any(tuple(tokens[max(0, i - len(s)):i]) == s for s in stops)),
+              limit)
+
+
+def test_stop_sequences_end_rows_after_their_last_token_and_only_within_the_new_tokens():
+  model = shared_model()
+  tokens = _prompts(7)
+  key = jax.random.PRNGKey(0)
+  free, _, _ = generate_lib.decode_loop(model, *_prefill(model, tokens), key, max_new=NEW)
+  free = np.asarray(free)
+  # Row 0's 2nd-3rd greedy tokens; and row 1's last prompt token with its first new token, which must not stop it.
+  stops = ((int(free[0, 1]), int(free[0, 2])), (int(tokens[1, LENGTHS[1] - 1]), int(free[1, 0])))
+  options = sampling.SamplingOptions(stop_sequences=stops, pad_id=63)
+  new, got, cache = generate_lib.decode_loop(model, *_prefill(model, tokens), key, max_new=NEW, options=options)
+  for b in range(3):
+    n = _ends_at_stop(free[b], stops, NEW)
+    assert int(got[b]) == n, b
+    np.testing.assert_array_equal(new[b, :n], free[b, :n])
+    assert np.all(np.asarray(new[b, n:]) == 63), b
+  assert int(got[0]) <= 3
+  np.testing.assert_array_equal(cache.lengths_B, np.asarray(LENGTHS) + np.asarray(got) - 1)
+  with pytest.raises(ValueError, match="stop_sequences must be"):
+    sampling.SamplingOptions(stop_sequences=((1, 2), ()))
+
+
+def test_a_turn_after_a_tool_result_continues_the_cache_as_a_full_forward():
+  """Turn 1 on rows 0 and 2 (row 1 sits out: budget 0); a tool result appended to rows 0 and 2 with each row's last
+  sampled token (row 1 takes nothing and keeps its logits); turn 2 on every row: the logits after the result and
+  every greedy token equal the full forward over the whole context (fp32)."""
+  model = shared_model()
+  tokens = _prompts(8)
+  logits, cache = _prefill(model, tokens)
+  prompt_logits = np.asarray(logits)
+  first, got, cache = generate_lib.decode_loop(model, logits, cache, jax.random.PRNGKey(0), max_new=NEW,
+                                               max_new_B=jnp.asarray([2, 0, 2]))
+  np.testing.assert_array_equal(got, [2, 0, 2])
+  np.testing.assert_array_equal(cache.lengths_B, [LENGTHS[0] + 1, LENGTHS[1], LENGTHS[2] + 1])
+  results = [[5], [], [11]]
+  append = np.zeros((3, 2), np.int32)
+  for b in (0, 2):
+    append[b] = [int(first[b, 1]), *results[b]]
+  logits, cache = generate_lib.prefill_chunked(model, jnp.asarray(append), jnp.asarray([2, 0, 2]), chunk=5,
+                                               cache=cache, logits_BV=jnp.asarray(prompt_logits))
+  contexts = [jnp.concatenate([tokens[b, :n], first[b, :int(got[b])], jnp.asarray(results[b], jnp.int32)])
+              for b, n in enumerate(LENGTHS)]
+  full = _reference_logits(model, contexts)
+  for b, ctx in enumerate(contexts):
+    assert rel_err(logits[b], full[b, ctx.shape[0] - 1]) < TOL, b
+  np.testing.assert_array_equal(logits[1], prompt_logits[1])
+  budgets = [NEW, NEW, 3]
+  second, got, _ = generate_lib.decode_loop(model, logits, cache, jax.random.PRNGKey(1), max_new=NEW,
+                                            max_new_B=jnp.asarray(budgets))
+  np.testing.assert_array_equal(got, budgets)
+  full = _reference_logits(model, [jnp.concatenate([c, second[b, :budgets[b]]]) for b, c in enumerate(contexts)])
+  for b, ctx in enumerate(contexts):
+    n = ctx.shape[0]
+    np.testing.assert_array_equal(second[b, :budgets[b]], jnp.argmax(full[b, n - 1:n - 1 + budgets[b]], -1))
+
+
 def test_rows_that_ended_early_keep_their_caches_for_a_later_turn():
   """After a decode with per-row budgets (rows stop at 2, 4 and 6 tokens), each row's last token fed by a second
   prefill gives the full forward's logits over its prompt and tokens: a stopped row's caches stayed as they were."""
@@ -132,8 +196,8 @@ def test_sampled_decoding_is_reproducible_and_depends_on_the_key():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(lengths=[0, 3, 3]), "lengths_B must be B=3 ints in \\[1, T=12\\]"),
-    (dict(lengths=[3, 3, 13]), "lengths_B must be B=3 ints in \\[1, T=12\\]"),
+    (dict(lengths=[-1, 3, 3]), "lengths_B must be B=3 ints in \\[0, T=12\\]"),
+    (dict(lengths=[3, 3, 13]), "lengths_B must be B=3 ints in \\[0, T=12\\]"),
     (dict(chunk=0), "chunk must be a positive int"),
     (dict(max_len=9), "the cache holds 9 positions; a row would reach 10"),
     (dict(max_len=None), "needs max_len"),
@@ -152,6 +216,8 @@ def test_decode_loop_rejects_bad_budgets():
   logits = jnp.zeros((3, model.vocab_size))
   with pytest.raises(ValueError, match="max_new must be a positive int"):
     generate_lib.decode_loop(model, logits, cache, jax.random.PRNGKey(0), max_new=0)
-  with pytest.raises(ValueError, match="max_new_B must be B=3 ints in \\[1, max_new=4\\]"):
+  with pytest.raises(ValueError, match="max_new_B must be B=3 ints in \\[0, max_new=4\\]"):
     generate_lib.decode_loop(model, logits, cache, jax.random.PRNGKey(0), max_new=4,
                              max_new_B=jnp.asarray([1, 5, 1]))
+  with pytest.raises(ValueError, match="logits_BV must be fp32"):
+    generate_lib.prefill_chunked(model, _prompts(0), jnp.asarray(LENGTHS), chunk=4, cache=cache, logits_BV=logits[:2])

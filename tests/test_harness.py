@@ -1,6 +1,7 @@
 """The experiment scripts' shared pieces: the compilation cache switch (the environment variable wins, an empty
-path turns it off), the JSON writer and the timers."""
+path turns it off), the training scripts' exit statuses, the JSON writer and the timers."""
 import json
+import signal
 import time
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import harness
+from k3jax.train import interrupt, trainer, workdir
 
 
 @pytest.fixture
@@ -61,3 +63,16 @@ def test_pipelined_seconds_calls_back_to_back_and_divides_by_the_calls():
   per_call = harness.pipelined_seconds(fn, jnp.ones(2), repeats=3, calls=4, warmup=2)
   assert len(count) == 2 + 3 * 4
   assert 0.01 <= per_call < 0.05
+
+
+def test_guarded_runs_exit_with_the_signal_status_or_a_one_line_error(capsys):
+  assert harness.run_guarded(lambda: None) is None
+
+  def stopped():
+    raise interrupt.Interrupted(signal.SIGTERM, 12)
+  assert harness.run_guarded(stopped) == 143 and "SIGTERM: stopped at step 12" in capsys.readouterr().out
+  for error in (workdir.ConfigChanged("fields differ"), trainer.Diverged("loss nan")):
+    with pytest.raises(SystemExit, match=f"error: {error}"):
+      harness.run_guarded(lambda e=error: (_ for _ in ()).throw(e))
+  with pytest.raises(ZeroDivisionError):   # anything else is a bug: its traceback stays
+    harness.run_guarded(lambda: 1 / 0)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from k3jax.layers.kda import KDALayer, conv_tail, short_conv
 from k3jax.ops.kda import kda_gate
-from kda_testing import rel_err
+from k3jax.numerics import rel_err
 from model_testing import (T, T0, abstract, chunk_lengths, decode, forward, normal, prefill, prefill_chunk,
                            random_module, segments, small_config)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.layers.mla import GatedMLA
-from kda_testing import rel_err
+from k3jax.numerics import rel_err
 from model_testing import (T, T0, abstract, chunk_lengths, decode, decode_rows, forward, normal, prefill,
                            prefill_chunk, random_module, segments, small_config)
 

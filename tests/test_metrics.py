@@ -75,8 +75,10 @@ def test_off_a_terminal_progress_is_one_line_per_logged_step(capsys):
   progress.update(1, 2.5, None)             # the first logged interval is all compilation: no rate yet
   progress.update(8)
   progress.update(1, 1.25, 2048.0)          # 79 steps left at 2 steps/s: 39.5 s
+  progress.update(1, 1.0, 2048.0, extra={"reward": 0.375})   # values a run adds (RL: reward, success)
   progress.close()
   captured = capsys.readouterr()
   assert captured.out.splitlines() == ["stage 0 step 12/100  loss 2.5000  - tok/s  ETA -",
-                                       "stage 0 step 21/100  loss 1.2500  2,048 tok/s  ETA 40s"]
+                                       "stage 0 step 21/100  loss 1.2500  2,048 tok/s  ETA 40s",
+                                       "stage 0 step 22/100  loss 1.0000  reward 0.375  2,048 tok/s  ETA 39s"]
   assert "\r" not in captured.out + captured.err

@@ -7,7 +7,7 @@ import pytest
 
 from k3jax.numerics import rel_err
 from k3jax.ops.mla import decode_attention_xla
-from kda_testing import cuda_module_text
+from pallas_testing import cuda_module_text
 from pallas_kernels.mla_decode import DecodeConfig, mla_decode, mla_decode_reference
 
 

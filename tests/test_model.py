@@ -11,7 +11,8 @@ from k3jax.balancer import BalancerState
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats
 from k3jax.model import K3Model, ModelCache, scanned_layout, z_loss
-from kda_testing import cuda_module_text, rel_err
+from k3jax.numerics import rel_err
+from pallas_testing import cuda_module_text
 from model_testing import (MODEL, SCANNED, T, T0, abstract, random_module, segments, shared_model,
                            small_config)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.ops import mla
-from kda_testing import rel_err
+from k3jax.numerics import rel_err
 
 B, H, D, DV, R = 3, 2, 8, 6, 12
 

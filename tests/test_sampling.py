@@ -90,3 +90,20 @@ def test_bad_options_raise(kwargs, match):
 def test_per_row_option_of_the_wrong_length_raises():
   with pytest.raises(ValueError, match="one value per row"):
     sampling.sample(_logits(0, B=3), jax.random.PRNGKey(0), temperature=jnp.ones((4,)))
+
+
+def test_a_window_of_latest_tokens_ends_with_a_stop_sequence():
+  recent = jnp.full((3, 3), -1, jnp.int32)
+  for token in ([4, 1, 4], [5, 2, 5], [6, 6, 5]):
+    recent = sampling.push(recent, jnp.asarray(token))
+  np.testing.assert_array_equal(recent, [[4, 5, 6], [1, 2, 6], [4, 5, 5]])
+  np.testing.assert_array_equal(sampling.ends_with(recent, ((5, 6), (9,))), [True, False, False])
+  np.testing.assert_array_equal(sampling.ends_with(recent, ((4, 5, 5), (2, 6))), [False, True, True])
+  np.testing.assert_array_equal(sampling.ends_with(recent, ()), [False, False, False])
+  # A row with fewer tokens than a sequence never matches it (-1 before its first token).
+  short = sampling.push(jnp.full((1, 3), -1, jnp.int32), jnp.asarray([6]))
+  assert not bool(sampling.ends_with(short, ((5, 6),))[0]) and bool(sampling.ends_with(short, ((6,),))[0])
+  assert sampling.push(jnp.zeros((2, 0), jnp.int32), jnp.asarray([1, 2])).shape == (2, 0)
+  with pytest.raises(ValueError, match="longer than the window"):
+    sampling.ends_with(recent, ((1, 2, 3, 4),))
+  assert sampling.SamplingOptions(stop_sequences=((1, 2, 3), (4,))).stop_window == 3

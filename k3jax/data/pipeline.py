@@ -54,6 +54,14 @@ def next_token_targets(tokens_NT, segment_ids_NT, target_mask_NT):
   return targets.astype(np.int32), weights.astype(np.float32)
 
 
+def stack_rows(rows: list[Row]) -> dict[str, np.ndarray]:
+  """Rows as `[N,T]` arrays: tokens, segment_ids, and their next-token targets and weights."""
+  tokens = np.stack([r.tokens for r in rows])
+  segment_ids = np.stack([r.segment_ids for r in rows])
+  targets, weights = next_token_targets(tokens, segment_ids, np.stack([r.target_mask for r in rows]))
+  return {"tokens": tokens, "segment_ids": segment_ids, "targets": targets, "weights": weights}
+
+
 def parse_mix(mix) -> list[tuple[str, float]]:
   """`{source: weight}` as sorted (name, probability) pairs; sources are `stdlib`, `shards` and the task names."""
   known = set(TEXT_SOURCES) | set(tasks.TASKS)
@@ -114,8 +122,4 @@ class Mixture:
 
   def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
     """Rows `start..stop-1` as `[N,T]` arrays: tokens, segment_ids, targets, weights."""
-    rows = [self.row(i) for i in range(start, stop)]
-    tokens = np.stack([r.tokens for r in rows])
-    segment_ids = np.stack([r.segment_ids for r in rows])
-    targets, weights = next_token_targets(tokens, segment_ids, np.stack([r.target_mask for r in rows]))
-    return {"tokens": tokens, "segment_ids": segment_ids, "targets": targets, "weights": weights}
+    return stack_rows([self.row(i) for i in range(start, stop)])

@@ -1,9 +1,9 @@
 """Synthetic tasks for training and long-context evaluation, each example a pure function of (seed, index, length).
 
 An example is a document `<bos> ... <eos>` of at most `length` tokens and a mask of its answer tokens: the tokens a
-model can only predict by using the context (the values in recall, the reversed string, ...). Accuracy is measured
-on them, and training on a task puts its loss on them alone. `chance` is the accuracy of guessing uniformly among
-the possible answer tokens.
+model can only predict by using the context (the values in recall, the reversed string, a scripted solver's turns in
+an RL environment, ...). Accuracy is measured on them, and training on a task puts its loss on them alone. `chance`
+is the accuracy of guessing uniformly among the possible answer tokens.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import zlib
 import numpy as np
 
 from k3jax.data import tokenizer as tok
+from k3jax.rl import envs
 
 LOWER = np.arange(ord("a"), ord("z") + 1)
 UPPER = np.arange(ord("A"), ord("Z") + 1)
@@ -113,7 +114,24 @@ class Stack:
     return _doc(parts, answers)
 
 
-TASKS = {"mqar": MQAR(), "passkey": Passkey(), "palindrome": Palindrome(), "stack": Stack()}
+@dataclasses.dataclass(frozen=True)
+class Demonstration:
+  """A scripted solver's episode in RL environment `env` (`k3jax.rl.envs`), then `<eos>`: the prompt and the tool
+  results are context, the solver's own turns are the answer tokens (the tokens a policy writes)."""
+  env: str
+  chance: float = 1 / 256
+
+  @property
+  def min_length(self) -> int:
+    return envs.get(self.env).min_length + 1
+
+  def __call__(self, rng: np.random.Generator, length: int) -> Example:
+    traj = envs.demonstration(self.env, rng, length - 1)
+    return Example(np.append(traj.tokens, tok.EOS).astype(np.int32), np.append(traj.loss_mask, False))
+
+
+TASKS = {"mqar": MQAR(), "passkey": Passkey(), "palindrome": Palindrome(), "stack": Stack(),
+         **{name: Demonstration(name) for name in envs.ENVS}}
 
 
 def task_rng(name: str, seed: int, index: int) -> np.random.Generator:

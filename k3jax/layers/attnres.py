@@ -127,7 +127,10 @@ class DepthAttention(nnx.Module):
     values = stream.sources + (() if stream.partial is None else (stream.partial,))
     v_NBTD = jnp.stack(values)
     logits_NBT = jnp.einsum("d,nbtd->nbt", self.query[...], self.key_norm(v_NBTD))
-    return jnp.einsum("nbt,nbtd->btd", jax.nn.softmax(logits_NBT, axis=0), v_NBTD)
+    weights_NBT = jax.nn.softmax(logits_NBT, axis=0)
+    # Recorded only under `nnx.capture(..., nnx.Intermediate)` (k3jax.ablations.residual.depth_weights reads it).
+    self.sow(nnx.Intermediate, "weights", weights_NBT, capture_noop=True)
+    return jnp.einsum("nbt,nbtd->btd", weights_NBT, v_NBTD)
 
   def _read_carry(self, carry: Carry):
     """The same over the carry's buffer, closed sums and partial sum, what is not valid masked out of the softmax

@@ -16,11 +16,8 @@ from k3jax.train import batches
 
 def task_rows(name: str, seed: int, start: int, stop: int, length: int) -> dict[str, np.ndarray]:
   """Examples `start..stop-1` of task `name` at `length`, one per row: `[stop - start, length]` arrays."""
-  rows = [pipeline.pack([tasks.make_example(name, seed, i, length)], length) for i in range(start, stop)]
-  tokens = np.stack([r.tokens for r in rows])
-  segment_ids = np.stack([r.segment_ids for r in rows])
-  targets, weights = pipeline.next_token_targets(tokens, segment_ids, np.stack([r.target_mask for r in rows]))
-  return {"tokens": tokens, "segment_ids": segment_ids, "targets": targets, "weights": weights}
+  return pipeline.stack_rows([pipeline.pack([tasks.make_example(name, seed, i, length)], length)
+                              for i in range(start, stop)])
 
 
 def eval_lengths(config, seq_len: int) -> tuple[int, ...]:

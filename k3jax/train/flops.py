@@ -12,7 +12,7 @@ MFU = tokens/s · flops/token / (peak bf16 dense FLOP/s · devices); peaks are t
 from __future__ import annotations
 
 from k3jax import config as config_lib
-from k3jax.ops import kda_chunk
+from k3jax.ops.kda import chunk as kda_chunk
 from k3jax.train import sizing
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}

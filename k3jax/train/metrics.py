@@ -157,17 +157,21 @@ class Progress:
                          desc=f"stage {stage.index} (T={stage.seq_len})",
                          disable=not (self.enabled and self.tty))
 
-  def update(self, steps: int, loss: float | None = None, tokens_per_s: float | None = None) -> None:
-    """`steps` more steps done; `loss` and `tokens_per_s` at a logged step."""
+  def update(self, steps: int, loss: float | None = None, tokens_per_s: float | None = None,
+             extra: dict[str, float] | None = None) -> None:
+    """`steps` more steps done; `loss`, `tokens_per_s` and any `extra` values to show at a logged step."""
     self.done += steps
+    extra = extra or {}
     if self.tty:
       if loss is not None:
-        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s or 0:,.0f}", refresh=False)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s or 0:,.0f}",
+                             **{k: f"{v:.4g}" for k, v in extra.items()}, refresh=False)
       self.bar.update(steps)
     elif loss is not None and self.enabled:
       s = self.stage
       left = (s.steps - self.done) * self.tokens_per_step / tokens_per_s if tokens_per_s else None
-      print(f"stage {s.index} step {s.start + self.done}/{s.end}  loss {loss:.4f}  "
+      shown = "".join(f"{k} {v:.4g}  " for k, v in extra.items())
+      print(f"stage {s.index} step {s.start + self.done}/{s.end}  loss {loss:.4f}  {shown}"
             f"{f'{tokens_per_s:,.0f}' if tokens_per_s else '-'} tok/s  "
             f"ETA {_duration(left) if left is not None else '-'}", flush=True)
 

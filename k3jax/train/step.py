@@ -51,22 +51,35 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mod
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
 
-    model = state_lib.merge(graphdef, state.replace(params=params))
-    model.update_balance([[jax.tree.map(lambda x: x[a], s) for a in range(num_micro)] for s in stats])
-    _, params, balancer, other = state_lib.split(model)
-
+    new_state = update_balancers(graphdef, state.replace(step=state.step + 1, params=params, opt_state=opt_state),
+                                 stats)
     metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
                "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.tree.norm(grads),
-               "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"])}
-    if stats:
-      num_tokens = batch["tokens"].size
-      per_layer = [balancer_lib.load_metrics(jnp.sum(s.load_E, axis=0), moe.top_k, num_tokens) for s in stats]
-      metrics["moe_max_vio"] = jnp.stack([m["max_vio"] for m in per_layer])
-      metrics["moe_load_p90"] = jnp.stack([m["p90"] for m in per_layer])
-    new_state = state_lib.TrainState(state.step + 1, params, opt_state, balancer, other)
+               "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"]),
+               **moe_metrics(stats, moe.top_k, batch["tokens"].size)}
     return new_state, metrics
 
   return train_step
+
+
+def update_balancers(graphdef, state: state_lib.TrainState, stats) -> state_lib.TrainState:
+  """The state with every MoE layer's balancer moved after an optimizer step; `stats[i]` holds layer i's MoEStats
+  of the step's forward passes, stacked on a leading micro-batch axis."""
+  model = state_lib.merge(graphdef, state)
+  model.update_balance([[jax.tree.map(lambda x: x[a], s) for a in range(jax.tree.leaves(s)[0].shape[0])]
+                        for s in stats])
+  _, params, balancer, other = state_lib.split(model)
+  return state.replace(params=params, balancer=balancer, other=other)
+
+
+def moe_metrics(stats, top_k: int, num_tokens: int) -> dict:
+  """Per MoE layer, the load's MaxVio and P90 over the step (stats stacked as for `update_balancers`); {} without
+  MoE."""
+  if not stats:
+    return {}
+  per_layer = [balancer_lib.load_metrics(jnp.sum(s.load_E, axis=0), top_k, num_tokens) for s in stats]
+  return {"moe_max_vio": jnp.stack([m["max_vio"] for m in per_layer]),
+          "moe_load_p90": jnp.stack([m["p90"] for m in per_layer])}
 
 
 def make_eval_step(graphdef):

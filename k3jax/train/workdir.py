@@ -9,10 +9,12 @@ learning rate of the steps already taken.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import time
+from typing import Callable
 
 import jax
 import ml_collections
@@ -27,6 +29,21 @@ RESUMABLE = ("log_every", "checkpoint_every", "keep_checkpoints", "eval", "data.
 # Fields whose change moves the learning-rate schedule over the global steps.
 SCHEDULE = ("steps", "stages", "optimizer.warmup_fraction", "optimizer.decay_fraction", "optimizer.final_lr_fraction")
 ABSENT = "<absent>"
+
+
+def training_learning_rate(config):
+  """The training run's learning rate over its global steps."""
+  return optimizer.learning_rate(config, stages_lib.stages_of(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeRules:
+  """What a run directory's guard lets change: the fields that may change freely (dotted prefixes), the fields whose
+  change moves the learning-rate schedule, and that schedule of a config over the directory's checkpoint steps.
+  The default is a training run's; a later stage kept in its own directory (the RL stage) brings its own."""
+  resumable: tuple[str, ...] = RESUMABLE
+  schedule: tuple[str, ...] = SCHEDULE
+  learning_rate: Callable = training_learning_rate
 
 
 class ConfigChanged(ValueError):
@@ -106,11 +123,11 @@ def latest_step(workdir) -> int:
   return max((steps[-1] for steps in checkpointed_stages(workdir).values()), default=0)
 
 
-def check_resume(workdir, config, *, allow_change: bool = False) -> dict | None:
+def check_resume(workdir, config, *, allow_change: bool = False, rules: ResumeRules = ResumeRules()) -> dict | None:
   """Checks `config` against the one `workdir` remembers, writing nothing; returns the change record to append
   to config_changes.jsonl when the run goes ahead with allowed changes (None when there is nothing to record).
 
-  ConfigChanged if fields outside `RESUMABLE` differ (and `allow_change` is False), or if an allowed change
+  ConfigChanged if fields outside `rules.resumable` differ (and `allow_change` is False), or if an allowed change
   alters the learning rate of a step already taken.
   """
   old = remembered(workdir)
@@ -119,7 +136,7 @@ def check_resume(workdir, config, *, allow_change: bool = False) -> dict | None:
   diff = differences(old, as_json(config))
   if not diff:
     return None
-  blocking = {k: v for k, v in diff.items() if not _under(k, RESUMABLE)}
+  blocking = {k: v for k, v in diff.items() if not _under(k, rules.resumable)}
   listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in (blocking or diff).items())
   step = latest_step(workdir)
   if blocking and not allow_change:
@@ -127,20 +144,19 @@ def check_resume(workdir, config, *, allow_change: bool = False) -> dict | None:
         f"{pathlib.Path(workdir) / CONFIG} was trained (to step {step}) with another config; these fields differ:\n"
         f"{listing}\nResuming would mix two runs. Use a new --workdir, or pass --allow_config_change "
         f"(allow_config_change=True) to continue with the new values deliberately (the change is recorded in "
-        f"{CHANGES}). Fields that may change freely: {', '.join(RESUMABLE)}.")
-  if blocking and any(_under(k, SCHEDULE) for k in blocking):
-    _check_schedule(old, config, step)
+        f"{CHANGES}). Fields that may change freely: {', '.join(rules.resumable)}.")
+  if blocking and any(_under(k, rules.schedule) for k in blocking):
+    _check_schedule(old, config, step, rules.learning_rate)
   return {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "at_step": step, "allowed": bool(blocking),
           "changes": {k: list(v) for k, v in diff.items()}}
 
 
-def _check_schedule(old: dict, config, step: int) -> None:
+def _check_schedule(old: dict, config, step: int, learning_rate: Callable) -> None:
   """ConfigChanged if the new config's learning rate differs from the old one's at a step < `step`."""
   if step == 0:
     return
   old_config = config_from_json(old)
-  before = optimizer.learning_rate(old_config, stages_lib.stages_of(old_config))
-  after = optimizer.learning_rate(config, stages_lib.stages_of(config))
+  before, after = learning_rate(old_config), learning_rate(config)
   steps = np.arange(step)
   a, b = np.asarray(before(steps)), np.asarray(after(steps))
   bad = np.flatnonzero(~np.isclose(a, b, rtol=1e-6, atol=0.0))

@@ -20,6 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
+from pallas_kernels import mosaic_gpu_reason
+
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -64,12 +66,7 @@ def row_multiple(configs: Configs) -> int:
 
 def unsupported_reason(k: int, n: int, dtype, configs: Configs) -> str | None:
   """Why the kernels cannot run `[M,k] x [G,k,n]` here (None when they can; any M: rows are padded)."""
-  if jax.default_backend() != "gpu":
-    return f"the default backend is {jax.default_backend()!r}, not 'gpu'"
-  capability = getattr(jax.devices()[0], "compute_capability", "")
-  if not str(capability).startswith("9."):
-    return f"the kernels use Hopper wgmma (compute capability 9.x); this GPU has {capability!r}"
-  return shape_reason(k, n, dtype, configs)
+  return mosaic_gpu_reason() or shape_reason(k, n, dtype, configs)
 
 
 def shape_reason(k: int, n: int, dtype, configs: Configs) -> str | None:

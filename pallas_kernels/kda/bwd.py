@@ -1,4 +1,6 @@
-"""Backward kernels: the reverse sequential pass for the state gradient and the parallel intra-chunk backward."""
+"""Backward kernels: the reverse sequential pass for the state gradient, the state-gradient products and the
+parallel intra-chunk backward (a row pass, a column pass and dg's suffix sum). Each launch's parameters come from
+`KDAKernelOptions`; the tests hold the intra backward to autodiff of `k3jax.ops.kda.naive.naive_chunk_intermediates`."""
 from __future__ import annotations
 
 import functools
@@ -7,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import barrier, triton_call
+from pallas_kernels import triton_call
 from pallas_kernels.kda import state_mosaic
-from pallas_kernels.kda.fwd import StateSpecs, walk_chunks
+from pallas_kernels.kda.fwd import DEFAULT, StateSpecs, walk_chunks
+from pallas_kernels.kda.options import COLS_FORMS
 from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileDocs, TileGates, load, masked, mm, mm_t,
                                       store, t_mm)
 
@@ -28,16 +31,17 @@ def _state_bwd_kernel(do_ref, aqk_ref, kd_ref, qs_ref, w_ref, decay_ref, dsT_ref
   ds0_ref[...] = walk_chunks(num_chunks, body, dsT_ref[...].astype(F32), decay_ref, reverse=True)
 
 
-def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None, mosaic=None):
+def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, options=DEFAULT):
   """Reverse pass over chunks. Returns dv_new `[B,T,H,V]` and the gradient w.r.t. the state leaving each chunk
   `[B,H,N·K,V]` in the input dtype (as FLA keeps them: at bf16 the intra backward's reads of these fp32 tensors were
-  its largest traffic), and the gradient w.r.t. the initial state `[B,H,K,V]` fp32. `mosaic`: the Mosaic GPU pass
-  (`state_mosaic.state_backward`) or the Triton one; None: Mosaic GPU's where `state_mosaic.available`."""
+  its largest traffic), and the gradient w.r.t. the initial state `[B,H,K,V]` fp32. `options.state_pass`: the
+  Mosaic GPU pass (`state_mosaic.state_backward`) or the Triton one, None: Mosaic GPU's where
+  `state_mosaic.available`; `options.state_bwd_launch`: the Triton launch."""
   B, T, H, K = w.shape
   V = do.shape[-1]
   N = T // CHUNK
   dt = w.dtype
-  if state_mosaic.chosen(dt, K, V, block_v, mosaic, num_warps):
+  if state_mosaic.chosen(dt, K, V, block_v, options.state_pass, options.state_bwd):
     return state_mosaic.state_backward(do, aqk, kd, qs, w, decay, dS_T)
   sp = StateSpecs(H, T, K, block_v)
   in_specs = [sp.vcols, sp.whole(CHUNK), sp.whole(K), sp.whole(K), sp.whole(K), sp.decay, sp.state]
@@ -45,9 +49,8 @@ def state_backward(do, aqk, kd, qs, w, decay, dS_T, *, block_v, num_warps=None, 
                jax.ShapeDtypeStruct((B, H, K, V), F32)]
   out_specs = [sp.vcols, sp.per_chunk_state, sp.state]
   kernel = functools.partial(_state_bwd_kernel, num_chunks=N, dtype=dt)
-  num_warps = num_warps or (8 if block_v > 64 else 4)
   return triton_call(kernel, grid=(V // block_v, B * H), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, name="kda_state_bwd", num_warps=num_warps, num_stages=2)(
+                     out_shape=out_shape, name="kda_state_bwd", **options.state_bwd_launch(block_v)._asdict())(
                          do, aqk, kd, qs, w, decay, dS_T)
 
 
@@ -59,13 +62,13 @@ def _state_grad_kernel(h_ref, dh_ref, vn_ref, dvn_ref, do_ref, dw_ref, dqs_ref, 
   dd_ref[...] = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
 
 
-def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
+def state_grad_products(h, dh, v_new, dv_new, do, *, options=DEFAULT):
   """Gradients through v_new = U − W S, o = Qs S + …, S' = decay ⊙ S + Kdᵀ v_new w.r.t. W, Qs, Kd `[B,T,H,K]`
   (input dtype) and the state decay `[B,N,H,K]` (fp32), from the states entering each chunk and the gradients
-  leaving it. Parallel over chunks and blocks of K."""
+  leaving it. Parallel over chunks and blocks of `options.state_grads_block_k` columns of K."""
   B, T, H, V = do.shape
   K = h.shape[2] // (T // CHUNK)
-  block_k = min(block_k, K)
+  block_k = min(options.state_grads_block_k, K)
   N, nk = T // CHUNK, K // block_k
   state = pl.BlockSpec((None, None, block_k, V), lambda n, bh, kb: (bh // H, bh % H, n * nk + kb, 0))
   row_v = pl.BlockSpec((None, CHUNK, None, V), lambda n, bh, kb: (bh // H, n, bh % H, 0))
@@ -77,71 +80,12 @@ def state_grad_products(h, dh, v_new, dv_new, do, *, block_k=64):
       out_specs=[row_k, row_k, row_k,
                  pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))],
       out_shape=[kdim, kdim, kdim, jax.ShapeDtypeStruct((B, N, H, K), F32)], name="kda_state_grads",
-      num_warps=4, num_stages=1)(h, dh, v_new, dv_new, do)
-
-
-def _intra_bwd_kernel(q_ref, k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref,
-                      do_ref, dw_ref, dqs_ref, dkd_ref, dd_ref, *refs, scale, lower_bound, has_reset, dtype):
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dAqk_ref, dB_ref = refs
-  gates = Gates(loc_ref, reset_ref, lower_bound)
-  e_k = gates.e_k()
-  rounded = lambda a: a.astype(dtype).astype(F32)
-  exact = dtype == F32
-
-  # 1. Query tile I. Through [U, W] = M [βV, βΓK]: rows I of dX = Mᵀ [dv_new, dW] and of dA_kk = −dX [U, W]ᵀ.
-  #    Through A_qk = scale·q̂ k̃ᵀ and B = k̂ k̃ᵀ (keys scaled for anchor I): the query-side gradients. The rows of
-  #    dA_qk and dB go to memory for the key-side pass.
-  dk_part, dG_part = [], []
-  for i in range(NT):
-    beta_i, e_q = load(beta_ref, i)[:, None], gates.e_q(i)
-    q_i, k_i = load(q_ref, i), load(k_ref, i)
-    gamma = gates.gamma_tile(i, e_q)
-    m_cols = minv_ref[:, pl.ds(i * SUB, SUB)]
-    dXv, dXk = t_mm(m_cols, load(dvn_ref), F32, exact), t_mm(m_cols, load(dw_ref), F32, exact)
-    dA = masked(-(mm_t(dXv, load(u_ref), dtype) + mm_t(dXk, load(w_ref), dtype)), gates.row_mask(i, True))
-    store(dv_ref, i, beta_i * dXv)
-    store(dbeta_ref, i, jnp.sum(dXv * load(v_ref, i), axis=1) + jnp.sum(dXk * gamma * k_i, axis=1)
-          + jnp.sum(dA * load(kk_ref, i), axis=1))
-    dB = beta_i * dA
-    dAqk = masked(scale * mm_t(load(do_ref, i), load(vn_ref), dtype), gates.row_mask(i, False))
-    store(dB_ref, i, dB)
-    store(dAqk_ref, i, dAqk)
-    keys = load(k_ref) * e_k * gates.anchor_scale(i)
-    qh, kh = q_i * e_q, k_i * e_q
-    dqh, dkh = mm(dAqk, keys, dtype), mm(dB, keys, dtype)
-    dqs = load(dqs_ref, i)
-    store(dq_ref, i, dqh * e_q + scale * gamma * dqs)
-    dk_part.append(dkh * e_q + beta_i * gamma * dXk)
-    # Each A term depends on G_i − G_j only: + at i here, − at j below, both from the operands as rounded for the
-    # GEMMs, so a pair's parts cancel exactly in dg where they should (the e^0 diagonal terms dominate otherwise).
-    dG_part.append(dqh * rounded(qh) + dkh * rounded(kh) + (beta_i * gamma * k_i) * dXk + scale * q_i * gamma * dqs)
-  barrier()
-
-  # 2. Key tile J: dk̃ = Σ_I dA_qk[I, J]ᵀ q̂_I + dB[I, J]ᵀ k̂_I with the queries scaled for anchor J; then the terms
-  #    of Kd = k·e^{G_C − G} and decay = e^{G_C}, and dg_m = Σ_{i>=m} dG_i + dG_C.
-  e_q_all = gates.e_q()
-  dG_C = gates.decay() * dd_ref[...].reshape(1, -1)
-  dG = []
-  for j in range(NT):
-    scale_j = e_q_all * gates.anchor_scale_t(j)
-    cols = (slice(None), pl.ds(j * SUB, SUB))
-    dkeys = t_mm(dAqk_ref[cols], load(q_ref) * scale_j, dtype) + t_mm(dB_ref[cols], load(k_ref) * scale_j, dtype)
-    e_k_j, k_j, dkd = gates.e_k(j), load(k_ref, j), load(dkd_ref, j)
-    te = gates.to_end_tile(j, e_k_j)
-    store(dk_ref, j, dk_part[j] + dkeys * e_k_j + te * dkd)
-    dG.append(dG_part[j] - dkeys * rounded(k_j * e_k_j) - k_j * te * dkd)
-    dG_C += jnp.sum(k_j * te * dkd, axis=0, keepdims=True)
-  later = dG_C
-  for j in reversed(range(NT)):
-    tot = jnp.sum(dG[j], axis=0, keepdims=True)
-    store(dg_ref, j, tot - jnp.cumsum(dG[j], axis=0) + dG[j] + later)
-    later = later + tot
+      **options.launch("state_grads")._asdict())(h, dh, v_new, dv_new, do)
 
 
 def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref, minv_ref, vn_ref, dvn_ref, do_ref,
                            dw_ref, *refs, scale, lower_bound, has_reset, dtype):
-  """v5, first pass, one program per query tile i (it carries nothing between tiles): everything that contracts
+  """First pass, one program per query tile i (it carries nothing between tiles): everything that contracts
   over K or V (dv, dβ, dA_qk, dB, and dKw = βΓ ⊙ dX_k for the column pass)."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dv_ref, dbeta_ref, dAqk_ref, dB_ref, dkw_ref = refs
@@ -162,16 +106,12 @@ def _intra_bwd_rows_kernel(k_ref, v_ref, loc_ref, beta_ref, u_ref, w_ref, kk_ref
   store(dkw_ref, None, beta_i * gamma * dXk)
 
 
-COLS_FORMS = ("loop", "unrolled")   # `intra_backward`'s forms of the column pass's pair products
-
-
 def _pair_products(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, tg, j, dtype, form):
   """The column pass's products over pairs of rows in tiles I >= J, every operand rounded against its own tile's
   anchor: each 16x16 block of dA_qk and dB times one tile's rows, the anchor shift e^{R_I - R_J} applied in fp32
   to the block's product by Horner's rule over the tiles (a factor e^{tot} >= e^{16·γ_min} a step, so no shift
-  underflows while its pair still counts). `form` "loop": only the blocks causality leaves nonzero, j + 1 key tiles
-  and 4 - j query tiles; "unrolled": all four of each, the zero blocks' steps leaving the sums as they are. Returns
-  dq̂, dk̂ of tile j's rows and dk̃ of its keys."""
+  underflows while its pair still counts). `form` (`options.COLS_FORMS`) walks the tiles as its `_PAIR_WALKS` body
+  says. Returns dq̂, dk̂ of tile j's rows and dk̃ of its keys."""
   rows_j = pl.ds(j * SUB, SUB)
   rows = lambda t: pl.ds(t * SUB, SUB)
   tile = lambda ref, t: ref[rows(t), :].astype(F32)
@@ -189,18 +129,30 @@ def _pair_products(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, tg, j, dtype, form):
                 + t_mm(dB_ref[rows(t), rows_j], tile(k_ref, t) * e, dtype))
     return acc * jnp.where(t >= j, jnp.exp(tot(t)), 1.0) + products
 
-  zeros = jnp.zeros((SUB, loc_ref.shape[-1]), F32)
-  if form == "loop":
-    return (*jax.lax.fori_loop(0, j + 1, key_tile, (zeros, zeros)), jax.lax.fori_loop(0, NT - j, query_tile, zeros))
+  return _PAIR_WALKS[form](key_tile, query_tile, j, jnp.zeros((SUB, loc_ref.shape[-1]), F32))
+
+
+def _walk_nonzero_blocks(key_tile, query_tile, j, zeros):
+  """"loop": only the blocks causality leaves nonzero, j + 1 key tiles and 4 - j query tiles."""
+  return (*jax.lax.fori_loop(0, j + 1, key_tile, (zeros, zeros)), jax.lax.fori_loop(0, NT - j, query_tile, zeros))
+
+
+def _walk_all_blocks(key_tile, query_tile, j, zeros):
+  """"unrolled": all four tiles of each, unrolled, the zero blocks' steps leaving the sums as they are."""
   acc, dkeys = (zeros, zeros), zeros
   for t in range(NT):
     acc, dkeys = key_tile(t, acc), query_tile(t, dkeys)
   return (*acc, dkeys)
 
 
+# The column pass's forms (`options.COLS_FORMS`), each a walk over the tiles of `_pair_products`' products.
+_PAIR_WALKS = {"loop": _walk_nonzero_blocks, "unrolled": _walk_all_blocks}
+assert tuple(_PAIR_WALKS) == COLS_FORMS, (tuple(_PAIR_WALKS), COLS_FORMS)
+
+
 def _intra_bwd_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs_ref, dkd_ref, *refs, scale,
                            lower_bound, has_reset, dtype, form):
-  """v5, second pass, one program per tile J and block of K: dq and dk of the tile's rows, and dG, each row's own
+  """Second pass, one program per tile J and block of K: dq and dk of the tile's rows, and dG, each row's own
   term of dg (`_dg_suffix_kernel` sums it over the chunk's later rows). A pair of rows i >= j gives dG a term at i
   and its negative at j, both from the same bf16 operands, each rounded against its own tile's anchor
   (`_pair_products`), so the two cancel in dg where they should (with the operands of other tiles rounded against
@@ -225,7 +177,7 @@ def _intra_bwd_cols_kernel(q_ref, k_ref, loc_ref, dAqk_ref, dB_ref, dkw_ref, dqs
 
 
 def _dg_suffix_kernel(k_ref, loc_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_bound, has_reset):
-  """v5, third pass: dg of row r = Σ_{rows r' >= r of the chunk} dG[r'] + what the chunk's state decay and the
+  """Third pass: dg of row r = Σ_{rows r' >= r of the chunk} dG[r'] + what the chunk's state decay and the
   keys decayed to its end contribute to every row."""
   reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
   dg_ref, = refs
@@ -236,14 +188,20 @@ def _dg_suffix_kernel(k_ref, loc_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_boun
   store(dg_ref, None, jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + base)
 
 
-def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *,
-                           scale, lower_bound, num_warps, block_k, cols_form):
-  """v5: three launches, each a program per tile: the row pass (grid chunks × heads × 4), the column pass (grid
-  chunks × heads × K blocks × 4), and dg's sum over later rows (grid chunks × heads × K blocks)."""
+def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
+                   lower_bound, options=DEFAULT):
+  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W, B and M, the
+  state pass's v_new and its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). Three launches,
+  each a program per tile: the row pass (grid chunks × heads × 4), the column pass (grid chunks × heads × K blocks ×
+  4) and dg's sum over later rows (grid chunks × heads × K blocks), the K blocks `options.bwd_block_k` wide.
+  `options.cols_form`: the column pass's pair products over the nonzero blocks only ("loop") or over all
+  ("unrolled"), `_pair_products`; the same gradients to fp32 rounding."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   N = T // CHUNK
-  block_k = min(block_k, K)
+  block_k = min(options.bwd_block_k, K)
+  if K % block_k or block_k % SUB:
+    raise ValueError(f"intra_backward: bwd_block_k={block_k} must be a multiple of {SUB} dividing K={K}")
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh, *_: (bh // H, n, bh % H, 0))
   tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh, *_: (bh // H, n, bh % H))
   res = [pl.BlockSpec((None, CHUNK), lambda n, bh, *_: (bh // H, n))] if reset is not None else []
@@ -257,58 +215,20 @@ def _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_
       in_specs=[row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V), row(K)]
       + res, out_specs=[out(V), out_tok, out(CHUNK), out(CHUNK), out(K)],
       out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, q.dtype), shape(CHUNK, q.dtype),
-                 shape(K, F32)], name="kda_intra_bwd_v5_rows", num_warps=num_warps, num_stages=1)(
+                 shape(K, F32)], name="kda_intra_bwd_v5_rows", **options.launch("intra_bwd_v5_rows")._asdict())(
                      k, v, loc, beta, u, w, kk, minv, v_new, dv_new, do, dw, *opt)
   col = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb, *_: (bh // H, n, bh % H, kb))
   full = pl.BlockSpec((None, CHUNK, None, CHUNK), lambda n, bh, *_: (bh // H, n, bh % H, 0))
   dd_spec = pl.BlockSpec((None, None, None, block_k), lambda n, bh, kb: (bh // H, n, bh % H, kb))
   tile_col = pl.BlockSpec((None, SUB, None, block_k), lambda n, bh, kb, j: (bh // H, n * NT + j, bh % H, kb))
   dq, dk, dG = triton_call(
-      functools.partial(_intra_bwd_cols_kernel, **flags, form=cols_form), grid=(N, B * H, K // block_k, NT),
+      functools.partial(_intra_bwd_cols_kernel, **flags, form=options.cols_form), grid=(N, B * H, K // block_k, NT),
       in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
       out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
-      num_warps=num_warps, num_stages=1)(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
+      **options.launch("intra_bwd_v5_cols")._asdict())(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
   dg = triton_call(
       functools.partial(_dg_suffix_kernel, lower_bound=lower_bound, has_reset=reset is not None),
       grid=(N, B * H, K // block_k), in_specs=[col, col, col, dd_spec, col] + res, out_specs=col,
-      out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", num_warps=4, num_stages=1)(k, loc, dkd, dd, dG, *opt)
+      out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", **options.launch("intra_bwd_v5_dg")._asdict())(
+          k, loc, dkd, dd, dG, *opt)
   return dq, dk, dv, dg, dbeta
-
-
-def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
-                   lower_bound, num_warps=4, variant="v5", block_k=64, cols_form="loop"):
-  """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W, B and M, the
-  state pass's v_new and its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). `variant`: "v5"
-  (a row pass, a column pass over `block_k` columns and dg's suffix sum, each a program per tile,
-  `_intra_backward_passes`) or "v3" (one kernel: the reference the tests hold v5 to); same outputs. The default is
-  the fastest setting measured on the H200 (v5, 4 warps, 64 columns: BUILD_NOTES.md, KDA kernels).
-  `cols_form` (v5): the column pass's pair products over the nonzero blocks only ("loop") or over all ("unrolled"),
-  `_pair_products`; the same gradients to fp32 rounding."""
-  if variant not in ("v3", "v5"):
-    raise ValueError(f"intra_backward: variant must be 'v3' or 'v5', got {variant!r}")
-  if cols_form not in COLS_FORMS:
-    raise ValueError(f"intra_backward: cols_form must be one of {COLS_FORMS}, got {cols_form!r}")
-  if variant == "v5":
-    return _intra_backward_passes(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd,
-                                  scale=scale, lower_bound=lower_bound, num_warps=num_warps, block_k=block_k,
-                                  cols_form=cols_form)
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  N = T // CHUNK
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  tok = pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))
-  in_specs = [row(K), row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V),
-              row(K), row(K), row(K), pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0))]
-  args = [q, k, v, loc, beta, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd]
-  if reset is not None:
-    in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
-    args.append(reset)
-  shape = lambda d, dtype: jax.ShapeDtypeStruct((B, T, H, d), dtype)
-  out_shape = [shape(K, q.dtype), shape(K, k.dtype), shape(V, v.dtype), shape(K, F32),
-               jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, F32), shape(CHUNK, F32)]
-  kernel = functools.partial(_intra_bwd_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None,
-                             dtype=q.dtype)
-  outs = triton_call(kernel, grid=(N, B * H), in_specs=in_specs,
-                     out_specs=[row(K), row(K), row(V), row(K), tok, row(CHUNK), row(CHUNK)],
-                     out_shape=out_shape, name="kda_intra_bwd", num_warps=num_warps, num_stages=1)(*args)
-  return outs[:5]

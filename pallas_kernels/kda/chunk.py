@@ -9,13 +9,17 @@ gradient by XLA.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, fwd, solve_mosaic
-from pallas_kernels.kda.tiles import CHUNK
+from k3jax.ops.kda.common import CHUNK, reset_mask
+from k3jax.ops.kda.gate import fused_inputs
+from pallas_kernels.kda import bwd, fwd
+from pallas_kernels.kda.options import KDAKernelOptions
 
 
 def default_block_v(B, H, V, target_programs=128):
@@ -36,14 +40,54 @@ def default_segments(B, H, N, target_rows=128, min_chunks=16):
   return s
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one call fixes, the custom VJP's static argument: the scale, the gate's bound, T before padding (None
+  without), whether an initial state was given, the forward's and backward's state-pass column blocks and the
+  forward's segments (resolved from `options` for the call's shapes), and the options themselves."""
+  scale: float
+  lower_bound: float
+  valid_len: int | None
+  has_state: bool
+  block_v_fwd: int
+  block_v_bwd: int
+  segments: int
+  options: KDAKernelOptions
+
+
+class Residuals(NamedTuple):
+  """What the backward reads. `raw`: for the fused entry, (q, k, g_raw, beta_logits, (A_log, dt_bias)) as given,
+  None otherwise; q, k: as the kernels used them (normalised by the fused pre-pass); the intra pass's outputs
+  (`fwd.intra_forward`) and the tiles' cumulative gates `loc`; h, v_new: the states entering each chunk and the
+  new values, written by the state pass."""
+  raw: tuple | None
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  beta: jax.Array
+  reset: jax.Array | None
+  loc: jax.Array
+  w: jax.Array
+  u: jax.Array
+  qs: jax.Array
+  kd: jax.Array
+  aqk: jax.Array
+  decay: jax.Array
+  kk: jax.Array
+  minv: jax.Array
+  h: jax.Array
+  v_new: jax.Array
+
+
 def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state, segment_ids, lower_bound,
-                     block_v=None, gate=None, cols_form="loop"):
+                     gate=None, options: KDAKernelOptions | None = None):
   """Inputs as `k3jax.ops.kda.chunk_kda` (already checked there); T is padded to a multiple of 64 here. With `gate`
   = (A_log, dt_bias), g and beta are the layer's raw gate and β projections and q, k are L2-normalised in the kernels
-  (`k3jax.ops.kda.fused_kda`); the gradients flow to all of them. `cols_form`: the backward column pass's form
-  (`bwd.intra_backward`), for timing the two against each other."""
-  if cols_form not in bwd.COLS_FORMS:
-    raise ValueError(f"chunk_kda_pallas: cols_form must be one of {bwd.COLS_FORMS}, got {cols_form!r}")
+  (`k3jax.ops.kda.fused_kda`); the gradients flow to all of them. `options`: the kernels' variants, blocking and
+  launches (`KDAKernelOptions`; None: the defaults)."""
+  options = KDAKernelOptions() if options is None else options
+  if not isinstance(options, KDAKernelOptions):
+    raise TypeError(f"options must be a KDAKernelOptions, got {type(options).__name__}")
   B, T, H, K = q.shape
   V = v.shape[-1]
   pad = -T % CHUNK
@@ -53,64 +97,74 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
   if gate is None:
     g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
   g, beta = padt(g), padt(beta)
-  reset = None
-  if segment_ids is not None:
-    from k3jax.ops.kda import reset_mask
-    reset = padt(reset_mask(segment_ids, B, T).astype(jnp.int32))
+  reset = None if segment_ids is None else padt(reset_mask(segment_ids, B, T).astype(jnp.int32))
   S0 = None if initial_state is None else initial_state.astype(jnp.float32)   # None: the kernels start from zeros
-  segments = default_segments(B, H, q.shape[1] // CHUNK)
-  block_fwd, block_bwd = ((block_v, block_v) if block_v else
-                          (default_block_v(B * segments, H, V), default_block_v(B, H, V)))
-  cfg = (float(scale), float(lower_bound), block_fwd, block_bwd, segments, T if pad else None, S0 is not None,
-         cols_form)
-  o, S = _kda(cfg, q, k, v, g, beta, gate, S0, reset)
+  N = q.shape[1] // CHUNK
+  segments = options.segments or default_segments(B, H, N)
+  if N % segments:
+    raise ValueError(f"KDAKernelOptions.segments={segments} must divide the {N} chunks of T={T}")
+  plan = Plan(scale=float(scale), lower_bound=float(lower_bound), valid_len=T if pad else None,
+              has_state=S0 is not None, block_v_fwd=options.block_v or default_block_v(B * segments, H, V),
+              block_v_bwd=options.block_v or default_block_v(B, H, V), segments=segments, options=options)
+  o, S = _kda(plan, q, k, v, g, beta, gate, S0, reset)
   return o[:, :T], (S if output_final_state else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kda(cfg, q, k, v, g, beta, gate, S0, reset):
-  return _forward(cfg, q, k, v, g, beta, gate, S0, reset, save=False)[0]
+def _kda(plan, q, k, v, g, beta, gate, S0, reset):
+  return _forward(plan, q, k, v, g, beta, gate, S0, reset, save=False)[0]
 
 
-def _forward(cfg, q, k, v, g, beta, gate, S0, reset, *, save):
-  scale, lower_bound, block_v, _, segments, valid_len, _, _ = cfg
-  p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=lower_bound, valid_len=valid_len, save=save)
-  # Without the backward, the key tiles invert B's diagonal blocks: the Mosaic solve's chain is then 4 products long,
-  # not 10; the backward reads B as it is.
-  invert = not save and solve_mosaic.available(q.dtype, q.shape[-1], v.shape[-1])
-  w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=scale,
-                                                         lower_bound=lower_bound, save=save, invert_diagonal=invert)
-  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=block_v, save=save, segments=segments)
-  intra = (p.q, p.k, p.beta, w, u, qs, kd, aqk, decay, kk, minv, p.loc)
-  return (o, S), (None if gate is None else (q, k, g, beta, gate), v, reset, intra, saved)
+def inverts_diagonal(options, dtype, K, V, *, save):
+  """Whether the forward's key tiles invert B's diagonal blocks: only undifferentiated (`save` False: with the
+  backward, it reads B as it is), with the Mosaic solve, unless `options.invert_diagonal` is False. Inverted, the
+  Mosaic solve's chain is 4 products long, not 10."""
+  return options.invert_diagonal and not save and fwd.solve_used(options, dtype, K, V) == "mosaic"
 
 
-def _kda_fwd(cfg, q, k, v, g, beta, gate, S0, reset):
-  return _forward(cfg, q, k, v, g, beta, gate, S0, reset, save=True)
+def _forward(plan, q, k, v, g, beta, gate, S0, reset, *, save):
+  opts = plan.options
+  p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=plan.lower_bound, valid_len=plan.valid_len, save=save,
+                  options=opts)
+  invert = inverts_diagonal(opts, q.dtype, q.shape[-1], v.shape[-1], save=save)
+  w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=plan.scale,
+                                                         lower_bound=plan.lower_bound, save=save,
+                                                         invert_diagonal=invert, options=opts)
+  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=plan.block_v_fwd, save=save,
+                                   segments=plan.segments, options=opts)
+  if not save:
+    return (o, S), None
+  h, v_new = saved
+  raw = None if gate is None else (q, k, g, beta, gate)
+  return (o, S), Residuals(raw, p.q, p.k, v, p.beta, reset, p.loc, w, u, qs, kd, aqk, decay, kk, minv, h, v_new)
 
 
-def _kda_bwd(cfg, res, cotangents):
-  scale, lower_bound, _, block_v_bwd, _, valid_len, has_state, cols_form = cfg
-  raw, v, reset, (q, k, beta, w, u, qs, kd, aqk, decay, kk, minv, loc), (h, v_new) = res
+def _kda_fwd(plan, q, k, v, g, beta, gate, S0, reset):
+  return _forward(plan, q, k, v, g, beta, gate, S0, reset, save=True)
+
+
+def _kda_bwd(plan, res: Residuals, cotangents):
+  opts = plan.options
   do, dS_T = cotangents
-  do = do.astype(q.dtype)
-  dv_new, dh, dS0 = bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T.astype(jnp.float32), block_v=block_v_bwd)
-  dw, dqs, dkd, dd = bwd.state_grad_products(h, dh, v_new, dv_new, do)
-  dq, dk, dv, dg, dbeta = bwd.intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs,
-                                             dkd, dd, scale=scale, lower_bound=lower_bound,
-                                             cols_form=cols_form)
-  if raw is None:
-    return dq, dk, dv, dg, dbeta, None, dS0 if has_state else None, None
+  do = do.astype(res.q.dtype)
+  dv_new, dh, dS0 = bwd.state_backward(do, res.aqk, res.kd, res.qs, res.w, res.decay, dS_T.astype(jnp.float32),
+                                       block_v=plan.block_v_bwd, options=opts)
+  dw, dqs, dkd, dd = bwd.state_grad_products(res.h, dh, res.v_new, dv_new, do, options=opts)
+  dq, dk, dv, dg, dbeta = bwd.intra_backward(res.q, res.k, res.v, res.loc, res.beta, res.reset, res.u, res.w, res.kk,
+                                             res.minv, res.v_new, dv_new, do, dw, dqs, dkd, dd,
+                                             scale=plan.scale, lower_bound=plan.lower_bound, options=opts)
+  dS0 = dS0 if plan.has_state else None
+  if res.raw is None:
+    return dq, dk, dv, dg, dbeta, None, dS0, None
   # The fused pre-pass: its gradient by XLA from the raw inputs (elementwise and row norms, recomputed here).
-  from k3jax.ops.kda import fused_inputs
-  q_raw, k_raw, g_raw, beta_logits, gate = raw
-  if valid_len is not None:   # the padding's gate is held at zero, so A_log and dt_bias get nothing from it
-    dg = dg.at[:, valid_len:].set(0.0)
-  prepass = functools.partial(fused_inputs, lower_bound=lower_bound)
+  q_raw, k_raw, g_raw, beta_logits, gate = res.raw
+  if plan.valid_len is not None:   # the padding's gate is held at zero, so A_log and dt_bias get nothing from it
+    dg = dg.at[:, plan.valid_len:].set(0.0)
+  prepass = functools.partial(fused_inputs, lower_bound=plan.lower_bound)
   _, pullback = jax.vjp(prepass, q_raw, k_raw, g_raw, beta_logits, *gate)
-  dq, dk, dg, dbeta, dA_log, ddt_bias = pullback((dq.astype(q.dtype), dk.astype(k.dtype), dg.astype(jnp.float32),
-                                                   dbeta.astype(jnp.float32)))
-  return dq, dk, dv, dg, dbeta, (dA_log, ddt_bias), dS0 if has_state else None, None
+  dq, dk, dg, dbeta, dA_log, ddt_bias = pullback((dq.astype(res.q.dtype), dk.astype(res.k.dtype),
+                                                   dg.astype(jnp.float32), dbeta.astype(jnp.float32)))
+  return dq, dk, dv, dg, dbeta, (dA_log, ddt_bias), dS0, None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

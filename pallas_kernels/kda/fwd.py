@@ -1,6 +1,6 @@
 """Forward kernels: the pre-pass (gate, L2 norms, the products' operands against their tiles' anchors), the parallel
-intra-chunk pass, the sequential state pass that also writes the output; and v3, the intra pass in one kernel, which
-the tests hold the launches to."""
+intra-chunk pass, the sequential state pass that also writes the output. Each launch's parameters come from
+`KDAKernelOptions`; the tests hold the launches' outputs to `k3jax.ops.kda.naive.naive_chunk_intermediates`."""
 from __future__ import annotations
 
 import functools
@@ -10,84 +10,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from k3jax.ops.kda.common import L2_EPS
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda import solve_mosaic, state_mosaic
-from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, Gates, TileAnchors, TileDocs, iota, load, masked, mm,
-                                      mm_t, store, store_block_diagonal, t_mm, unit_lower_inverse,
-                                      unit_lower_inverse_16, write_tile_cumsum)
+from pallas_kernels.kda.options import KDAKernelOptions
+from pallas_kernels.kda.tiles import (CHUNK, F32, NT, SUB, TileAnchors, TileDocs, iota, load, masked, mm, mm_t, store,
+                                      t_mm, unit_lower_inverse)
 
-L2_EPS = 1e-6   # as k3jax.ops.kda.l2_normalize
-
-
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, lower_bound, has_reset, dtype):
-  reset_ref, refs = (refs[0], refs[1:]) if has_reset else (None, refs)
-  w_ref, u_ref, qs_ref, kd_ref, aqk_ref, decay_ref, kk_ref, minv_ref, loc_ref = refs
-  gates = Gates(write_tile_cumsum(load(g_ref), loc_ref), reset_ref, lower_bound)
-  kek = load(k_ref) * gates.e_k()                                        # keys, each against its own tile's anchor
-  exact = dtype == F32
-
-  # 1. Rows of A_qk and of B = A_kk/β: query tile I against the chunk's keys scaled for anchor I. The diagonal
-  #    block of (I + βB) is inverted here; the rest of βB's row is kept for the substitution below.
-  M_diag, A_off = [], []
-  for i in range(NT):
-    e_q = gates.e_q(i)
-    q_i, k_i, beta_i = load(q_ref, i), load(k_ref, i), load(beta_ref, i)[:, None]
-    keys = kek * gates.anchor_scale(i)
-    store(aqk_ref, i, masked(scale * mm_t(q_i * e_q, keys, dtype), gates.row_mask(i, False)))
-    b_row = masked(mm_t(k_i * e_q, keys, dtype), gates.row_mask(i, True))
-    store(kk_ref, i, b_row)
-    b_diag = masked(mm_t(k_i * e_q, k_i / e_q, dtype), gates.diag_mask(i))    # e^{c - loc} = 1 / e_q
-    M_diag.append(unit_lower_inverse_16(beta_i * b_diag))
-    A_off.append(jnp.where(iota((SUB, CHUNK), 1) < i * SUB, beta_i * b_row, 0.0))
-  gamma = gates.gamma()
-  store(qs_ref, None, scale * load(q_ref) * gamma)
-  store(kd_ref, None, load(k_ref) * gates.to_end(gates.e_k()))
-  decay_ref[...] = gates.decay().reshape(decay_ref.shape)
-
-  # 2. M = (I + βB)⁻¹ in memory: diagonal blocks (zeros above), then block rows by forward substitution,
-  #    M[I, :I] = −M_II Σ_{P<I} A_IP M[P, :], each row reading the rows finished before it.
-  store_block_diagonal(minv_ref, M_diag)
-  barrier()
-  for i in range(1, NT):
-    row = -mm(M_diag[i], mm(A_off[i], load(minv_ref), F32, exact), F32, exact)
-    store(minv_ref, i, jnp.where(iota((SUB, CHUNK), 1) < i * SUB, row, load(minv_ref, i)))
-    barrier()
-
-  # 3. U = M βV and W = M βΓK, with M unrounded (tf32 on bf16 inputs): rows of M can nearly cancel (keys that
-  #    repeat), and bf16 operands then cost ~10x the error.
-  M = load(minv_ref)
-  beta = load(beta_ref)[:, None]
-  store(u_ref, None, mm(M, beta * load(v_ref), F32, exact))
-  store(w_ref, None, mm(M, beta * gamma * load(k_ref), F32, exact))
-
-
-def intra_forward_reference(q, k, v, g, beta, reset, *, scale, lower_bound, num_warps=8):
-  """v3, the intra pass as one kernel per chunk from g (`_intra_kernel`, M through memory row by row): the
-  independent implementation the tests hold `prepare` + `intra_forward` to. Shapes: q,k,g `[B,T,H,K]`, v `[B,T,H,V]`,
-  beta `[B,T,H]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns w, u, qs, kd, aqk, the chunks' state decay
-  `[B,N,H,K]` fp32, B = A_kk/β, M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`: row i holds row i of its chunk's matrix) and
-  the gates' cumulative sums per 16-token tile (`loc`, fp32 `[B,T,H,K]`)."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  N = T // CHUNK
-  dt = q.dtype
-  row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda n, bh: (bh // H, n, bh % H, 0))
-  in_specs = [row(K), row(K), row(V), row(K), pl.BlockSpec((None, CHUNK, None), lambda n, bh: (bh // H, n, bh % H))]
-  args = [q, k, v, g, beta]
-  if reset is not None:
-    in_specs.append(pl.BlockSpec((None, CHUNK), lambda n, bh: (bh // H, n)))
-    args.append(reset)
-  shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
-  out_shape = [shape(K), shape(V), shape(K), shape(K), shape(CHUNK), jax.ShapeDtypeStruct((B, N, H, K), F32),
-               shape(CHUNK, F32), shape(CHUNK, F32), shape(K, F32)]
-  out_specs = [row(K), row(V), row(K), row(K), row(CHUNK),
-               pl.BlockSpec((None, None, None, K), lambda n, bh: (bh // H, n, bh % H, 0)), row(CHUNK), row(CHUNK),
-               row(K)]
-  kernel = functools.partial(_intra_kernel, scale=scale, lower_bound=lower_bound, has_reset=reset is not None, dtype=dt)
-  return triton_call(kernel, grid=(N, B * H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="kda_intra_fwd_reference",
-                     num_warps=num_warps, num_stages=1)(*args)
-
+DEFAULT = KDAKernelOptions()
 
 class Prepared(NamedTuple):
   """`prepare`'s outputs. q, k: normalised (the fused entry) or as given; with loc, the backward's (None unless
@@ -145,11 +75,11 @@ def _prepare_kernel(*refs, fused, lower_bound, valid_len, save):
   store(ke_ref, None, k * jnp.exp(c - loc))
 
 
-def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, num_warps=None):
+def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=True, options=DEFAULT):
   """The forward's first launch (`_prepare_kernel`), returning `Prepared`. `gate` None: g is the log-decay and q,
   k, β are taken as they are. `gate` = (A_log [H], dt_bias [H,K]): g and β are the raw projections (`fused_kda`), q
   and k are L2-normalised and β is σ(β). Rows from `valid_len` on (T's padding) get g = 0. `save`: also write what
-  the backward reads (normalised q, k and loc). 4 warps: the fastest on the H200."""
+  the backward reads (normalised q, k and loc). `options.prepare`: the launch."""
   B, T, H, K = g.shape
   fused = gate is not None
   row = lambda d: pl.BlockSpec((None, SUB, None, d), lambda bh, n: (bh // H, n, bh % H, 0))
@@ -172,7 +102,7 @@ def prepare(q, k, g, beta, gate, reset, *, lower_bound, valid_len=None, save=Tru
   kernel = functools.partial(_prepare_kernel, fused=fused, lower_bound=lower_bound, valid_len=valid_len, save=save)
   # Heads first in every intra launch: programs launched together read a token's neighbouring heads.
   outs = list(triton_call(kernel, grid=(B * H, T // SUB), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          name="kda_prepare", num_warps=num_warps or 4, num_stages=1)(*args))
+                          name="kda_prepare", **options.launch("prepare")._asdict())(*args))
   q_n, k_n = (outs.pop(0), outs.pop(0)) if fused and save else ((None, None) if fused else (q, k))
   beta = outs.pop(0) if fused else beta.astype(F32)
   qe, kq, ke, tot, *loc = outs
@@ -242,32 +172,29 @@ def _solve_kernel(beta_ref, kk_ref, kgb_ref, v_ref, *refs, exact, block_cols, sa
     w_ref[:, cols] = mm(x, kgb_ref[:, cols].astype(F32), F32, exact).astype(w_ref.dtype)
 
 
-def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, num_warps=None, block_k=None,
-                  block_cols=64, solve=None, invert_diagonal=False):
+def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=True, invert_diagonal=False,
+                  options=DEFAULT):
   """The intra pass on `prepare`'s outputs: the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
   `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
   queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), the chunks' state decay (fp32
   `[B,N,H,K]`: e^{G_C}, zero where a document starts inside the chunk), B = A_kk/β (fp32) and, with
   `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
-  otherwise). `solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None (the
-  Mosaic solve where `solve_mosaic.available`). `invert_diagonal` (the Mosaic solve without `save` only): the key
-  tiles invert B's 16x16 diagonal blocks and the solve starts from them (two doubling steps instead of six steps);
-  the B returned then holds those inverses on its diagonal blocks."""
+  otherwise). `options.solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None
+  (the Mosaic solve where `solve_mosaic.available`); `options.key_tiles_block_k`, `solve_block_cols` and the two
+  launches as there. `invert_diagonal` (the Mosaic solve without `save` only): the key tiles invert B's 16x16
+  diagonal blocks and the solve starts from them (two doubling steps instead of six steps); the B returned then
+  holds those inverses on its diagonal blocks."""
   B, T, H, K = qe.shape
-  if solve not in (None, "triton", "mosaic"):
-    raise ValueError(f"intra_forward: solve must be None, 'triton' or 'mosaic', got {solve!r}")
   V = v.shape[-1]
-  solve = solve or ("mosaic" if solve_mosaic.available(qe.dtype, K, V) else "triton")
-  if solve == "mosaic":
-    solve_mosaic.check_supported(qe.dtype, K, V)
+  solve = solve_used(options, qe.dtype, K, V)
   if invert_diagonal and (save or solve != "mosaic"):
     raise ValueError("intra_forward: invert_diagonal needs the Mosaic solve and save=False")
   N = T // CHUNK
   dt = qe.dtype
-  block_k = block_k or min(K, 32)
+  block_k = options.key_tiles_block_k or min(K, 32)
   if K % block_k or block_k % SUB:
-    raise ValueError(f"intra_forward: block_k={block_k} must be a multiple of {SUB} dividing K={K}")
+    raise ValueError(f"intra_forward: key_tiles_block_k={block_k} must be a multiple of {SUB} dividing K={K}")
   row = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda i, bh, n: (bh // H, n, bh % H, 0))
   tile = lambda d: pl.BlockSpec((None, SUB, None, d), lambda i, bh, n: (bh // H, n * NT + i, bh % H, 0))
   shape = lambda d, dtype=dt: jax.ShapeDtypeStruct((B, T, H, d), dtype)
@@ -287,11 +214,12 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
                 pl.BlockSpec((None, SUB, None), lambda i, bh, n: (bh // H, n * NT + i, bh % H))]
       + [pl.BlockSpec((None, CHUNK), lambda i, bh, n: (bh // H, n))] * len(resets),
       out_specs=out_specs, out_shape=outs, name="kda_intra_fwd_key_tiles",
-      num_warps=num_warps or 2, num_stages=3)(qe, kq, ke, tot, beta, *resets)   # the fastest on the H200
+      **options.launch("intra_fwd_key_tiles")._asdict())(qe, kq, ke, tot, beta, *resets)
   if mosaic:
     w, u, minv = solve_mosaic.solve(beta_t[0], kk, kgb, v, save=save, diagonal_inverted=invert_diagonal)
     return w, u, qs, kd, aqk, decay, kk, minv
-  bc = block_cols if K % block_cols == 0 and V % block_cols == 0 else min(K, V)
+  bc = options.solve_block_cols
+  bc = bc if K % bc == 0 and V % bc == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda bh, n: (bh // H, n, bh % H, 0))
   out_shape, out_specs = [shape(K), shape(V)], [row2(K), row2(V)]
   if save:
@@ -300,9 +228,20 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
       functools.partial(_solve_kernel, exact=dt == F32, block_cols=bc, save=save), grid=(B * H, N),
       in_specs=[pl.BlockSpec((None, CHUNK, None), lambda bh, n: (bh // H, n, bh % H)), row2(CHUNK), row2(K),
                 row2(V)],
-      out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve", num_warps=4,
-      num_stages=1)(beta, kk, kgb, v)
+      out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve",
+      **options.launch("intra_fwd_solve")._asdict())(beta, kk, kgb, v)
   return w, u, qs, kd, aqk, decay, kk, (minv[0] if save else None)
+
+
+def solve_used(options, dtype, K, V):
+  """The solve `intra_forward` runs under `options`: "mosaic" or "triton"; asked for Mosaic GPU's with inputs it
+  cannot take, or given the Triton solve's launch with Mosaic GPU's, it raises before any compute."""
+  solve = options.solve or ("mosaic" if solve_mosaic.available(dtype, K, V) else "triton")
+  if solve == "mosaic":
+    solve_mosaic.check_supported(dtype, K, V)
+    if options.intra_fwd_solve is not None:
+      raise ValueError("KDAKernelOptions.intra_fwd_solve is the Triton solve's launch; the Mosaic GPU solve runs here")
+  return solve
 
 
 def walk_chunks(num_chunks, step, S, decay_ref, reverse=False):
@@ -371,15 +310,16 @@ class StateSpecs:
     self.decay = pl.BlockSpec((None, Ts // CHUNK, None, K), lambda vb, bh, s=0: (bh // H, s, bh % H, 0))
 
 
-def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warps=None, segments=1, mosaic=None):
+def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, segments=1, options=DEFAULT):
   """The sequential pass over chunks: v_new = U − W S, o = Qs S + A_qk v_new, S ← decay ⊙ S + Kdᵀ v_new.
 
   Each program owns `block_v` columns of the state of one (batch, head): columns evolve independently. With
   `segments` > 1 the chunks are cut into that many runs, each walked by its own programs from its true starting
   state (`segment_starts`): at long T, B·H·V/block_v programs each walking every chunk leave the GPU mostly idle.
   Returns (o, final state); with `save=True` also the backward's residuals: the states entering each chunk
-  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros. `mosaic`: the Mosaic GPU pass
-  (`state_mosaic`, wgmma) or the Triton one; None: Mosaic GPU's where `state_mosaic.available`.
+  `[B,H,N·K,V]` and v_new `[B,T,H,V]`, in the input dtype. S0 None: zeros. `options.state_pass`: the Mosaic GPU pass
+  (`state_mosaic`, wgmma) or the Triton one, None: Mosaic GPU's where `state_mosaic.available`; `options.state_fwd`
+  and `state_segment_maps`: the Triton launches.
   """
   B, T, H, K = w.shape
   V = u.shape[-1]
@@ -389,11 +329,11 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
   dt = w.dtype
   if segments > 1:   # XLA's scan gives each segment its start
     S0 = segment_starts(w, u, kd, decay, jnp.zeros((B, H, K, V), F32) if S0 is None else S0, segments=segments,
-                        block_v=block_v)
+                        block_v=block_v, options=options)
   elif S0 is not None:
     S0 = S0[:, :, None]
   starts = [] if S0 is None else [S0.astype(F32)]
-  if state_mosaic.chosen(dt, K, V, block_v, mosaic, num_warps):
+  if state_mosaic.chosen(dt, K, V, block_v, options.state_pass, options.state_fwd):
     o, ends, *saved = state_mosaic.state_forward(w, u, qs, kd, aqk, decay, starts[0] if starts else None, save=save,
                                                  segments=segments)
     return (o, ends[:, :, -1], *saved)
@@ -406,14 +346,13 @@ def state_forward(w, u, qs, kd, aqk, decay, S0, *, block_v, save=False, num_warp
     out_shape += [jax.ShapeDtypeStruct((B, H, N * K, V), dt), jax.ShapeDtypeStruct((B, T, H, V), dt)]
     out_specs += [sp.per_chunk_state, sp.vcols]
   kernel = functools.partial(_state_kernel, num_chunks=N // segments, save=save, dtype=dt, has_start=bool(starts))
-  num_warps = num_warps or 4   # 4 beat 8 at every column block on the H200
   o, ends, *saved = triton_call(kernel, grid=(V // block_v, B * H, segments), in_specs=in_specs,
-                                out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd", num_warps=num_warps,
-                                num_stages=2)(w, u, qs, kd, aqk, decay, *starts)
+                                out_specs=out_specs, out_shape=out_shape, name="kda_state_fwd",
+                                **options.launch("state_fwd")._asdict())(w, u, qs, kd, aqk, decay, *starts)
   return (o, ends[:, :, -1], *saved)
 
 
-def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
+def segment_starts(w, u, kd, decay, S0, *, segments, block_v, options=DEFAULT):
   """[B,H,segments,K,V] fp32: the state entering each segment. One parallel pass gives each segment's map
   S -> A S + F (`_segment_map_kernel`); an associative scan over segments then composes them (log2(segments)
   rounds of batched K x K products, fp32)."""
@@ -428,7 +367,7 @@ def segment_starts(w, u, kd, decay, S0, *, segments, block_v):
   ends = triton_call(kernel, grid=((V + K) // block_v, B * H, segments),
                      in_specs=[sp.whole(K), u_spec, sp.whole(K), sp.decay], out_specs=sp.segment_state,
                      out_shape=jax.ShapeDtypeStruct((B, H, segments, K, V + K), F32), name="kda_state_segment_maps",
-                     num_warps=4, num_stages=2)(w, u, kd, decay)
+                     **options.launch("state_segment_maps")._asdict())(w, u, kd, decay)
   F, A = ends[..., :V], ends[..., V:]
   hi = jax.lax.Precision.HIGHEST
 

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import interpret_mode
+from pallas_kernels import interpret_mode, mosaic_gpu_reason
 from pallas_kernels.kda.tiles import CHUNK, F32
 
 BF16 = jnp.bfloat16
@@ -29,11 +29,7 @@ def _takes(dtype, K, V):
 def available(dtype, K, V):
   """Whether `fwd.intra_forward` uses this kernel by default: inputs it takes, on a Hopper GPU (wgmma is Hopper's;
   elsewhere the Triton solve runs), in interpret mode, or lowered for the GPU from a machine without one (export)."""
-  if not _takes(dtype, K, V):
-    return False
-  if interpret_mode() or jax.default_backend() != "gpu":
-    return True
-  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+  return _takes(dtype, K, V) and mosaic_gpu_reason(off_gpu=True) is None
 
 
 def check_supported(dtype, K, V):

@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import interpret_mode
+from pallas_kernels import interpret_mode, mosaic_gpu_reason
 from pallas_kernels.kda.solve_mosaic import BF16, WGMMA, swizzled
 from pallas_kernels.kda.tiles import CHUNK, F32
 
@@ -28,11 +28,7 @@ def _takes(dtype, K, V, block_v):
 def available(dtype, K, V, block_v):
   """Whether `fwd.state_forward` runs this kernel: bf16, K and V of 64 or 128 with all of V in one program, on a
   Hopper GPU, in interpret mode, or lowered for the GPU from a machine without one."""
-  if not _takes(dtype, K, V, block_v):
-    return False
-  if interpret_mode() or jax.default_backend() != "gpu":
-    return True
-  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+  return _takes(dtype, K, V, block_v) and mosaic_gpu_reason(off_gpu=True) is None
 
 
 def check_supported(dtype, K, V, block_v):
@@ -42,14 +38,16 @@ def check_supported(dtype, K, V, block_v):
                      f"{jnp.dtype(dtype).name}, K={K}, V={V}, block_v={block_v}")
 
 
-def chosen(dtype, K, V, block_v, mosaic, num_warps):
-  """Whether a state pass runs here rather than on Triton: `mosaic` None picks it where `available`; asked for with
-  inputs it cannot take, or with Triton's `num_warps`, it raises before any compute."""
-  if not (available(dtype, K, V, block_v) if mosaic is None else mosaic):
+def chosen(dtype, K, V, block_v, state_pass, triton_launch):
+  """Whether a state pass runs here rather than on Triton: `state_pass` ("mosaic", "triton" or None, which picks it
+  where `available`); asked for with inputs it cannot take, or given the Triton pass's launch (`triton_launch` not
+  None), it raises before any compute."""
+  if not (available(dtype, K, V, block_v) if state_pass is None else state_pass == "mosaic"):
     return False
   check_supported(dtype, K, V, block_v)
-  if num_warps is not None:
-    raise ValueError("num_warps is a Triton launch parameter; the Mosaic GPU state pass takes none")
+  if triton_launch is not None:
+    raise ValueError(f"a Triton launch ({triton_launch}) was given for the state pass, but the Mosaic GPU state pass "
+                     "runs here and takes none")
   return True
 
 

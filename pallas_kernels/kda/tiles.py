@@ -7,7 +7,7 @@ the diagonal tile both stay within e^{±8|γ_min|} (<= e^{44}), so the diagonal 
 and neither factor underflows to a denormal (unshifted, the query side reaches e^{-80}). Off the diagonal the key
 factor is below e^{c}. The forward's first kernel writes the products' operands already against their own tile's
 anchor, with each tile's total log-decay (`TileAnchors` rescales keys from those), and for the backward each row's
-cumulative log-decay from its tile's start (`write_tile_cumsum`): no later kernel takes a cumulative sum.
+cumulative log-decay from its tile's start (`Prepared.loc`): no later kernel takes a cumulative sum.
 
 Products are 16-row blocks of the chunk against all 64 keys: query tile I (16 x K) times the chunk's keys scaled
 for anchor R_I (64 x K). Triton cannot slice register values, so tiles are loaded from refs where needed, and the
@@ -19,21 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import barrier
+from k3jax.ops.kda.common import CHUNK, SUB
 
-CHUNK = 64
-SUB = 16
 NT = CHUNK // SUB
 F32 = jnp.float32
-
-
-def write_tile_cumsum(g, loc_ref):
-  """Stores the chunk's cumulative sums of g ([64,K] fp32) within each 16-token tile in `loc_ref` and returns it,
-  readable by the whole CTA (v3, the one-kernel reference; `fwd.prepare` writes the same sums for the backward).
-  Sums of same-sign terms only."""
-  store(loc_ref, None, jnp.cumsum(g.reshape(NT, SUB, -1), axis=1).reshape(CHUNK, -1))
-  barrier()
-  return loc_ref
 
 
 def tile_totals(loc_ref, cols=slice(None)):
@@ -104,86 +93,36 @@ def per_tile(vectors):
 
 
 class Gates:
-  """Log-decay bookkeeping of one chunk (or of the columns `cols`, a `pl.ds`), every sum taken over same-sign terms
-  (a difference of cumulative sums would be off by ε·|G|, up to 2e-5 in an exponent)."""
+  """The log-decay bookkeeping of a whole chunk (a program per chunk) from the cumulative sums `prepare` wrote:
+  what the keys and the chunk's end need. Every sum is over same-sign terms (a difference of cumulative sums would
+  be off by ε·|G|, up to 2e-5 in an exponent)."""
 
-  def __init__(self, loc_ref, reset_ref, lower_bound, cols=slice(None)):
-    self.loc_ref, self.cols = loc_ref, cols
+  def __init__(self, loc_ref, reset_ref, lower_bound):
     self.c = SUB / 2 * lower_bound
-    self.tot = tile_totals(loc_ref, cols)
+    self.tot = tile_totals(loc_ref)
     zero = jnp.zeros_like(self.tot[0])
-    self.prefix = [sum(self.tot[:i], zero) for i in range(NT)]          # R_I: before tile I
     self.later = [sum(self.tot[i + 1:], zero) for i in range(NT)]       # after tile I
     self.G_C = sum(self.tot, zero)
-    self.loc = self._loc()                                              # tile start -> i
-    self.doc = self.doc_all = None
+    self.loc = loc_ref[...].astype(F32)                                 # tile start -> i
+    self.doc_all = self.last_doc = None
     if reset_ref is not None:
-      resets = [load(reset_ref, i, jnp.int32) for i in range(NT)]
-      before = [sum((jnp.sum(r) for r in resets[:i]), jnp.int32(0)) for i in range(NT)]
-      self.doc = [b + jnp.cumsum(r, axis=0) for b, r in zip(before, resets)]   # resets since chunk start
-      self.doc_all = jnp.cumsum(load(reset_ref, None, jnp.int32), axis=0)
-      self.last_doc = sum((jnp.sum(r) for r in resets), jnp.int32(0))
+      reset = load(reset_ref, None, jnp.int32)
+      self.doc_all = jnp.cumsum(reset, axis=0)                          # resets since chunk start
+      self.last_doc = jnp.sum(reset)
 
-  def _loc(self, i=None):
-    rows = slice(None) if i is None else pl.ds(i * SUB, SUB)
-    return self.loc_ref[rows, self.cols].astype(F32)
-
-  def e_q(self, i=None):
-    """Query factor e^{G - R - c} of tile i ([16,K], exact within the tile) or of the chunk ([64,K])."""
-    loc = self.loc if i is None else self._loc(i)
-    return jnp.exp(loc - self.c)
-
-  def e_k(self, i=None):
-    """Key factor e^{c - (G - R)} of tile i ([16,K]) or of the chunk ([64,K]), each row against its tile's anchor."""
-    loc = self.loc if i is None else self._loc(i)
-    return jnp.exp(self.c - loc)
-
-  def anchor_scale(self, i):
-    """[64,K]: e^{R_I - R_J} on rows of tile J <= I, 0 on later tiles. Keys for anchor I: k ⊙ e_k ⊙ this."""
-    zero = jnp.zeros_like(self.tot[0])
-    return per_tile([jnp.exp(sum(self.tot[j:i], zero)) if j <= i else None for j in range(NT)])
-
-  def anchor_scale_t(self, j):
-    """[64,K]: e^{R_I - R_J} on rows of tile I >= J, 0 on earlier tiles. Queries for anchor J: e_q ⊙ this."""
-    zero = jnp.zeros_like(self.tot[0])
-    return per_tile([jnp.exp(sum(self.tot[j:i], zero)) if i >= j else None for i in range(NT)])
-
-  def gamma(self):
-    """e^{G} ([64,K]), zero past a document start inside the chunk."""
-    G = per_tile(self.prefix) + self.loc
-    return masked(jnp.exp(G), None if self.doc_all is None else (self.doc_all == 0)[:, None])
-
-  def gamma_tile(self, i, e_q):
-    g = jnp.exp(self.prefix[i] + self.c) * e_q
-    return masked(g, None if self.doc is None else (self.doc[i] == 0)[:, None])
+  def e_k(self):
+    """[64,K]: the key factor e^{c - (G - R)}, each row against its tile's anchor."""
+    return jnp.exp(self.c - self.loc)
 
   def to_end(self, e_k):
     """e^{G_C - G} ([64,K], exclusive of the row), zero unless the row is in the chunk's last document."""
     te = per_tile([jnp.exp(self.later[j] + self.tot[j] - self.c) for j in range(NT)]) * e_k
     return masked(te, None if self.doc_all is None else (self.doc_all == self.last_doc)[:, None])
 
-  def to_end_tile(self, i, e_k):
-    te = jnp.exp(self.later[i] + self.tot[i] - self.c) * e_k
-    return masked(te, None if self.doc is None else (self.doc[i] == self.last_doc)[:, None])
-
   def decay(self):
+    """[1,K]: e^{G_C}, zero where a document starts inside the chunk."""
     d = jnp.exp(self.G_C)
-    return d if self.doc is None else jnp.where(self.last_doc == 0, d, 0.0)
-
-  def row_mask(self, i, strict):
-    """[16,64] mask of query tile i against the chunk's keys: causal, within one document."""
-    r, j = iota((SUB, CHUNK), 0) + i * SUB, iota((SUB, CHUNK), 1)
-    m = j < r if strict else j <= r
-    if self.doc is not None:
-      m = m & (self.doc[i][:, None] == self.doc_all[None, :])
-    return m
-
-  def diag_mask(self, i):
-    """[16,16] strictly causal mask of tile i with itself, within one document."""
-    m = iota((SUB, SUB), 1) < iota((SUB, SUB), 0)
-    if self.doc is not None:
-      m = m & (self.doc[i][:, None] == self.doc[i][None, :])
-    return m
+    return d if self.last_doc is None else jnp.where(self.last_doc == 0, d, 0.0)
 
 
 class TileDocs:
@@ -239,8 +178,8 @@ class TileAnchors:
 
 
 class TileGates(TileAnchors):
-  """What one tile i needs of its chunk's gates, from the cumulative sums `prepare` wrote: the same quantities as
-  `Gates`, every sum over same-sign terms. Of the columns `cols` (a `pl.ds`) or all."""
+  """What one tile i needs of its chunk's gates, from the cumulative sums `prepare` wrote (the tile's rows of what
+  `Gates` gives for the chunk, and more), every sum over same-sign terms. Of the columns `cols` (a `pl.ds`) or all."""
 
   def __init__(self, loc_ref, docs, lower_bound, cols=slice(None)):
     super().__init__(tile_totals(loc_ref, cols), docs, lower_bound)
@@ -263,13 +202,6 @@ class TileGates(TileAnchors):
     return masked(jnp.exp(self.rest - self.loc), self.docs.last)
 
 
-def store_block_diagonal(ref, blocks):
-  """Writes the chunk's [64,64] matrix held by `ref` as the four 16x16 `blocks` on its diagonal, zeros elsewhere."""
-  for i, block in enumerate(blocks):
-    for j in range(NT):
-      ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block if i == j else jnp.zeros((SUB, SUB), F32)
-
-
 def unit_lower_inverse(a, exact):
   """(I + a)⁻¹ of a strictly lower [n,n] a (the chunk's 64 rows, or a tile's 16), from [n,n] products only (no
   substitution, so no row reductions, whose partial sums cross warps). The 4x4 diagonal blocks by
@@ -289,15 +221,3 @@ def unit_lower_inverse(a, exact):
     x = x - mm(x, mm(jnp.where(outside, a, 0.0), x, F32, exact), F32, exact)
     b *= 2
   return x
-
-
-def unit_lower_inverse_16(n):
-  """(I + n)⁻¹ for a strictly lower 16x16 n, by forward substitution in fp32 (stable: no large intermediates,
-  unlike a Neumann product when rows of n are near one)."""
-  r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
-  m = jnp.where(r == c, 1.0, 0.0).astype(F32)
-  n_t = n.T
-  for i in range(1, SUB):
-    n_i = jnp.sum(jnp.where(c == i, n_t, 0.0), axis=1, keepdims=True)     # [16,1]: n[i, j] at row j
-    m = jnp.where(r == i, m - jnp.sum(n_i * m, axis=0, keepdims=True), m)
-  return m

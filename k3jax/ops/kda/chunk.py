@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-CHUNK = 64
-SUB = 16
+from k3jax.ops.kda.common import CHUNK, SUB
+
 _HI = jax.lax.Precision.HIGHEST
 
 

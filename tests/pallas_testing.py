@@ -1,0 +1,14 @@
+"""Helpers for the Pallas kernels' tests: a jitted function's program as lowered for a CUDA GPU, from this CPU."""
+import jax
+
+
+def cuda_module_text(monkeypatch, fn, *args) -> str:
+  """StableHLO of `jax.jit(fn)` exported for CUDA from this CPU, the kernels lowered through Pallas's Triton
+  lowering (not interpret mode) for a GPU described as an H200."""
+  from jax._src.pallas.triton import pallas_call_registration as registration
+  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: registration.gpu_info_lib.GpuInfo(
+      gpu_version=None, arch_name="9.0", compute_capability=90))
+  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
+

@@ -1,0 +1,172 @@
+"""The RL pipeline on the tiny config cut to two layers: SFT on demonstrations, then GRPO iterations that log
+finite metrics and held-out evaluations before and after; a run stopped by SIGTERM saves the iteration it reached
+and resumes into exactly the records of the uninterrupted run; a resumed run must keep its config; the GRPO step
+moves the policy toward the rewarded answer and away from the penalised one, and moves the balancer."""
+import json
+import os
+import pathlib
+import shutil
+import signal
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments.configs import tiny
+from k3jax.data import tokenizer as tok
+from k3jax.rl import envs, rollout, runner, step as rl_step_lib
+from k3jax.rl import config as rl_config_lib
+from k3jax.rl.config import rl_config
+from k3jax.rl.trajectory import Trajectory
+from k3jax.train import batches, interrupt, workdir as workdir_lib
+
+pytestmark = pytest.mark.xdist_group("rl_loop")
+LENGTH, ITERATIONS = 240, 3
+REQUIRED = ("step", "reward_mean", "success_rate", "kl", "response_tokens", "tool_calls", "invalid_calls")
+TIMING = ("rollout_s", "update_s", "rollout_tokens_per_s")
+
+
+def make_config():
+  c = tiny.get_config()
+  c.model.num_layers = 2   # layer 0: KDA + dense FFN, layer 1: MLA + LatentMoE
+  c.mesh = "data:1,expert:1"
+  c.steps, c.seq_len, c.batch_size = 2, LENGTH, 4
+  c.data.mix = ml_collections.ConfigDict({"lookup": 1.0})
+  c.data.task_length = LENGTH
+  c.eval.batches, c.eval.examples = 0, 0
+  with c.unlocked():
+    c.rl = rl_config()
+  r = c.rl
+  r.envs = ml_collections.ConfigDict({"lookup": 1.0})
+  r.length, r.iterations, r.prompts, r.group_size, r.minibatches = LENGTH, ITERATIONS, 2, 2, 2
+  r.max_turns, r.turn_tokens, r.lr, r.length_weight = 3, 16, 1e-3, 0.5
+  r.checkpoint_every, r.eval_at, r.eval_examples, r.eval_batch = 2, (f"lookup@{LENGTH}",), 4, 4
+  return c
+
+
+@pytest.fixture(scope="module")
+def rl_run():
+  return runner.RLRun(make_config())
+
+
+@pytest.fixture(scope="module")
+def finished(rl_run, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("rl_full")
+  summary = rl_run.run(workdir)
+  return workdir, summary
+
+
+def records(path):
+  return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def test_iterations_log_finite_metrics_and_evaluations_before_and_after(finished):
+  workdir, summary = finished
+  logged = records(workdir / "rl" / "metrics.jsonl")
+  assert [r["step"] for r in logged] == list(range(1, ITERATIONS + 1))
+  for r in logged:
+    assert set(REQUIRED) <= set(r)
+    values = [np.asarray(v, np.float64) for v in r.values()]
+    assert all(np.all(np.isfinite(v)) for v in values), r
+    assert 0.0 <= r["success_rate"] <= 1.0 and r["response_tokens"] > 0
+  assert [r["step"] for r in records(workdir / "rl" / "eval.jsonl")] == [0, ITERATIONS]
+  assert set(summary["before"]) == set(summary["after"]) == {f"lookup@{LENGTH}"}
+  assert workdir_lib.checkpointed_stages(workdir / "rl") == {1: [2, 3]}   # the stage after SFT's one
+  assert (workdir / "sft" / "checkpoints" / "stage_0").exists()
+  assert "rl" not in json.loads((workdir / "sft" / "config.json").read_text())
+  assert json.loads((workdir / "rl" / "config.json").read_text())["rl"]["iterations"] == ITERATIONS
+
+
+def strip(rs):
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+
+
+def test_sigterm_saves_the_iteration_reached_and_the_run_continues_exactly(finished, rl_run, tmp_path, monkeypatch):
+  workdir, _ = finished
+  shutil.copytree(workdir / "sft", tmp_path / "sft")
+  collect = rl_run.collect
+
+  def collect_then_sigterm(state, iteration):  # the signal arrives during the first iteration's rollouts
+    if iteration == 0:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return collect(state, iteration)
+
+  monkeypatch.setattr(rl_run, "collect", collect_then_sigterm)
+  with pytest.raises(interrupt.Interrupted) as stopped:
+    rl_run.run(tmp_path)
+  assert (stopped.value.signum, stopped.value.step) == (signal.SIGTERM, 1)
+  assert workdir_lib.checkpointed_stages(tmp_path / "rl") == {1: [1]}   # saved on the signal, not on schedule
+  assert [r["step"] for r in records(tmp_path / "rl" / "metrics.jsonl")] == [1]
+  monkeypatch.undo()
+  assert rl_run.run(tmp_path)["after"] is not None
+  assert strip(records(tmp_path / "rl" / "metrics.jsonl")) == strip(records(workdir / "rl" / "metrics.jsonl"))
+  assert records(tmp_path / "rl" / "eval.jsonl") == records(workdir / "rl" / "eval.jsonl")
+
+
+def test_until_zero_trains_only_the_sft_stage(finished, rl_run, tmp_path):
+  workdir, _ = finished
+  shutil.copytree(workdir / "sft", tmp_path / "sft")
+  assert rl_run.run(tmp_path, until=0) == {"before": None, "after": None}
+  assert workdir_lib.checkpointed_stages(tmp_path / "rl") == {} and not (tmp_path / "rl" / "metrics.jsonl").exists()
+  assert (tmp_path / "rl" / "config.json").exists()   # a later call must bring the same config
+
+
+def test_a_resumed_run_must_keep_what_its_iterations_compute(finished, tmp_path):
+  workdir, _ = finished
+  shutil.copytree(workdir, tmp_path / "run")
+  changed = make_config()
+  changed.rl.kl_coef = 0.1
+  with pytest.raises(workdir_lib.ConfigChanged, match="rl.kl_coef: 0.04 -> 0.1"):
+    runner.RLRun(changed).run(tmp_path / "run")
+  faster = make_config()
+  faster.rl.lr = 2e-3
+  with pytest.raises(workdir_lib.ConfigChanged, match="changes the learning rate of steps already taken"):
+    runner.RLRun(faster).run(tmp_path / "run", allow_config_change=True)
+  assert not (tmp_path / "run" / "rl" / "config_changes.jsonl").exists()
+  # More iterations with the same warmup keep the learning rate of those taken: allowed, and recorded.
+  longer = make_config()
+  longer.rl.iterations = ITERATIONS + 2
+  record = workdir_lib.check_resume(tmp_path / "run" / "rl", longer, allow_change=True,
+                                    rules=rl_config_lib.RESUME_RULES)
+  assert record["allowed"] and record["changes"] == {"rl.iterations": [ITERATIONS, ITERATIONS + 2]}
+  # How often it logs, saves and evaluates may change freely.
+  observed = make_config()
+  observed.rl.eval_every, observed.rl.checkpoint_every = 1, 1
+  record = workdir_lib.check_resume(tmp_path / "run" / "rl", observed, rules=rl_config_lib.RESUME_RULES)
+  assert not record["allowed"] and set(record["changes"]) == {"rl.eval_every", "rl.checkpoint_every"}
+
+
+def test_grpo_step_moves_the_policy_toward_the_rewarded_answer(finished, rl_run):
+  workdir, _ = finished
+  sft_state = rl_run.sft_state(workdir)
+  ep = envs.reset("lookup", 0, 0, LENGTH, max_turns=3)
+  good = envs.demonstrate("lookup", ep)
+  answer = ep.problem.answer
+  wrong = "".join(chr((ord(c) - 97 + 13) % 26 + 97) for c in answer)
+  bad = Trajectory(good.chunks[:-1])
+  bad.add(tok.encode(f"<answer>{wrong}</answer>"), model=True)
+  rows = dict(rollout.episode_batch([good, bad], LENGTH), advantages=np.array([1.0, -1.0], np.float32))
+  batch = batches.to_device(rows, batches.rows_sharding(rl_run.mesh))   # placed as the run places its episodes
+  state = rl_run.start_state(sft_state)
+  before = rl_run.logprobs(rl_step_lib.model_variables(state), batch)
+  batch.update(logp_old=before, logp_ref=before)
+  balancer = jax.tree.map(np.asarray, state.balancer)
+  for _ in range(3):
+    state, m = rl_run.rl_step(state, batch)
+    assert all(np.all(np.isfinite(np.asarray(v))) for v in jax.device_get(m).values())
+  after = rl_run.logprobs(rl_step_lib.model_variables(state), batch)
+  # The answer's key: the last model turn's tokens between "<answer>" and "</answer>" (predicted one position
+  # earlier: the weights sit on the predicting positions).
+  n = len(good)
+  key = slice(n - len(f"{answer}</answer>") - 1, n - len("</answer>") - 1)
+  gain = np.asarray(after - before)[:, key].sum(1)
+  assert gain[0] > 0 > gain[1], gain
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(balancer), jax.tree.leaves(state.balancer)))
+
+
+def test_a_mesh_of_several_devices_is_refused_before_anything_runs():
+  c = make_config()
+  c.mesh = "data:2,expert:1"
+  with pytest.raises(ValueError, match="runs on one device"):
+    runner.RLRun(c)
