@@ -18,7 +18,7 @@ from experiments.configs import common, tiny
 from k3jax import model, parallel
 from k3jax.model import K3Model
 from k3jax.numerics import rel_err
-from k3jax.train import optimizer, stages as stages_lib, state as state_lib, step as step_lib
+from k3jax.train import checkpoint, optimizer, stages as stages_lib, state as state_lib, step as step_lib
 from model_testing import SCANNED, small_config
 
 TINY = str(pathlib.Path(tiny.__file__))
@@ -150,9 +150,10 @@ def test_token_losses_match_a_numpy_cross_entropy():
   assert float(correct) == ((logits.argmax(-1) == targets) * weights).sum()
 
 
-def _run_steps(model_cfg, steps: int):
+def _run_steps(model_cfg, steps: int, *, resume_at: int | None = None, directory=None):
   """Metrics of `steps` Muon train steps (2 micro-batches of 2 rows, packed documents) and the states: the initial
-  one and after each step."""
+  one and after each step. With `resume_at`, the state after that step is also saved to a checkpoint under
+  `directory`, restored, and trained on to the end: the last state of that resumed run is returned third."""
   c = common.base_config()
   c.model, c.steps, c.mesh, c.micro_batches = model_cfg, steps, "data:1,expert:1", 2
   c.optimizer.name, c.optimizer.lr = "muon", 1e-2
@@ -162,24 +163,35 @@ def _run_steps(model_cfg, steps: int):
   train_step = jax.jit(step_lib.make_train_step(graphdef, tx, lr, c.model))
   tokens = jax.random.randint(jax.random.PRNGKey(3), (steps, 2, 2, 13), 0, c.model.vocab_size)
   segment_ids = jnp.broadcast_to((jnp.arange(12) >= 5).astype(jnp.int32), (2, 2, 12))
+  batch = lambda s: {"tokens": tokens[s, ..., :-1], "targets": tokens[s, ..., 1:], "segment_ids": segment_ids,
+                     "weights": jnp.ones((2, 2, 12), jnp.float32)}
   metrics = []
   for s in range(steps):
-    batch = {"tokens": tokens[s, ..., :-1], "targets": tokens[s, ..., 1:], "segment_ids": segment_ids,
-             "weights": jnp.ones((2, 2, 12), jnp.float32)}
-    state, m = train_step(states[-1], batch)
+    state, m = train_step(states[-1], batch(s))
     states.append(state)
     metrics.append(jax.device_get(m))
-  return metrics, states
+  if resume_at is None:
+    return metrics, states
+  ckpt = checkpoint.Checkpointer(directory, keep=1)
+  ckpt.save(resume_at, states[resume_at], {})
+  ckpt.wait()
+  state, _ = ckpt.restore_latest(abstract)
+  for s in range(resume_at, steps):
+    state, _ = train_step(state, batch(s))
+  return metrics, states, state
 
 
-def test_scanned_train_steps_match_the_unrolled_ones():
+def test_scanned_train_steps_match_the_unrolled_ones(tmp_path):
   # The layers are initialised one by one in layer order and then stacked, so both models start from the same
   # parameters. Muon orthogonalises the stacked matrices over their batch axis; quantile balancing updates the
   # stacked MoE layers from stacked micro-batch stats.
   # Rematerialised (the scanned groups' own recomputing VJP) under the scan over micro-batches.
   scanned_cfg = small_config(**SCANNED, remat="save_kda_out")
   unrolled_cfg = small_config(**SCANNED, remat="save_kda_out", scan_layers=False)
-  (m1, s1), (m2, s2) = _run_steps(unrolled_cfg, 2), _run_steps(scanned_cfg, 2)
+  (m1, s1), (m2, s2, resumed) = _run_steps(unrolled_cfg, 2), _run_steps(scanned_cfg, 2, resume_at=1,
+                                                                         directory=tmp_path / "ckpt")
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(s2[2])):   # the stacked layout resumes exactly
+    np.testing.assert_array_equal(a, b)
   to_scanned = lambda s: state_lib.TrainState(s.step, *(model.scanned_layout(x, scanned_cfg)
                                                          for x in (s.params, s.opt_state, s.balancer, s.other)))
   first, second = to_scanned(s1[0]), to_scanned(s1[1])
