@@ -81,7 +81,7 @@ rows = pipeline.Mixture(study.base.data, study.base.seq_len, pipeline.derive_see
 batch = rows.rows(0, study.settings["depth_weight_rows"])
 depth = {}
 for name in ("block", "full"):
-  _, model = runs.trained_model(runs.run_dir(WORKDIR, name, study.seeds[0]), overrides={"model.remat": False})
+  _, model = runs.trained_model(runs.run_dir(WORKDIR, name, study.seeds[0]))
   depth[name] = residual.depth_weights(model, batch["tokens"], segment_ids_BT=batch["segment_ids"])
 results["depth_weights"] = depth
 session.save()

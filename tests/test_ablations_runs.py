@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import types
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from experiments.configs import tiny
 from k3jax.ablations import residual, runs, throughput
 from k3jax.data import pipeline
 from k3jax.layers import attnres
-from k3jax.model import K3Model
+from k3jax.model import K3Model, scanned_layout
 from k3jax.train import step as step_lib
 from k3jax.train import workdir as workdir_lib
 
@@ -126,7 +125,7 @@ def test_depth_weights_of_trained_models_are_distributions_over_each_read_outs_s
     assert padded[-1]["weights"] != pytest.approx(out[-1]["weights"], abs=1e-7)
 
 
-def test_depth_weights_are_uniform_at_init_and_need_attnres_and_no_remat():
+def test_depth_weights_are_uniform_at_init_and_need_attnres():
   m = small_config().model
   tokens = jnp.ones((1, 8), jnp.int32)
   for mode, counts in (("block", [1, 2, 2, 2, 2]), ("full", [1, 2, 3, 4, 5])):
@@ -137,27 +136,35 @@ def test_depth_weights_are_uniform_at_init_and_need_attnres_and_no_remat():
   m.residual.mode = "none"
   with pytest.raises(ValueError, match="no AttnRes"):
     residual.depth_weights(K3Model(m, rngs=nnx.Rngs(0)), tokens)
-  m.residual.mode, m.remat = "block", True
-  with pytest.raises(ValueError, match="remat"):
-    residual.depth_weights(K3Model(m, rngs=nnx.Rngs(0)), tokens)
-  with pytest.raises(ValueError, match="scanned groups"):   # stacked layers: no read-out per layer to record
-    residual.read_outs(types.SimpleNamespace(groups=[object()], layers=[]))
 
 
-def test_read_out_records_its_softmax_weights_only_under_capture():
-  attn = attnres.DepthAttention(8)
-  attn.query[...] = jax.random.normal(jax.random.PRNGKey(1), (8,))
-  sources = tuple(jax.random.normal(k, (2, 3, 8)) for k in jax.random.split(jax.random.PRNGKey(2), 3))
-  stream = attnres.Stream(sources[:2], sources[2])
-  out, captured = nnx.capture(attn, nnx.Intermediate)(stream)
-  (w_NBT,) = captured["weights"].get_value()
-  v = jnp.stack(sources)
-  key = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + 1e-6)
-  want = jax.nn.softmax(jnp.einsum("d,nbtd->nbt", attn.query[...], key), axis=0)
-  np.testing.assert_allclose(w_NBT, want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(out, jnp.einsum("nbt,nbtd->btd", want, v), rtol=1e-5, atol=1e-6)
-  attn(stream)
-  assert not nnx.state(attn, nnx.Intermediate)   # a plain call leaves no state behind (training is unaffected)
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_the_walk_is_the_models_forward_and_scanned_groups_give_the_unrolled_layers_weights(mode):
+  c = small_config().model
+  c.num_layers, c.residual.mode, c.residual.block_size = 4, mode, 2
+  c_unrolled = runs.override(c, {"scan_layers": False})
+  unrolled = K3Model(c_unrolled, rngs=nnx.Rngs(0))
+  for i, layer in enumerate(unrolled.layers):   # queries as if trained: away from the uniform start
+    for k, res in enumerate((layer.mixer_res, layer.ffn_res)):
+      res.query[...] = jax.random.normal(jax.random.PRNGKey(2 * i + k), res.query.shape)
+  unrolled.final_res.query[...] = jax.random.normal(jax.random.PRNGKey(99), (c.d_model,))
+  scanned = K3Model(c, rngs=nnx.Rngs(0))
+  assert scanned.groups and not unrolled.groups   # four MLA layers: one group of one layer, four times
+  nnx.update(scanned, scanned_layout(nnx.state(unrolled), c))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 256)
+  segments = jnp.concatenate([jnp.ones((2, 10), jnp.int32), 2 * jnp.ones((2, 6), jnp.int32)], axis=1)
+  counts = {"block": [1, 2, 2, 2, 2, 3, 3, 3, 3], "full": list(range(1, 10))}[mode]
+  got = {}
+  for name, model in (("scanned", scanned), ("unrolled", unrolled)):
+    weights, stream = residual.walk(model, tokens, segment_ids_BT=segments)
+    want, _ = model(tokens, segment_ids_BT=segments)
+    np.testing.assert_allclose(model._logits(stream), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert [w.shape[0] for w in weights] == counts, name
+    got[name] = residual.depth_weights(model, tokens, segment_ids_BT=segments)
+  assert [r["name"] for r in got["scanned"]] == [r["name"] for r in got["unrolled"]]
+  for a, b in zip(got["scanned"], got["unrolled"]):
+    np.testing.assert_allclose(a["weights"], b["weights"], rtol=1e-5, atol=1e-6, err_msg=a["name"])
+    assert a["query_norm"] == pytest.approx(b["query_norm"], rel=1e-6) and a["query_norm"] > 0
 
 
 def test_forward_throughput_has_a_row_per_model_and_length_and_refuses_lengths_that_do_not_divide(trained):

@@ -138,3 +138,24 @@ def test_carry_read_out_ignores_what_lies_past_its_sources():
   assert float(jnp.abs(d_sources[2:]).max()) == float(jnp.abs(d_partial).max()) == 0.0
   assert float(jnp.abs(d_closed[1][0]).max()) == 0.0
   assert float(jnp.abs(d_sources[:2]).max()) > 0.0 and float(jnp.abs(d_closed[0][0]).max()) > 0.0
+
+
+def test_weights_are_the_read_outs_softmax_and_a_carrys_valid_ones_are_its_streams():
+  attn = attnres.DepthAttention(8)
+  attn.query[...] = normal(80, (8,))
+  stream, values = _stream(2)
+  w, valid = attn.weights(stream)
+  chex.assert_shape(w, (3, 2, 3))
+  assert bool(valid.all()) and valid.shape == (3,)
+  np.testing.assert_allclose(w.sum(0), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(attn(stream), jnp.einsum("nbt,nbtd->btd", w, jnp.stack(values)), rtol=1e-6, atol=1e-6)
+  # A carry holding two sources in a buffer of four, one closed sum after them and an empty partial sum: its valid
+  # weights, in order, are those of the stream of the same three sources.
+  sources = jnp.stack([normal(81 + i, (2, 3, 8)) for i in range(4)])
+  closed = ((normal(90, (2, 3, 8)), jnp.asarray(True)), (normal(91, (2, 3, 8)), jnp.asarray(False)))
+  carry = attnres.Carry(sources, jnp.asarray(2, jnp.int32), normal(92, (2, 3, 8)), jnp.asarray(False), closed)
+  w_carry, valid_carry = jax.jit(attn.weights)(carry)
+  np.testing.assert_array_equal(valid_carry, [True, True, False, False, True, False, False])
+  assert float(jnp.abs(w_carry[~valid_carry]).max()) == 0.0
+  want, _ = attn.weights(attnres.Stream((sources[0], sources[1], closed[0][0]), None))
+  np.testing.assert_allclose(w_carry[valid_carry], want, rtol=1e-6, atol=1e-7)

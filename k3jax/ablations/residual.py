@@ -1,9 +1,12 @@
 """AttnRes depth weights of a model: how much each sub-layer's input draws on each source (the embedding, the
 completed blocks, the current block's partial sum), averaged over the tokens of a batch.
 
-Each read-out computes `softmax_i(w_lᵀ RMSNorm(v_i))` over its sources (k3jax/layers/attnres.py); the weights
-depend on the input through the keys, so they are measured on data, with the trained pseudo-queries `w_l`. At
-initialisation (`w_l = 0`) every read-out is the uniform average of its sources.
+Each read-out computes `softmax_i(w_lᵀ RMSNorm(v_i))` over its sources (`attnres.DepthAttention.weights`); the
+weights depend on the input through the keys, so they are measured on data, with the trained pseudo-queries `w_l`.
+At initialisation (`w_l = 0`) every read-out is the uniform average of its sources. The model runs its layers as it
+does in training (`K3Model.run_layers`: unrolled ones one by one, scanned groups under their scan), each layer as
+`DecoderLayer` computes it, with every read-out's weights taken on the way; `walk` returns the final stream too, so
+a test can check that this forward is the model's own.
 """
 from __future__ import annotations
 
@@ -14,50 +17,71 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.layers import attnres
+from k3jax.layers.common import embed
 
-def read_outs(model) -> list[tuple[str, object]]:
-  """(name, DepthAttention) of every AttnRes read-out of a `K3Model`, in the order they run: each decoder layer's
-  mixer then FFN, then the final read-out. Empty for the pre-norm residual (mode "none"). ValueError for a model
-  whose layers run as scanned groups (stacked, no read-out of its own per layer)."""
-  if getattr(model, "groups", None):
-    raise ValueError("the model runs its layers as scanned groups, whose read-outs record nothing per layer: train "
-                     "the study with model.scan_layers off")
-  out = []
-  for i, layer in enumerate(model.layers):
-    out += [(f"layer {i} {layer.kind}", layer.mixer_res), (f"layer {i} ffn", layer.ffn_res)]
-  out.append(("final", model.final_res))
-  return [(name, r) for name, r in out if r is not None]
+
+def names(model) -> list[str]:
+  """The read-outs of a `K3Model` in the order they run: each decoder layer's token mixer, then its FFN, then the
+  final read-out before the LM head."""
+  kinds = {}
+  for k, i in enumerate(model.plan.unrolled):
+    kinds[i] = model.layers[k].kind
+  for j, layer in enumerate(model.groups or ()):
+    kinds.update((i, layer.kind) for i in model.plan.position(j))
+  return [f"layer {i} {name}" for i in sorted(kinds) for name in (kinds[i], "ffn")] + ["final"]
 
 
 def depth_weights(model, tokens_BT, *, segment_ids_BT=None) -> list[dict]:
-  """For each read-out (`read_outs` order): {"name", "weights": [sources] mean softmax weight over the non-padding
+  """For each read-out (`names` order): {"name", "weights": [sources] mean softmax weight over the non-padding
   tokens (segment id != 0; all tokens without segment ids), "query_norm": |w_l|}. Source 0 is the embedding; in
   block mode the rest are the completed block sums and, when non-empty, the current block's partial sum (last);
   in full mode every earlier sub-layer output."""
-  outs = read_outs(model)
-  if not outs:
+  if model.mode == "none":
     raise ValueError("the model has no AttnRes read-outs (model.residual.mode is 'none')")
+  tokens_BT = jnp.asarray(tokens_BT)
+  weights, _ = walk(model, tokens_BT, segment_ids_BT=segment_ids_BT)
+  mask_BT = np.ones(tokens_BT.shape, bool) if segment_ids_BT is None else np.asarray(segment_ids_BT) != 0
+  queries = _queries(model)
+  return [{"name": name, "weights": np.asarray(w_NBT, np.float64)[:, mask_BT].mean(axis=1).tolist(),
+           "query_norm": float(np.linalg.norm(q))} for name, w_NBT, q in zip(names(model), weights, queries)]
+
+
+def walk(model, tokens_BT, *, segment_ids_BT=None):
+  """(the weights `[sources, B, T]` of every read-out in `names` order, only its valid sources; the stream after
+  the last layer), the model run as in training."""
   graphdef, state = nnx.split(model)
-  captured = _capture(graphdef, state, jnp.asarray(tokens_BT), segment_ids_BT)
-  path_of = {id(m): path for path, m in nnx.iter_modules(model)}
-  mask_BT = np.ones(np.shape(tokens_BT), bool) if segment_ids_BT is None else np.asarray(segment_ids_BT) != 0
-  result = []
-  for name, module in outs:
-    node = captured
-    for key in path_of[id(module)] + ("weights",):
-      node = node[key] if node is not None and key in node else None
-    if node is None:
-      raise ValueError(f"the weights of {name!r} were not captured: a rematerialised layer runs as a pure function "
-                       f"and records nothing; load the model with model.remat off (e.g. "
-                       f"runs.trained_model(dir, overrides={{'model.remat': False}}))")
-    (w_NBT,) = node.get_value()
-    result.append({"name": name, "weights": np.asarray(w_NBT, np.float64)[:, mask_BT].mean(axis=1).tolist(),
-                   "query_norm": float(jnp.linalg.norm(module.query[...]))})
-  return result
+  per_layer, final, stream = _walk(graphdef, state, jnp.asarray(tokens_BT),
+                                   None if segment_ids_BT is None else jnp.asarray(segment_ids_BT))
+  out = [np.asarray(w)[np.asarray(valid)] for layer in per_layer for w, valid in layer]
+  return out + [np.asarray(final[0])[np.asarray(final[1])]], stream
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _capture(graphdef, state, tokens_BT, segment_ids_BT):
+def _walk(graphdef, state, tokens_BT, segment_ids_BT):
   model = nnx.merge(graphdef, state)
-  _, intermediates = nnx.capture(model, nnx.Intermediate)(tokens_BT, segment_ids_BT=segment_ids_BT)
-  return intermediates
+
+  def run(layer, stream, closes, cache):   # DecoderLayer's training forward, the read-outs' weights on the way
+    mixer_w = layer.mixer_res.weights(stream)
+    y = layer.mixer(layer.mixer_norm(layer.mixer_res(stream)).astype(layer.dtype), segment_ids_BT=segment_ids_BT)
+    stream = attnres.add(stream, y, close=closes[0])
+    ffn_w = layer.ffn_res.weights(stream)
+    h = layer.ffn_norm(layer.ffn_res(stream)).astype(layer.dtype)
+    y = layer.ffn(h)[0] if layer.uses_moe else layer.ffn(h)
+    return attnres.add(stream, y, close=closes[1]), cache, (mixer_w, ffn_w)
+
+  stream = attnres.start(embed(model.embed[...], tokens_BT, model.dtype), model.mode)
+  stream, _, per_layer = model.run_layers(stream, run)
+  return per_layer, model.final_res.weights(stream), stream
+
+
+def _queries(model) -> list[np.ndarray]:
+  """Every read-out's pseudo-query w_l, in `names` order (a scanned group's, one per group)."""
+  queries = {}
+  for k, i in enumerate(model.plan.unrolled):
+    layer = model.layers[k]
+    queries[i] = (layer.mixer_res.query[...], layer.ffn_res.query[...])
+  for j, layer in enumerate(model.groups or ()):
+    for g, i in enumerate(model.plan.position(j)):
+      queries[i] = (layer.mixer_res.query[...][g], layer.ffn_res.query[...][g])
+  return [np.asarray(q) for i in sorted(queries) for q in queries[i]] + [np.asarray(model.final_res.query[...])]

@@ -176,7 +176,7 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
 
 def trained_model(directory, *, stage: int | None = None, step: int | None = None, overrides: dict | None = None):
   """(config, model) of a run's checkpoint (default: the newest usable step of its last stage), as `k3jax.load`
-  gives them but with `overrides` of the saved config (as in `trainer.restore`, e.g. {"model.remat": False}: the
+  gives them but with `overrides` of the saved config (as in `trainer.restore`, e.g. {"model.remat": "full"}: the
   parameters do not depend on it); the model is on one device."""
   r = trainer.restore(directory, stage=stage, step=step, overrides=overrides, mesh="data:1,expert:1")
   return r.config, state_lib.merge(r.spec.graphdef, r.state)

@@ -122,29 +122,37 @@ class DepthAttention(nnx.Module):
 
   def __call__(self, stream: Stream | Carry):
     """The input of the next sub-layer: softmax-weighted sum over the sources and the non-empty partial sum."""
-    if isinstance(stream, Carry):
-      return self._read_carry(stream)
-    values = stream.sources + (() if stream.partial is None else (stream.partial,))
-    v_NBTD = jnp.stack(values)
-    logits_NBT = jnp.einsum("d,nbtd->nbt", self.query[...], self.key_norm(v_NBTD))
-    weights_NBT = jax.nn.softmax(logits_NBT, axis=0)
-    # Recorded only under `nnx.capture(..., nnx.Intermediate)` (k3jax.ablations.residual.depth_weights reads it).
-    self.sow(nnx.Intermediate, "weights", weights_NBT, capture_noop=True)
-    return jnp.einsum("nbt,nbtd->btd", weights_NBT, v_NBTD)
-
-  def _read_carry(self, carry: Carry):
-    """The same over the carry's buffer, closed sums and partial sum, what is not valid masked out of the softmax
-    (its weight is exactly zero, so neither its value nor its gradient matters)."""
-    q, v_NBTD = self.query[...], carry.sources_NBTD
-    logits_NBT = jnp.einsum("d,nbtd->nbt", q, self.key_norm(v_NBTD))
-    logits = [jnp.where((jnp.arange(v_NBTD.shape[0]) < carry.count)[:, None, None], logits_NBT, -jnp.inf)]
-    extra = [*carry.closed, (carry.partial_BTD, carry.has_partial)]
-    logits += [jnp.where(valid, jnp.einsum("d,btd->bt", q, self.key_norm(v_BTD)), -jnp.inf)[None]
-               for v_BTD, valid in extra]
-    w_NBT = jax.nn.softmax(jnp.concatenate(logits), axis=0)
+    w_NBT, v_NBTD, extra = self._weighted(stream)
     n = v_NBTD.shape[0]
     h = jnp.einsum("nbt,nbtd->btd", w_NBT[:n], v_NBTD)
-    return h + sum(w_NBT[n + i][..., None] * v_BTD for i, (v_BTD, _) in enumerate(extra))
+    return h + sum(w_NBT[n + i][..., None] * v_BTD for i, v_BTD in enumerate(extra))
+
+  def weights(self, stream: Stream | Carry):
+    """(the read-out's softmax weights `[N, B, T]`, which of the N are values `[N]` bool): over a `Stream`'s
+    sources, then its partial sum when not empty (all valid); over a `Carry`'s buffer slots, its closed sums and
+    its partial sum, in that order, those not valid at weight exactly 0 (the valid ones, in order, are the weights
+    of the carry's `Stream`)."""
+    w_NBT = self._weighted(stream)[0]
+    if isinstance(stream, Stream):
+      return w_NBT, jnp.ones(w_NBT.shape[0], bool)
+    return w_NBT, jnp.concatenate([jnp.arange(stream.sources_NBTD.shape[0]) < stream.count,
+                                   jnp.stack([jnp.asarray(c) for _, c in stream.closed] + [stream.has_partial])])
+
+  def _weighted(self, stream: Stream | Carry):
+    """(weights `[N, B, T]`, values stacked `[n, B, T, D]`, the values after them `[B, T, D]`). In a `Carry`, what
+    is not valid is masked out of the softmax (its weight is exactly zero, so neither its value nor its gradient
+    matters)."""
+    q = self.query[...]
+    if isinstance(stream, Stream):
+      v_NBTD = jnp.stack(stream.sources + (() if stream.partial is None else (stream.partial,)))
+      return jax.nn.softmax(jnp.einsum("d,nbtd->nbt", q, self.key_norm(v_NBTD)), axis=0), v_NBTD, ()
+    v_NBTD = stream.sources_NBTD
+    logits_NBT = jnp.einsum("d,nbtd->nbt", q, self.key_norm(v_NBTD))
+    logits = [jnp.where((jnp.arange(v_NBTD.shape[0]) < stream.count)[:, None, None], logits_NBT, -jnp.inf)]
+    extra = [*stream.closed, (stream.partial_BTD, stream.has_partial)]
+    logits += [jnp.where(valid, jnp.einsum("d,btd->bt", q, self.key_norm(v_BTD)), -jnp.inf)[None]
+               for v_BTD, valid in extra]
+    return jax.nn.softmax(jnp.concatenate(logits), axis=0), v_NBTD, tuple(v for v, _ in extra)
 
 
 def read(stream: Stream | Carry, attn: DepthAttention | None):
