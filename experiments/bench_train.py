@@ -2,8 +2,8 @@
 with every layer MLA (or KDA), in one call: each variant compiles in its own process, all at once, then they run
 one at a time (`benchmark.measure_in_turn`):
 
-  python -m experiments.bench_train --config=small --seq_lens=4096,16384 --patterns=config,mla --profile \
-      --out=$OUT/bench_train.json
+  python -m experiments.bench_train --config=small --seq_lens=4096,16384,65536 --patterns=config,mla --profile \
+      --compilation_cache=runs/xla_cache --out=$OUT/bench_train.json
 
 `--config` is a name under experiments/configs/ or a .py path (overrides: `--config.model.remat=false`). Without
 `--seq_lens` the variants are the config's stages (their lengths and batch sizes); `--seq_lens` alone keeps the
@@ -35,6 +35,8 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps first")
 _PROFILE = flags.DEFINE_bool("profile", False, "also trace --profile_steps steps per variant: device time by kind")
 _PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "steps traced with --profile")
 _OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
+_CACHE = flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun "
+                             "skips them (every variant's process uses it)")
 flags.mark_flags_as_required(["config"])
 
 
@@ -69,6 +71,7 @@ def parse_flags(argv):
 
 def main(argv):
   harness.check_argv(argv)
+  harness.enable_compilation_cache(_CACHE.value)
   lengths = benchmark.stage_lengths(_CONFIG.value, _SEQ_LENS.value and [int(t) for t in _SEQ_LENS.value],
                                     _TOKENS.value)
   names = [(p, t, n) for p in _PATTERNS.value for t, n in lengths]

@@ -112,6 +112,8 @@ def write_json(path: str | None, obj) -> None:
 
 def enable_compilation_cache(directory: str) -> None:
   """Keeps compiled programs under `directory` (a GPU train step takes minutes to compile), so a restarted run
-  starts at once; `JAX_COMPILATION_CACHE_DIR`, when set, wins; an empty `directory` leaves the cache off."""
+  starts at once; `JAX_COMPILATION_CACHE_DIR`, when set, wins; an empty `directory` leaves the cache off. Set in
+  the environment too, so processes started from this one (benchmark variants) share the cache."""
   if directory and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", directory)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory

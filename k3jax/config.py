@@ -7,6 +7,8 @@ with a ValueError naming the field.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_collections
 
@@ -18,6 +20,13 @@ MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
 BALANCERS = ("quantile", "none", "aux_loss", "sign")
 BALANCER_METHODS = ("exact", "histogram")
 DTYPES = ("float32", "bfloat16", "float16")
+# What each decoder layer keeps for its backward pass (the jax.checkpoint policy of an unrolled layer, by name):
+# "none" everything (no rematerialisation); "full" only its inputs (the rest is recomputed in the backward pass);
+# "save_kda_out" its inputs and the KDA kernels' output (the kernels' VJP recomputes from the layer's inputs, so
+# with the output kept the KDA forward runs once more, not twice). The scanned groups, under either of the last
+# two, keep each layer's input and recompute the layer once in the backward pass, from which its VJP keeps what it
+# needs (`k3jax.model.recomputing_scan`): the KDA forward runs once more, no KDA output is kept.
+REMAT_POLICIES = ("none", "full", "save_kda_out")
 
 
 def model_config() -> ml_collections.ConfigDict:
@@ -32,7 +41,11 @@ def model_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6
   m.tie_embeddings = False
   m.z_loss_coef = 0.0                     # aux["z_loss"] = coef · mean(logsumexp(logits)²)
-  m.remat = False                         # rematerialise each decoder layer in the backward pass
+  m.remat = "none"                        # rematerialisation of each layer: one of REMAT_POLICIES
+  # Run the repeating group of layers (`layer_plan`) under one jax.lax.scan over stacked parameters. False unrolls
+  # every layer: the checkpoint layout of models before scanning (see k3jax.model.scanned_layout) and the scan's
+  # reference in the tests; it compiles each layer separately.
+  m.scan_layers = True
   m.ffn_hidden = 512                      # dense SiTU-GLU width (layer 0 with MoE on, every layer with it off)
 
   m.kda = ml_collections.ConfigDict()
@@ -89,6 +102,12 @@ def validate(m: ml_collections.ConfigDict) -> None:
   last = _get(m, "last_layer")
   if last is not None and last not in LAYER_TYPES:
     raise ValueError(f"model.last_layer must be one of {LAYER_TYPES} or None, got {last!r}")
+  remat = _get(m, "remat")
+  if remat not in REMAT_POLICIES:
+    hint = " (True was today's 'save_kda_out', False 'none')" if isinstance(remat, bool) else ""
+    raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {remat!r}{hint}")
+  if not isinstance(_get(m, "scan_layers"), bool):
+    raise ValueError(f"model.scan_layers must be a bool, got {m.scan_layers!r}")
   if _get(m, "z_loss_coef") < 0:
     raise ValueError(f"model.z_loss_coef must be >= 0, got {m.z_loss_coef}")
   types = layer_types(m)
@@ -137,6 +156,17 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
   _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
 
 
+def saved_model_fields(d: dict) -> dict:
+  """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
+  model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
+  (True was "save_kda_out", False "none")."""
+  d = dict(d)
+  d.setdefault("scan_layers", False)
+  if isinstance(d.get("remat"), bool):
+    d["remat"] = "save_kda_out" if d["remat"] else "none"
+  return d
+
+
 def layer_types(m) -> tuple[str, ...]:
   """The type of every decoder layer: `layer_pattern` cycled, then `last_layer` on the last one."""
   pattern, n = tuple(m.layer_pattern), m.num_layers
@@ -144,6 +174,49 @@ def layer_types(m) -> tuple[str, ...]:
   if m.last_layer is not None:
     types[-1] = m.last_layer
   return tuple(types)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """How the decoder runs its layers: `num_groups` repeats of a group of `group_size` consecutive layers from
+  layer `start` on under one scan (group g holds layers start + g·group_size + j, j < group_size), every other
+  layer (`unrolled`, in order) one by one. Positions j of all groups share a layer type and FFN kind."""
+  unrolled: tuple[int, ...]
+  start: int
+  group_size: int
+  num_groups: int
+
+  def position(self, j: int) -> tuple[int, ...]:
+    """The layers at position j of the groups, in order."""
+    return tuple(self.start + g * self.group_size + j for g in range(self.num_groups))
+
+  @property
+  def end(self) -> int:
+    """One past the last scanned layer."""
+    return self.start + self.num_groups * self.group_size
+
+
+def layer_plan(m) -> LayerPlan:
+  """The scanned groups: the longest run of whole repeats of a group of `len(layer_pattern)` consecutive layers
+  in which every position keeps its layer type and FFN kind (dense or MoE), when it repeats at least twice and
+  `scan_layers` is on. Of runs with as many groups, one starting at a multiple of the pattern's length (its
+  group reads as the pattern), else the earliest. The layers before it (a dense first layer, a remainder) and
+  after it (a forced `last_layer`) are unrolled.
+
+  E.g. 12 layers of (kda, kda, kda, mla), layer 0 dense: layers 0-3 unrolled, then 2 groups over layers 4-11."""
+  n, p = m.num_layers, len(m.layer_pattern)
+  kinds = [(t, uses_moe(m, i)) for i, t in enumerate(layer_types(m))]
+  best = (1, False, 0)  # (groups, aligned, -start): more groups first, then aligned, then earlier
+  for s in range(n - 2 * p + 1) if m.scan_layers else ():
+    groups = 1
+    while s + (groups + 1) * p <= n and kinds[s + groups * p:s + (groups + 1) * p] == kinds[s:s + p]:
+      groups += 1
+    best = max(best, (groups, s % p == 0, -s))
+  groups, _, start = best[0], best[1], -best[2]
+  if groups < 2:
+    return LayerPlan(tuple(range(n)), n, p, 0)
+  end = start + groups * p
+  return LayerPlan(tuple(range(start)) + tuple(range(end, n)), start, p, groups)
 
 
 def uses_moe(m, layer: int) -> bool:

@@ -18,8 +18,8 @@ then a jitted decode loop, with per-row lengths throughout.
 Rows are independent: a row's tokens never see another row's, and padding (a row shorter than the chunk) leaves
 its caches as they were (`KDALayer.prefill_chunk`, `GatedMLA.prefill_chunk`).
 
-The model's layers are walked here one by one (`_run_layers`, the unrolled `K3Model.layers` with their
-`DecoderLayer._apply`); with scanned layer groups this walk belongs in `K3Model` (see `_run_layers`).
+The layers run as in training (`K3Model.run_layers`: the scanned groups under one scan, their caches stacked over
+the groups as their parameters are), each token mixer's training call replaced by its cached one.
 """
 from __future__ import annotations
 
@@ -39,9 +39,12 @@ from k3jax.layers.kda import KDALayer
 
 @flax.struct.dataclass
 class GenerationCache:
-  """Per decoder layer a `KDACache` or `MLACache` (in layer order), and each row's length: the tokens its caches
-  hold, which is also the position its next token takes."""
+  """A `KDACache` or `MLACache` per unrolled decoder layer (`layers`, in the order of `K3Model.layers`) and per
+  position of the scanned group (`groups`, as `K3Model.groups`: each array stacked over the groups on a leading
+  axis; None when nothing is scanned), and each row's length: the tokens its caches hold, which is also the
+  position its next token takes."""
   layers: tuple
+  groups: tuple | None
   lengths_B: jax.Array                                   # int32 [B]
   max_len: int = flax.struct.field(pytree_node=False)   # positions the MLA caches hold
 
@@ -51,8 +54,11 @@ def init_cache(model, batch: int, max_len: int) -> GenerationCache:
   the compute dtype; KDA: a fixed state per row)."""
   if batch < 1 or max_len < 1:
     raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
-  layers = tuple(layer.mixer.init_cache(batch, max_len) for layer in model.layers)
-  return GenerationCache(layers, jnp.zeros((batch,), jnp.int32), max_len)
+  empty = lambda layer: layer.mixer.init_cache(batch, max_len)
+  stacked = lambda c: jax.tree.map(lambda x: jnp.repeat(x[None], model.plan.num_groups, axis=0), c)
+  groups = None if model.groups is None else tuple(stacked(empty(layer)) for layer in model.groups)
+  return GenerationCache(layers=tuple(empty(layer) for layer in model.layers), groups=groups,
+                         lengths_B=jnp.zeros((batch,), jnp.int32), max_len=max_len)
 
 
 def cache_bytes(cache) -> int:
@@ -67,10 +73,10 @@ def prefill_chunk(model, cache: GenerationCache, tokens_BT, lengths_B):
   stream = attnres.start(model._embed(tokens_BT), model.mode)
   start_B = cache.lengths_B
   mix = lambda mixer, x, layer_cache: mixer.prefill_chunk(x, layer_cache, start_B, lengths_B)
-  stream, layers = _run_layers(model, stream, cache.layers, mix)
+  stream, cache = _run_layers(model, stream, cache, mix)
   last_B = jnp.maximum(lengths_B - 1, 0)
   last = jax.tree.map(lambda a: jnp.take_along_axis(a, last_B[:, None, None], axis=1), stream)
-  return model._logits(last)[:, 0], GenerationCache(layers, start_B + lengths_B, cache.max_len)
+  return model._logits(last)[:, 0], cache.replace(lengths_B=start_B + lengths_B)
 
 
 def decode_step(model, cache: GenerationCache, token_B, active_B):
@@ -83,19 +89,16 @@ def decode_step(model, cache: GenerationCache, token_B, active_B):
     y, new = mixer.decode(x, layer_cache) if isinstance(mixer, KDALayer) else mixer.decode_rows(x, layer_cache, pos_B)
     return y, layer_cache.keep_rows(new, active_B)
 
-  stream, layers = _run_layers(model, stream, cache.layers, mix)
-  return model._logits(stream)[:, 0], GenerationCache(layers, pos_B + active_B.astype(jnp.int32), cache.max_len)
+  stream, cache = _run_layers(model, stream, cache, mix)
+  return model._logits(stream)[:, 0], cache.replace(lengths_B=pos_B + active_B.astype(jnp.int32))
 
 
-def _run_layers(model, stream, caches, mix: Callable):
+def _run_layers(model, stream, cache: GenerationCache, mix: Callable):
   """`stream` through every decoder layer, `mix(token mixer, its input, its cache) -> (output, cache)` in place of
-  the mixer's training call; returns (stream, the caches). With scanned layer groups this is K3Model's layer walk
-  (`K3Model._run` with a per-layer `run`), the group caches stacked as the groups' parameters are."""
-  out = []
-  for layer, layer_cache in zip(model.layers, caches, strict=True):
-    stream, layer_cache, _ = layer._apply(stream, lambda x, layer=layer, c=layer_cache: mix(layer.mixer, x, c))
-    out.append(layer_cache)
-  return stream, tuple(out)
+  the mixer's training call; returns (stream, the cache with every layer's new cache; lengths unchanged)."""
+  run = lambda layer, s, closes, c: layer._apply(s, closes, lambda x: mix(layer.mixer, x, c))
+  stream, (layers, groups), _ = model.run_layers(stream, run, (cache.layers, cache.groups))
+  return stream, cache.replace(layers=layers, groups=groups)
 
 
 def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: int | None = None,

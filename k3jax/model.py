@@ -4,13 +4,26 @@ Each decoder layer has two sub-layers, token mixer then FFN, each computing `f(R
 the residual scheme (`k3jax.layers.attnres`) provides. After the last layer a final AttnRes read-out (or the running
 sum, without AttnRes) goes through the final RMSNorm and the LM head. Logits are fp32.
 
+Layers run as `config.layer_plan` says: the repeating group of the layer pattern (e.g. KDA, KDA, KDA, MLA, each with
+its FFN) under one `jax.lax.scan` over parameters stacked on a leading axis (`K3Model.groups`), so a deep model
+traces and compiles one group; the layers outside the repetition (a dense first layer, a remainder, a forced last
+layer) one by one (`K3Model.layers`). The residual stream crosses the scan as an `attnres.Carry`. Rematerialisation
+(`model.remat`) is per layer, in the scan as outside it (a whole group would hold all its layers' activations at
+once in the backward pass): `jax.checkpoint` with the policy named for an unrolled layer, `recomputing_scan` for
+the groups, which keeps the carry's buffer of AttnRes sources once rather than once per group.
+
 Initialisation: embedding N(0, 1); untied LM head N(0, 1/d); a tied head reuses the embedding scaled by d^-0.5.
+The layers are initialised one by one in layer order, then stacked: a scanned model starts from the parameters of
+the unrolled one (`scanned_layout` maps the one to the other).
 """
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax import config as config_lib
@@ -20,25 +33,33 @@ from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.kda import KDA_OUT, KDALayer
 from k3jax.layers.mla import GatedMLA
 
+# The jax.checkpoint policies of config.REMAT_POLICIES ("none": no jax.checkpoint at all).
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "save_kda_out": jax.checkpoint_policies.save_only_these_names(KDA_OUT)}
+
 
 @flax.struct.dataclass
 class ModelCache:
-  """Generation state: one `KDACache` or `MLACache` per layer, and the number of tokens seen so far."""
+  """Generation state: a `KDACache` or `MLACache` per unrolled layer (`layers`, in the order of `K3Model.layers`)
+  and per position of the scanned group (`groups`, as `K3Model.groups`: each array stacked over the groups on a
+  leading axis), and the number of tokens seen so far."""
   layers: tuple
+  groups: tuple | None
   pos: jax.Array          # int32 scalar: the position the next token takes
   max_len: int = flax.struct.field(pytree_node=False)   # positions the MLA caches hold
 
 
 class DecoderLayer(nnx.Module):
-  """Token mixer (KDA or gated MLA) and FFN (dense SiTU-GLU or LatentMoE), each behind its own AttnRes read-out."""
+  """Token mixer (KDA or gated MLA) and FFN (dense SiTU-GLU or LatentMoE), each behind its own AttnRes read-out.
+
+  `closes` = (mixer, FFN): whether each sub-layer's output closes the AttnRes block (`attnres.closes`); bools, or
+  traced bools inside the scan over groups."""
 
   def __init__(self, model_cfg, index: int, *, rngs: nnx.Rngs, mesh=None):
     d, eps, mode = model_cfg.d_model, model_cfg.norm_eps, model_cfg.residual.mode
     self.kind = config_lib.layer_types(model_cfg)[index]
     self.uses_moe = config_lib.uses_moe(model_cfg, index)
     self.dtype = config_lib.compute_dtype(model_cfg)
-    self.close_each = mode == "full"
-    self.closes_block = mode == "block" and (index + 1) % model_cfg.residual.block_size == 0
     new_res = lambda: None if mode == "none" else attnres.DepthAttention(d, eps=eps)
     self.mixer_res, self.mixer_norm = new_res(), RMSNorm(d, eps=eps)
     self.mixer = KDALayer(model_cfg, rngs=rngs) if self.kind == "kda" else GatedMLA(model_cfg, rngs=rngs)
@@ -49,36 +70,62 @@ class DecoderLayer(nnx.Module):
     else:
       self.ffn = SiTUGLU(d, model_cfg.ffn_hidden, rngs=rngs, dtype=self.dtype)
 
-  def __call__(self, stream, *, segment_ids_BT=None):
-    """Training / full forward: returns (stream, None, MoE stats or None)."""
-    return self._apply(stream, lambda x: (self.mixer(x, segment_ids_BT=segment_ids_BT), None))
+  def __call__(self, stream, closes, *, segment_ids_BT=None):
+    """Training / full forward: returns (stream, None, MoE stats or None). It runs as one jitted function of the
+    layer's state (`_layer_forward`), so alike layers on alike inputs (a model's KDA + MoE layers, unrolled or at
+    their positions of the scanned group) are traced, differentiated and lowered once, not once each."""
+    graphdef, state = nnx.split(self)
+    static = tuple(c if isinstance(c, bool) else None for c in closes)
+    traced = tuple(c for c in closes if not isinstance(c, bool))
+    return _layer_forward(graphdef, static, state, stream, traced, segment_ids_BT)
 
-  def prefill(self, stream, max_len: int):
-    return self._apply(stream, lambda x: self.mixer.prefill(x, max_len))
+  def prefill(self, stream, closes, max_len: int):
+    return self._apply(stream, closes, lambda x: self.mixer.prefill(x, max_len))
 
-  def decode(self, stream, cache, pos):
-    return self._apply(stream, lambda x: self.mixer.decode(x, cache, pos))
+  def decode(self, stream, closes, cache, pos):
+    return self._apply(stream, closes, lambda x: self.mixer.decode(x, cache, pos))
 
-  def _apply(self, stream, mix):
-    y, cache = mix(self.mixer_norm(attnres.read(stream, self.mixer_res)).astype(self.dtype))
-    stream = attnres.add(stream, y, close=self.close_each)
-    h = self.ffn_norm(attnres.read(stream, self.ffn_res)).astype(self.dtype)
-    y, stats = self.ffn(h) if self.uses_moe else (self.ffn(h), None)
-    stream = attnres.add(stream, y, close=self.close_each or self.closes_block)
+  def _apply(self, stream, closes, mix):
+    with jax.named_scope("attnres"):
+      x = attnres.read(stream, self.mixer_res)
+    with jax.named_scope(self.kind):
+      y, cache = mix(self.mixer_norm(x).astype(self.dtype))
+      stream = attnres.add(stream, y, close=closes[0])
+    with jax.named_scope("attnres"):
+      h = attnres.read(stream, self.ffn_res)
+    with jax.named_scope("moe" if self.uses_moe else "ffn"):
+      h = self.ffn_norm(h).astype(self.dtype)
+      y, stats = self.ffn(h) if self.uses_moe else (self.ffn(h), None)
+      stream = attnres.add(stream, y, close=closes[1])
     return stream, cache, stats
 
 
-def _remat_layer(layer, stream, segment_ids_BT):
-  """A decoder layer rematerialised in the backward pass. The layer's forward mutates nothing, so it runs as a pure
-  function of its state under `jax.checkpoint` (`nnx.remat` would write every variable back, the balancer state
-  too, which lives outside the gradient's trace and may not be written from inside it). The KDA output is kept."""
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _layer_forward(graphdef, static_closes, state, stream, traced_closes, segment_ids_BT):
+  """`DecoderLayer.__call__` of the layer `nnx.merge(graphdef, state)`; `static_closes` holds its close flags, None
+  where the flag is the next of `traced_closes`."""
+  layer, traced = nnx.merge(graphdef, state), iter(traced_closes)
+  closes = tuple(next(traced) if c is None else c for c in static_closes)
+  return layer._apply(stream, closes, lambda x: (layer.mixer(x, segment_ids_BT=segment_ids_BT), None))
+
+
+def _layer_unit(layer, run, closes, remat: str):
+  """`(stream, cache) -> run(layer, stream, closes, cache)` for an unrolled layer, rematerialised as `remat` names.
+  Under jax.checkpoint it runs as a pure function of the layer's state (nnx.remat would write every variable back,
+  the balancer state too, which lives outside the gradient's trace and may not be written from inside it)."""
+  if remat == "none":
+    return lambda stream, cache: run(layer, stream, closes, cache)
   graphdef, state = nnx.split(layer)
-  return jax.checkpoint(lambda st, s, seg: nnx.merge(graphdef, st)(s, segment_ids_BT=seg),
-                        policy=jax.checkpoint_policies.save_only_these_names(KDA_OUT))(state, stream, segment_ids_BT)
+  fn = jax.checkpoint(lambda st, s, c: run(nnx.merge(graphdef, st), s, closes, c), policy=REMAT_POLICIES[remat])
+  return lambda stream, cache: fn(state, stream, cache)
 
 
 class K3Model(nnx.Module):
-  """`model(tokens_BT, segment_ids_BT=None) -> (logits_BTV fp32, aux)`; `prefill` / `decode` for generation."""
+  """`model(tokens_BT, segment_ids_BT=None) -> (logits_BTV fp32, aux)`; `prefill` / `decode` for generation.
+
+  `layers`: the unrolled decoder layers, `layers[k]` being layer `plan.unrolled[k]`; `groups`: one DecoderLayer per
+  position j of the scanned group, its Variables holding that position's layer of every group stacked on a leading
+  axis (None when nothing is scanned). `plan` is the `config.LayerPlan`."""
 
   def __init__(self, model_cfg, *, rngs: nnx.Rngs, mesh=None):
     config_lib.validate(model_cfg)
@@ -87,9 +134,15 @@ class K3Model(nnx.Module):
     self.dtype = config_lib.compute_dtype(model_cfg)
     self.mode = model_cfg.residual.mode
     self.z_loss_coef = float(model_cfg.z_loss_coef)
-    self.remat = bool(model_cfg.remat)
+    self.remat = model_cfg.remat
+    self.plan = config_lib.layer_plan(model_cfg)
+    self.closes = attnres.closes(self.mode, model_cfg.residual.block_size, model_cfg.num_layers)
+    self.moe_ids = tuple(i for i in range(model_cfg.num_layers) if config_lib.uses_moe(model_cfg, i))
     self.embed = normal_param(rngs, (V, d), 1.0)
-    self.layers = nnx.List([DecoderLayer(model_cfg, i, rngs=rngs, mesh=mesh) for i in range(model_cfg.num_layers)])
+    layers = [DecoderLayer(model_cfg, i, rngs=rngs, mesh=mesh) for i in range(model_cfg.num_layers)]
+    self.layers = nnx.List([layers[i] for i in self.plan.unrolled])
+    self.groups = nnx.List([stack_modules([layers[i] for i in self.plan.position(j)])
+                            for j in range(self.plan.group_size)]) if self.plan.num_groups else None
     self.final_res = None if self.mode == "none" else attnres.DepthAttention(d, eps=model_cfg.norm_eps)
     self.final_norm = RMSNorm(d, eps=model_cfg.norm_eps)
     self.lm_head = None if model_cfg.tie_embeddings else normal_param(rngs, (d, V), d ** -0.5)
@@ -98,14 +151,10 @@ class K3Model(nnx.Module):
     """aux: {"moe": [MoEStats per MoE layer, in layer order], "z_loss": z_loss_coef · mean(logsumexp(logits)²)}."""
     _check_tokens(tokens_BT, segment_ids_BT)
     stream = attnres.start(self._embed(tokens_BT), self.mode)
-    apply = _remat_layer if self.remat else (lambda layer, s, seg: layer(s, segment_ids_BT=seg))
-    moe_stats = []
-    for layer in self.layers:
-      stream, _, stats = apply(layer, stream, segment_ids_BT)
-      if stats is not None:
-        moe_stats.append(stats)
+    run = lambda layer, s, closes, _: layer(s, closes, segment_ids_BT=segment_ids_BT)
+    stream, _, stats = self.run_layers(stream, run, remat=self.remat)
     logits = self._logits(stream)
-    return logits, {"moe": moe_stats, "z_loss": z_loss(logits, self.z_loss_coef)}
+    return logits, {"moe": [stats[i] for i in self.moe_ids], "z_loss": z_loss(logits, self.z_loss_coef)}
 
   def prefill(self, tokens_BT, max_len: int):
     """Runs the prompt; returns (logits of its last position `[B,V]`, a cache with room for `max_len` tokens)."""
@@ -113,13 +162,11 @@ class K3Model(nnx.Module):
     if max_len < tokens_BT.shape[1]:
       raise ValueError(f"max_len={max_len} is shorter than the prompt (T={tokens_BT.shape[1]})")
     stream = attnres.start(self._embed(tokens_BT), self.mode)
-    caches = []
-    for layer in self.layers:
-      stream, cache, _ = layer.prefill(stream, max_len)
-      caches.append(cache)
+    run = lambda layer, s, closes, _: layer.prefill(s, closes, max_len)
+    stream, (caches, group_caches), _ = self.run_layers(stream, run)
     last = jax.tree.map(lambda a: a[:, -1:], stream)
     pos = jnp.asarray(tokens_BT.shape[1], jnp.int32)
-    return self._logits(last)[:, 0], ModelCache(tuple(caches), pos, max_len)
+    return self._logits(last)[:, 0], ModelCache(caches, group_caches, pos, max_len)
 
   def decode(self, token_B, cache: ModelCache):
     """One token per row at position `cache.pos` (< cache.max_len: checked when pos is concrete; under jit the
@@ -129,15 +176,92 @@ class K3Model(nnx.Module):
     if not isinstance(cache.pos, jax.core.Tracer) and int(cache.pos) >= cache.max_len:
       raise ValueError(f"the cache is full: position {int(cache.pos)} >= max_len={cache.max_len}")
     stream = attnres.start(self._embed(token_B[:, None]), self.mode)
-    caches = []
-    for layer, layer_cache in zip(self.layers, cache.layers):
-      stream, layer_cache, _ = layer.decode(stream, layer_cache, cache.pos)
-      caches.append(layer_cache)
-    return self._logits(stream)[:, 0], ModelCache(tuple(caches), cache.pos + 1, cache.max_len)
+    run = lambda layer, s, closes, layer_cache: layer.decode(s, closes, layer_cache, cache.pos)
+    stream, (caches, group_caches), _ = self.run_layers(stream, run, (cache.layers, cache.groups))
+    return self._logits(stream)[:, 0], ModelCache(caches, group_caches, cache.pos + 1, cache.max_len)
+
+  def run_layers(self, stream, run, caches=None, *, remat: str = "none"):
+    """Every decoder layer on `stream`, in order. `run(layer, stream, closes, cache) -> (stream, cache, MoE stats or
+    None)` runs one layer; `cache` is its part of `caches` = (per unrolled layer, per group position), or None.
+    Returns (stream, (caches of the unrolled layers, stacked caches of the group positions), MoE stats per layer)."""
+    plan = self.plan
+    layer_caches = list(caches[0]) if caches is not None else [None] * len(plan.unrolled)
+    group_caches = caches[1] if caches is not None else None
+    stats = [None] * len(self.closes)
+
+    def unrolled(k, stream):
+      i = plan.unrolled[k]
+      with jax.named_scope(f"layer_{i}"):
+        stream, layer_caches[k], stats[i] = _layer_unit(self.layers[k], run, self.closes[i], remat)(
+            stream, layer_caches[k])
+      return stream
+
+    before = [k for k, i in enumerate(plan.unrolled) if i < plan.start]
+    for k in before:
+      stream = unrolled(k, stream)
+    if plan.num_groups:
+      stream, group_caches, group_stats = self._scan(stream, run, group_caches, remat)
+      for j, position_stats in enumerate(group_stats):
+        if position_stats is not None:  # stacked over the groups: one array per group (one split, not G slices)
+          leaves, treedef = jax.tree.flatten(position_stats)
+          for i, group_leaves in zip(plan.position(j), zip(*(jnp.unstack(x) for x in leaves)), strict=True):
+            stats[i] = jax.tree.unflatten(treedef, group_leaves)
+    for k in range(len(before), len(plan.unrolled)):
+      stream = unrolled(k, stream)
+    return stream, (tuple(layer_caches), group_caches), stats
+
+  def _scan(self, stream, run, caches, remat: str):
+    """The scanned groups: (stream after them, stacked caches per position, stacked MoE stats per position)."""
+    plan, closes = self.plan, self.closes
+    count = attnres.num_sources(self.mode, [c for layer in closes[:plan.end] for c in layer])
+    flags_GP2 = np.array([[closes[i] for i in plan.position(j)] for j in range(plan.group_size)], bool)
+    flags_GP2 = flags_GP2.transpose(1, 0, 2)
+    # A flag equal in every group stays a Python bool (no select in the body); the others are scanned over.
+    static = [[bool(f[0]) if f.all() or not f.any() else None for f in flags_GP2[:, j].T]
+              for j in range(plan.group_size)]
+    graphdefs, params, rest = zip(*(nnx.split(layer, nnx.Param, ...) for layer in self.groups))
+
+    def layer_step(j, params_j, rest_j, flags_P2, carry, cache):
+      layer_closes = tuple(flags_P2[j, s] if static[j][s] is None else static[j][s] for s in (0, 1))
+      with jax.named_scope(f"position_{j}"):
+        return run(nnx.merge(graphdefs[j], params_j, rest_j), carry, layer_closes, cache)
+
+    carry = attnres.to_carry(stream, count)
+    flags = jnp.asarray(flags_GP2)
+    with jax.named_scope("groups"):
+      if remat == "none" or caches is not None:
+        def body(carry, xs):
+          params_g, rest_g, flags_P2, caches_g = xs
+          out_caches, out_stats = [], []
+          for j in range(plan.group_size):
+            carry, cache, layer_stats = layer_step(j, params_g[j], rest_g[j], flags_P2, carry,
+                                                   None if caches_g is None else caches_g[j])
+            out_caches.append(cache)
+            out_stats.append(layer_stats)
+          return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
+        carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
+      else:
+        step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
+        carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags)
+    return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
+
+  def update_balance(self, moe_stats) -> None:
+    """After the optimizer step: every MoE layer's balancer bias from its router scores. `moe_stats` is aux["moe"]
+    (per MoE layer, in layer order), each entry a list of MoEStats (one per micro-batch) or one MoEStats."""
+    by_layer = {i: list(s) if isinstance(s, (list, tuple)) else [s]
+                for i, s in zip(self.moe_ids, moe_stats, strict=True)}
+    for k, layer in enumerate(self.layers):
+      if layer.uses_moe:
+        layer.ffn.update_balance(by_layer[self.plan.unrolled[k]])
+    for j, layer in enumerate(self.groups or ()):
+      if layer.uses_moe:  # each micro-batch's stats stacked over the groups, as the weights are
+        micro = zip(*[by_layer[i] for i in self.plan.position(j)], strict=True)
+        layer.ffn.update_balance([jax.tree.map(lambda *xs: jnp.stack(xs), *per_group) for per_group in micro])
 
   def moe_layers(self) -> list:
-    """The LatentMoE modules, in the order of aux["moe"]."""
-    return [layer.ffn for layer in self.layers if layer.uses_moe]
+    """The LatentMoE modules: one per unrolled MoE layer, then one per MoE position of the scanned group (holding
+    that position's weights of every group, stacked)."""
+    return [layer.ffn for layer in [*self.layers, *(self.groups or ())] if layer.uses_moe]
 
   def _embed(self, tokens_BT):
     return embed(self.embed[...], tokens_BT, self.dtype)
@@ -171,3 +295,135 @@ def _check_tokens(tokens_BT, segment_ids_BT):
                                      or not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer)):
     raise ValueError(f"segment_ids_BT must be an integer array shaped like tokens {tuple(tokens_BT.shape)}, got "
                      f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
+
+
+def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G):
+  """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input.
+
+  `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
+  `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
+  differentiated) hold a tuple per position of arrays stacked over the groups. Returns (the flushed carry after the
+  last group, per position the MoE stats stacked over the groups).
+
+  The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
+  in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
+  layer's VJP on its input with that final buffer in place of the one it read: the read-outs mask the buffer to the
+  first `count` sources, and those slots never change once written, so the layer sees what it saw. Under
+  `jax.checkpoint` inside a `lax.scan` the scan would instead keep the buffer of every group.
+  """
+  def group(carry, xs):
+    params_g, rest_g, xs_g = xs
+    inputs, stats = [], []
+    for j in range(num_positions):
+      inputs.append(carry.replace(sources_NBTD=None))
+      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
+      stats.append(layer_stats)
+    return attnres.flush(carry), (tuple(stats), tuple(inputs))
+
+  @jax.custom_vjp
+  def groups(params_G, rest_G, xs_G, carry):
+    carry, (stats, _) = jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
+    return carry, stats
+
+  def forward(params_G, rest_G, xs_G, carry):
+    def kept_group(carry, xs):  # the layers' inputs, each array once (a closed sum is also the next partial sum)
+      carry, (stats, inputs) = group(carry, xs)
+      leaves, treedef = jax.tree.flatten(inputs)
+      unique = list({id(x): x for x in leaves}.values())
+      layout.append((treedef, [[id(u) for u in unique].index(id(x)) for x in leaves]))
+      return carry, (stats, unique)
+    layout = []
+    carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_G, rest_G, xs_G))
+    treedef, index = layout[0]
+    inputs_G = jax.tree.unflatten(treedef, [unique_G[i] for i in index])
+    return (carry, stats), (params_G, rest_G, xs_G, inputs_G, carry.sources_NBTD)
+
+  def backward(residuals, cotangents):
+    params_G, rest_G, xs_G, inputs_G, sources = residuals
+    d_carry, d_stats_G = cotangents
+
+    def layer_vjp(j, params_j, rest_j, xs_g, input_carry, d_out, d_stats):
+      """(d params_j, d input) of layer j (then the flush, for the last position); the differentiable part of a
+      carry is (buffer, partial sum, closed sums)."""
+      flags = [closed for _, closed in input_carry.closed]
+
+      def fn(params_j, diff):
+        sources, partial, closed = diff
+        c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)))
+        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
+        if j == num_positions - 1:
+          c = attnres.flush(c)
+        return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
+
+      diff = (sources, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed))
+      # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
+      # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
+      (params_j, diff), d_out = jax.lax.optimization_barrier(((params_j, diff), d_out))
+      _, vjp = jax.vjp(fn, params_j, diff)
+      return vjp((d_out, d_stats))
+
+    def body(d, xs):
+      params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
+      d_params = [None] * num_positions
+      for j in reversed(range(num_positions)):
+        d_params[j], d = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], d, d_stats_g[j])
+      return d, tuple(d_params)
+
+    (d_sources, d_partial, _), d_params_G = jax.lax.scan(
+        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_G, rest_G, xs_G, inputs_G, d_stats_G),
+        reverse=True)
+    return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, partial_BTD=d_partial)
+
+  groups.defvjp(forward, backward)
+  return groups(params_G, rest_G, xs_G, carry)
+
+
+def unstacked_ndim(path, x) -> int:
+  """The rank of one layer's copy of the parameter at key path `path` of a model's state: `x.ndim`, less the
+  leading group axis under `groups`."""
+  return x.ndim - any(getattr(k, "key", getattr(k, "name", None)) == "groups" for k in path)
+
+
+def _stack(trees):
+  """Trees of Variables (alike) stacked on a new leading axis, not sharded: sharding metadata gets None there.
+  ShapeDtypeStructs (abstract trees) become ShapeDtypeStructs."""
+  def stack(*xs):
+    if not isinstance(xs[0], jax.ShapeDtypeStruct):
+      return jnp.stack(xs)
+    sharding = xs[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and any(a is not None for a in sharding.spec):
+      sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
+    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype, sharding=sharding)
+  return nnx.spmd.add_axis(jax.tree.map(stack, *trees), 0, {nnx.PARTITION_NAME: None})
+
+
+def stack_modules(modules):
+  """One module whose Variables are those of `modules` (alike: same structure and static data) stacked on a new
+  leading axis."""
+  graphdef = nnx.graphdef(modules[0])
+  if any(nnx.graphdef(m) != graphdef for m in modules[1:]):
+    raise ValueError("stack_modules needs modules of the same structure and static attributes")
+  return nnx.merge(graphdef, _stack([nnx.state(m) for m in modules]))
+
+
+def scanned_layout(tree, model_cfg):
+  """`tree` in the unrolled layout (`model.scan_layers=False`: `layers` holds every layer) mapped to the layout
+  `model_cfg` builds (the unrolled layers under `layers`, the scanned ones stacked under `groups`). `tree` is a
+  model's state or any pytree holding such states: parameters, their gradients or optimizer moments, a TrainState.
+  E.g. a checkpoint written before scanning: restore it with `scan_layers=False`, convert, save."""
+  plan = config_lib.layer_plan(model_cfg)
+
+  def convert(state):
+    out = dict(state.raw_mapping)   # nested plain dicts, as nnx.state makes them
+    layers = out.pop("layers")      # a state of some Variable types may hold only some layers (balancers: MoE ones)
+    if not set(layers) <= set(range(model_cfg.num_layers)):
+      raise ValueError(f"expected layers 0..{model_cfg.num_layers - 1} (the unrolled layout), got {sorted(layers)}")
+    out["layers"] = {k: layers[i] for k, i in enumerate(plan.unrolled) if i in layers}
+    groups = {j: _stack([layers[i] for i in plan.position(j)]) for j in range(plan.group_size)
+              if plan.num_groups and plan.position(j)[0] in layers}
+    if groups:
+      out["groups"] = groups
+    return nnx.State(out)
+
+  is_model_state = lambda x: isinstance(x, nnx.State) and "layers" in x
+  return jax.tree.map(lambda x: convert(x) if is_model_state(x) else x, tree, is_leaf=is_model_state)

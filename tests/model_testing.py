@@ -20,6 +20,10 @@ T, T0 = 12, 6   # sequence length of the tests and the prompt length after which
 # one AttnRes block closes after layer 1.
 MODEL = {"num_layers": 3, "layer_pattern": ("kda",), "moe.enabled": True, "moe.num_experts": 4, "moe.top_k": 2,
          "moe.latent_dim": 16, "moe.expert_hidden": 16, "moe.shared_hidden": 24}
+# A scanned model: layers 0 (KDA, dense) and 1 (MLA) unrolled, then two groups of (KDA, MLA) under the scan; AttnRes
+# blocks of three layers close after layers 2 and 5, at position 0 of group 0 and position 1 of group 1 (blocks
+# straddle the groups).
+SCANNED = {**MODEL, "num_layers": 6, "layer_pattern": ("kda", "mla"), "residual.block_size": 3}
 
 
 def small_config(**changes):

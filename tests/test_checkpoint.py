@@ -1,14 +1,20 @@
 """Checkpoints: exact round trip, keep-N, interrupted saves ignored, damaged steps (flipped bytes, truncated files)
-detected and reported with a fall back to the previous step, a differently shaped state refused."""
+detected and reported with a fall back to the previous step, a differently shaped state refused; the scanned
+model's stacked layout round-trips, and an unrolled state converts to it."""
 import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from k3jax.train import checkpoint
+from experiments.configs import common
+from k3jax import parallel
+from k3jax.model import scanned_layout
+from k3jax.train import checkpoint, state as state_lib
+from model_testing import SCANNED, small_config
 
 
 def make_state(seed):
@@ -99,6 +105,32 @@ def test_differently_shaped_state_is_refused_and_nothing_moved(tmp_path):
   with pytest.raises(ValueError, match="different train state"):
     ckpt.restore_latest(abstract(other))
   assert ckpt.steps() == [1] and not (tmp_path / "ckpt.corrupt").exists()
+
+
+def test_scanned_train_state_round_trips_and_an_unrolled_one_converts_to_it(tmp_path):
+  # The stacked layout, experts sharded over `expert` behind the leading group axis: restored exactly, with the
+  # abstract state's shardings. An unrolled train state (scan_layers=False: the layout of older checkpoints)
+  # converted by scanned_layout has the same arrays, shardings and (the same RNG order at init) values.
+  config = common.base_config()
+  config.model, config.mesh = small_config(**SCANNED), "data:2,expert:2"
+  unrolled_config = config.copy_and_resolve_references()
+  unrolled_config.model.scan_layers = False
+  tx, mesh = optax.adam(1e-3), parallel.mesh_from_string(config.mesh)
+  (_, abstract, init), (_, abstract_u, init_u) = (state_lib.abstract_state(c, tx, mesh)
+                                                  for c in (config, unrolled_config))
+  state = jax.jit(init, out_shardings=state_lib.shardings_of(abstract))()
+  experts = state.params["groups"][0]["ffn"]["w_gate_up"].get_value()
+  assert experts.shape[0] == 2 and experts.sharding.spec[:2] == (None, parallel.EXPERT)
+  ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", keep=1)
+  ckpt.save(1, state, {})
+  ckpt.wait()
+  restored, _ = ckpt.restore_latest(abstract)
+  assert_same(restored, state)
+  assert jax.tree.leaves(state_lib.shardings_of(restored)) == jax.tree.leaves(state_lib.shardings_of(abstract))
+  converted = scanned_layout(abstract_u, config.model)
+  assert checkpoint.leaf_signatures(converted) == checkpoint.leaf_signatures(abstract)
+  assert jax.tree.leaves(state_lib.shardings_of(converted)) == jax.tree.leaves(state_lib.shardings_of(abstract))
+  assert_same(scanned_layout(jax.jit(init_u)(), config.model), state)
 
 
 def test_read_only_restores_without_moving_cleaning_or_creating_anything(tmp_path, capsys):

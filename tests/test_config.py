@@ -1,5 +1,6 @@
 """Config validation (clear errors naming the field), the layer layout of the experiment configs, and locking:
 Python-side configs reject unknown fields as the command line does."""
+import ml_collections
 import pytest
 
 from experiments import configs
@@ -71,6 +72,52 @@ def test_experiment_configs_validate(name):
   cfg = configs.load(name)
   config_lib.validate(cfg.model)
   assert cfg.model.moe.enabled
+
+
+def _plan(name, **changes):
+  m = configs.load(name).model
+  for field, value in changes.items():
+    m[field] = value
+  lp = config_lib.layer_plan(m)
+  return lp, config_lib.layer_types(m), [config_lib.uses_moe(m, i) for i in range(m.num_layers)]
+
+
+def test_layer_plan_scans_the_repeating_group_and_unrolls_the_rest():
+  # small: layer 0 dense, then (kda, kda, kda, mla) with MoE; the remainder 1-3 goes in front so that the group
+  # reads as the pattern. k3_full: the forced MLA last layer breaks the pattern and stays unrolled too.
+  for name, unrolled, groups in (("tiny", (0, 1, 2, 3), 0), ("small", (0, 1, 2, 3), 2),
+                                 ("k3_full", (0, 1, 2, 3, 92), 22)):
+    lp, types, moe = _plan(name)
+    assert (lp.unrolled, lp.num_groups) == (unrolled, groups), name
+    if groups:
+      assert (lp.start, lp.group_size, lp.end) == (4, 4, 4 + 4 * groups)
+      assert tuple(types[i] for i in range(4, 8)) == ("kda", "kda", "kda", "mla")
+      assert sorted(lp.unrolled + sum((lp.position(j) for j in range(4)), ())) == list(range(len(types)))
+      assert lp.position(3) == tuple(4 + 4 * g + 3 for g in range(groups))
+  # Ten tiny layers: the group starts right after the dense layer (rotated: kda, kda, mla, kda), as two groups fit
+  # only there; the forced MLA last layer stays outside.
+  lp, types, moe = _plan("tiny", num_layers=10)
+  assert (lp.unrolled, lp.start, lp.num_groups) == ((0, 9), 1, 2)
+  for j in range(4):
+    assert len({(types[i], moe[i]) for i in lp.position(j)}) == 1
+  assert [types[i] for i in range(1, 5)] == ["kda", "kda", "mla", "kda"]
+
+
+def test_layer_plan_needs_two_groups_and_can_be_turned_off():
+  assert _plan("small", scan_layers=False)[0].unrolled == tuple(range(12))
+  assert _plan("small", scan_layers=False)[0].num_groups == 0
+  lp, _, _ = _plan("small", num_layers=8)                     # 0 dense, 1-7: one group and a remainder
+  assert (lp.unrolled, lp.num_groups) == (tuple(range(8)), 0)
+  lp, _, _ = _plan("small", layer_pattern=("mla",), last_layer="mla")   # a one-layer group, eleven times
+  assert (lp.unrolled, lp.start, lp.group_size, lp.num_groups) == ((0,), 1, 1, 11)
+
+
+@pytest.mark.parametrize("value,match", [(True, "True was today's 'save_kda_out'"), ("kda", "must be one of")])
+def test_remat_is_a_policy_name(value, match):
+  # A bool arrives from the config.json of a run made before the policies had names.
+  cfg = ml_collections.ConfigDict(dict(small_config().to_dict(), remat=value))
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(cfg)
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "k3_full"])

@@ -7,13 +7,15 @@ import pytest
 from flax import nnx
 
 from k3jax.generate import generate
-from model_testing import T, T0, shared_model
+from model_testing import SCANNED, T, T0, shared_model
 
 full_forward = nnx.jit(lambda m, tokens: m(tokens)[0])
 
 
-def test_greedy_generation_is_the_argmax_of_full_forwards():
-  model = shared_model()
+@pytest.mark.parametrize("layers", ["unrolled", "scanned"])
+def test_greedy_generation_is_the_argmax_of_full_forwards(layers):
+  model = shared_model() if layers == "unrolled" else shared_model(tuple(SCANNED.items()))
+  assert model.plan.num_groups == (2 if layers == "scanned" else 0)
   prompt = jax.random.randint(jax.random.PRNGKey(0), (2, T0), 0, 64)
   new = generate(model, prompt, T - T0)
   chex.assert_shape(new, (2, T - T0))

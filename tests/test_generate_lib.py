@@ -1,7 +1,8 @@
 """Long-context generation: a chunked prefill with per-row lengths equals each row's full forward, decoding after
 it is the argmax of full forwards, stop tokens / stop sequences / budgets / a full cache end rows, a turn after a
 tool result appended to some rows continues their caches as a full forward over the whole context, sampling is
-reproducible."""
+reproducible; the first and the greedy decode also on a model with scanned layer groups (their caches stacked over
+the groups)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +11,13 @@ from flax import nnx
 
 from k3jax import generate_lib, sampling
 from k3jax.numerics import rel_err
-from model_testing import T, shared_model
+from model_testing import MODEL, SCANNED, T, shared_model
 
 TOL = 1e-4   # fp32 roundoff over the layers (as tests/test_model.py)
 LENGTHS, MAX_LEN, NEW = [7, 3, 10], T + 4, 6   # shared by the tests: each function compiles once per shape
 full_forward = nnx.jit(lambda m, tokens: m(tokens)[0])
+# The generation tests' models: three unrolled layers, and six of which four run as two scanned groups.
+MODELS = {"unrolled": tuple(MODEL.items()), "scanned": tuple(SCANNED.items())}
 
 
 def _prompts(seed):
@@ -31,12 +34,15 @@ def _prefill(model, tokens, lengths=LENGTHS, chunk=5):
   return generate_lib.prefill_chunked(model, tokens, jnp.asarray(lengths), chunk=chunk, max_len=MAX_LEN)
 
 
+@pytest.mark.parametrize("layers", MODELS)
 @pytest.mark.parametrize("chunk", [5, T])
-def test_chunked_prefill_gives_each_rows_full_forward_logits(chunk):
-  model = shared_model()
+def test_chunked_prefill_gives_each_rows_full_forward_logits(chunk, layers):
+  model = shared_model(MODELS[layers])
   tokens = _prompts(0)
   logits, cache = _prefill(model, tokens, chunk=chunk)
   np.testing.assert_array_equal(cache.lengths_B, LENGTHS)
+  if layers == "scanned":  # per position of the group: KDA then MLA, stacked over the 2 groups
+    assert model.plan.num_groups == 2 and cache.groups[1].ckv_BLR.shape == (2, len(LENGTHS), MAX_LEN, 16)
   full = _reference_logits(model, list(tokens))
   for b, n in enumerate(LENGTHS):
     assert rel_err(logits[b], full[b, n - 1]) < TOL, b
@@ -63,8 +69,9 @@ def test_continuing_a_cache_equals_one_prefill():
     assert rel_err(logits[b], full[b, n + m - 1]) < TOL, b
 
 
-def test_greedy_decode_after_a_chunked_prefill_is_the_argmax_of_full_forwards():
-  model = shared_model()
+@pytest.mark.parametrize("layers", MODELS)
+def test_greedy_decode_after_a_chunked_prefill_is_the_argmax_of_full_forwards(layers):
+  model = shared_model(MODELS[layers])
   tokens = _prompts(3)
   logits, cache = _prefill(model, tokens)
   new, got, cache = generate_lib.decode_loop(model, logits, cache, jax.random.PRNGKey(0), max_new=NEW)

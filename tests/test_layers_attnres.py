@@ -3,6 +3,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k3jax.layers import attnres
 from model_testing import normal
@@ -76,3 +77,64 @@ def test_stream_is_float32():
                        normal(2, (1, 2, 4), jnp.bfloat16), close=False)
   chex.assert_type([stream.sources[0], stream.partial], jnp.float32)
   assert jax.tree.leaves(stream)  # a pytree (crosses jit / remat boundaries)
+
+
+@pytest.mark.parametrize("mode", ["block", "full", "none"])
+def test_carry_reads_and_adds_as_the_stream_does(mode):
+  # The same sub-layer outputs through a Stream and through a Carry entered after two sub-layers (so it starts with
+  # a partial sum), its close flags traced, its buffer written twice: every read-out agrees, and so does the stream
+  # taken back out.
+  closes = {"block": [False, True, False, False, False, True, True, False],
+            "full": [True] * 8, "none": [False] * 8}[mode]
+  attn = attnres.DepthAttention(8)
+  attn.query[...] = normal(40, (8,))
+  attn.key_norm.weight[...] = 1.0 + 0.1 * normal(41, (8,))
+  ys = [normal(50 + i, (2, 3, 8)) for i in range(len(closes))]
+  enter = 2
+  capacity = attnres.num_sources(mode, closes)
+  stream, want = attnres.start(normal(42, (2, 3, 8)), mode), []
+  for y, close in zip(ys, closes):
+    want.append(attnres.read(stream, None if mode == "none" else attn))
+    stream = attnres.add(stream, y, close=close)
+
+  @jax.jit
+  def through_carry(flags):
+    s, got = attnres.start(normal(42, (2, 3, 8)), mode), []
+    for y, close in zip(ys[:enter], closes[:enter]):
+      got.append(attnres.read(s, None if mode == "none" else attn))
+      s = attnres.add(s, y, close=close)
+    c = attnres.to_carry(s, capacity)
+    for i in range(enter, len(ys)):
+      got.append(attnres.read(c, None if mode == "none" else attn))
+      c = attnres.add(c, ys[i], close=flags[i])
+      if i == 4:  # the buffer written in the middle (as at the end of a scanned group) changes nothing
+        c = attnres.flush(c)
+    return got, attnres.flush(c)
+
+  got, carry = through_carry(jnp.asarray(closes))
+  for i, (g, w) in enumerate(zip(got, want)):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6, err_msg=f"read-out {i}")
+  assert int(carry.count) == capacity and bool(carry.has_partial) == (not closes[-1] or mode == "none")
+  out = attnres.from_carry(carry, capacity, not closes[-1] or mode == "none")
+  assert len(out.sources) == len(stream.sources) and (out.partial is None) == (stream.partial is None)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(stream)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_carry_read_out_ignores_what_lies_past_its_sources():
+  # Slots past `count` (and the partial when flagged empty) take no weight: filling them with large values changes
+  # neither the read-out nor its gradient.
+  attn = attnres.DepthAttention(8)
+  attn.query[...] = normal(60, (8,))
+  sources = jnp.stack([normal(61 + i, (2, 3, 8)) for i in range(4)])
+  closed = ((normal(71, (2, 3, 8)), jnp.asarray(True)), (jnp.full((2, 3, 8), 1e3), jnp.asarray(False)))
+  junk = attnres.Carry(sources.at[2:].set(1e3), jnp.asarray(2, jnp.int32), jnp.full((2, 3, 8), -1e3),
+                       jnp.asarray(False), closed)
+  want = attn(attnres.Stream(tuple(sources[:2]) + (closed[0][0],), None))
+  np.testing.assert_allclose(attn(junk), want, rtol=1e-6, atol=1e-6)
+  loss = lambda v, p, c: jnp.sum(attn(junk.replace(sources_NBTD=v, partial_BTD=p, closed=c)) ** 2)
+  d_sources, d_partial, d_closed = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)(
+      junk.sources_NBTD, junk.partial_BTD, closed)
+  assert float(jnp.abs(d_sources[2:]).max()) == float(jnp.abs(d_partial).max()) == 0.0
+  assert float(jnp.abs(d_closed[1][0]).max()) == 0.0
+  assert float(jnp.abs(d_sources[:2]).max()) > 0.0 and float(jnp.abs(d_closed[0][0]).max()) > 0.0

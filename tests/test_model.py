@@ -1,4 +1,5 @@
-"""K3Model: shapes and dtypes, decode == full forward with MoE, packed documents, residual modes, remat, z-loss."""
+"""K3Model: shapes and dtypes, decode == full forward with MoE, packed documents, residual modes, remat, z-loss; the
+scanned layer groups equal the unrolled layers (loss, gradients, MoE stats, balancer updates, decoding)."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -6,12 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.balancer import BalancerState
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats
-from k3jax.model import K3Model, ModelCache, z_loss
+from k3jax.model import K3Model, ModelCache, scanned_layout, z_loss
 from k3jax.numerics import rel_err
 from pallas_testing import cuda_module_text
-from model_testing import MODEL, T, T0, abstract, random_module, segments, shared_model, small_config
+from model_testing import (MODEL, SCANNED, T, T0, abstract, random_module, segments, shared_model,
+                           small_config)
 
 # fp32 roundoff compounded over layers (chunked vs recurrent KDA, standard vs absorbed MLA) on random weights
 # stays near 1e-5; a wrong cache or mask gives errors of order one.
@@ -68,12 +71,13 @@ def test_packed_sequence_equals_documents_run_alone():
 
 def test_block_structure_of_the_residual():
   model = shared_model()
-  assert [layer.closes_block for layer in model.layers] == [False, True, False]
+  assert model.closes == ((False, False), (False, True), (False, False))   # (mixer, FFN) of each layer
   assert [layer.kind for layer in model.layers] == ["kda", "kda", "mla"]
   none = nnx.eval_shape(lambda: K3Model(small_config(**{"residual.mode": "none"}), rngs=nnx.Rngs(0)))
   assert none.final_res is None and all(l.mixer_res is None and l.ffn_res is None for l in none.layers)
+  assert none.closes == ((False, False),) * 4
   full = nnx.eval_shape(lambda: K3Model(small_config(**{"residual.mode": "full"}), rngs=nnx.Rngs(0)))
-  assert all(l.close_each and not l.closes_block for l in full.layers)
+  assert full.closes == ((True, True),) * 4
 
 
 def test_remat_gives_the_same_loss_and_gradients():
@@ -82,7 +86,7 @@ def test_remat_gives_the_same_loss_and_gradients():
   changes = {**MODEL, "num_layers": 1, "layer_pattern": ("mla",), "moe.first_dense_layers": 0,
              "residual.mode": "full", "z_loss_coef": 1e-3}
   plain = random_module(lambda rngs: K3Model(small_config(**changes), rngs=rngs), seed=3)
-  remat = random_module(lambda rngs: K3Model(small_config(remat=True, **changes), rngs=rngs), seed=3)
+  remat = random_module(lambda rngs: K3Model(small_config(remat="save_kda_out", **changes), rngs=rngs), seed=3)
   tokens = _tokens(4, (2, T))
 
   def loss_and_grads(model):
@@ -106,16 +110,114 @@ def test_remat_gives_the_same_loss_and_gradients():
 def test_kda_intra_kernel_runs_once_per_layer_and_once_more_under_remat(monkeypatch):
   # The kernels' VJP keeps the intra pass's outputs, so without remat the backward does not rerun it; with remat the
   # kept KDA output spares the layer's recomputation the state pass, not the intra pass (its residuals are not
-  # saved). Without the kept output it would run three times. Counted in the program lowered for CUDA.
+  # saved). Without the kept output it would run three times. Counted in the program lowered for CUDA: unrolled,
+  # each of the two layers has its own kernels; scanned (two groups of one layer), the group's body has them once.
   changes = {**MODEL, "num_layers": 2, "layer_pattern": ("kda",), "last_layer": "kda", "moe.enabled": False,
              "kda.backend": "pallas"}
-  counts = []
-  for remat in (False, True):
-    model = nnx.eval_shape(lambda: K3Model(small_config(remat=remat, **changes), rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
-    counts.append(cuda_module_text(monkeypatch, jax.grad(loss), params).count('name = "kda_intra_fwd_key_tiles"'))
-  assert counts == [2, 4], counts
+  counts = {}
+  for scan in (False, True):
+    for remat in ("none", "save_kda_out"):
+      cfg = small_config(remat=remat, scan_layers=scan, **changes)
+      model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+      assert model.plan.num_groups == (2 if scan else 0)
+      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+      loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
+      text = cuda_module_text(monkeypatch, jax.grad(loss), params)
+      counts.setdefault(scan, []).append(text.count('name = "kda_intra_fwd_key_tiles"'))
+  assert counts == {False: [2, 4], True: [1, 2]}, counts
+
+
+SCAN_CASES = {  # with the layers of SCANNED: (KDA, MLA) twice under the scan, after two unrolled layers
+    "blocks_straddle_groups": small_config(**{**SCANNED, "remat": "save_kda_out"}),
+    "full": small_config(**{**SCANNED, "residual.mode": "full"}),
+    "none": small_config(**{**SCANNED, "residual.mode": "none", "remat": "full"}),
+}
+
+
+def _scanned_and_unrolled(cfg, seed=0):
+  """The scanned model of `cfg` and an unrolled one (`scan_layers=False`, random parameters) whose state
+  `scanned_layout` converts to the scanned one's. Both rematerialise alike (remat alone changes fp32 roundoff)."""
+  unrolled_cfg = cfg.copy_and_resolve_references()
+  unrolled_cfg.scan_layers = False
+  unrolled = random_module(lambda rngs: K3Model(unrolled_cfg, rngs=rngs), seed)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  return nnx.merge(graphdef, scanned_layout(nnx.state(unrolled), cfg)), unrolled
+
+
+def _loss_grads_and_stats(model, tokens, seg):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit
+  def run(params, rest):
+    def loss(p):
+      logits, aux = nnx.merge(graphdef, p, rest)(tokens, segment_ids_BT=seg)
+      scores = sum(jnp.mean(jnp.square(s.scores_TE)) for s in aux["moe"])  # gradients through the MoE stats too
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux["z_loss"] + scores, aux["moe"]
+    return jax.value_and_grad(loss, has_aux=True)(params)
+  (loss, stats), grads = run(params, rest)
+  return loss, grads, stats
+
+
+@pytest.mark.parametrize("case", SCAN_CASES)
+def test_scanned_groups_give_the_unrolled_loss_gradients_stats_and_balancer_updates(case):
+  cfg = SCAN_CASES[case]
+  scanned, unrolled = _scanned_and_unrolled(cfg)
+  assert scanned.plan.num_groups == 2 and unrolled.plan.num_groups == 0
+  # Per group position, the set of its FFN close flags over the groups: two members make the flag a traced one.
+  flags = [{scanned.closes[i][1] for i in scanned.plan.position(j)} for j in range(scanned.plan.group_size)]
+  assert flags == {"blocks_straddle_groups": [{True, False}, {True, False}], "full": [{True}, {True}],
+                   "none": [{False}, {False}]}[case]
+  tokens, seg = _tokens(6, (2, T)), segments(2, (5, T - 5))
+  (l1, g1, s1), (l2, g2, s2) = (_loss_grads_and_stats(m, tokens, seg) for m in (unrolled, scanned))
+  assert rel_err(l2, l1) < 1e-5
+  g1 = scanned_layout(g1, cfg)
+  assert jax.tree.structure(g1) == jax.tree.structure(g2)
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  assert rel_err(flat(g2), flat(g1)) < 1e-5
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
+    # Leaf by leaf the fp32 summation order shows more in sums of many cancelling terms (AttnRes queries over the 13
+    # sources of "full", a KDA dt_bias): in "full", remat alone moves the unrolled model's leaves by up to 1.5e-4.
+    assert rel_err(b, a) < 1e-4, jax.tree_util.keystr(path)
+  assert len(s1) == len(s2) == len(cfg.moe.enabled and scanned.moe_ids)
+  for a, b in zip(s1, s2):  # per MoE layer, in layer order
+    assert rel_err(b.scores_TE, a.scores_TE) < 1e-5
+  for model, stats in ((unrolled, s1), (scanned, s2)):
+    model.update_balance([[s] for s in stats])
+  b1, b2 = scanned_layout(nnx.state(unrolled, BalancerState), cfg), nnx.state(scanned, BalancerState)
+  assert jax.tree.structure(b1) == jax.tree.structure(b2)
+  for a, b in zip(jax.tree.leaves(b1), jax.tree.leaves(b2)):
+    assert float(jnp.abs(a).max()) > 0 and rel_err(b, a) < 1e-5
+
+
+def test_the_scanned_backward_keeps_the_source_buffer_once_not_per_group():
+  # Rematerialised, each layer keeps its input for the backward pass. Unrolled, the AttnRes sources are arrays of
+  # their own, kept once; scanned, they live in a buffer the scan carries, which a scan's own VJP would keep at
+  # every group. Kept here: the arrays with a token axis (activations) of jax.vjp's residuals, traced only.
+  T_ = 200
+  def kept_bytes(scan):
+    cfg = small_config(**{**SCANNED, "remat": "full", "scan_layers": scan})
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((2, T_), jnp.int32))[0])
+    residuals = jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(loss, p)[1]), params)
+    return sum(x.size * x.dtype.itemsize for x in residuals if T_ in x.shape)
+  buffer = 3 * 2 * T_ * 32 * 4    # x_0 and the two blocks' sums, fp32 [B, T, D]
+  unrolled, scanned = kept_bytes(False), kept_bytes(True)
+  # The final buffer, and the zero slots the scan's first buffer is padded with (a constant).
+  assert unrolled < scanned <= unrolled + 2 * buffer, (unrolled, scanned)
+
+
+def test_decode_with_scanned_groups_matches_the_full_forward():
+  model = shared_model(tuple(SCANNED.items()))
+  assert model.plan.num_groups == 2
+  tokens = _tokens(7, (2, T))
+  full, _ = model_forward(model, tokens, None)
+  logits, cache = model_prefill(model, tokens[:, :T0], T)
+  assert [type(c).__name__ for c in cache.groups] == ["KDACache", "MLACache"]
+  chex.assert_shape(cache.groups[1].ckv_BLR, (2, 2, T, 16))   # [groups, B, max_len, r_kv]
+  assert rel_err(logits, full[:, T0 - 1]) < TOL
+  for t in range(T0, T):
+    logits, cache = model_decode(model, tokens[:, t], cache)
+    assert rel_err(logits, full[:, t]) < TOL, t
 
 
 def test_tied_head_shares_the_embedding():
@@ -145,4 +247,4 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match="max_len=2 is shorter than the prompt"):
     model.prefill(jnp.zeros((2, 3), jnp.int32), 2)
   with pytest.raises(ValueError, match="the cache is full: position 5 >= max_len=5"):
-    model.decode(jnp.zeros((2,), jnp.int32), ModelCache((), jnp.asarray(5, jnp.int32), 5))
+    model.decode(jnp.zeros((2,), jnp.int32), ModelCache((), None, jnp.asarray(5, jnp.int32), 5))

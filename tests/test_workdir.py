@@ -69,6 +69,16 @@ def test_extending_steps_must_keep_the_learning_rate_of_the_steps_taken(tmp_path
     workdir_lib.check_resume(tmp_path, longer, allow_change=True)
 
 
+def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_trained():
+  saved = workdir_lib.as_json(tiny.get_config())
+  del saved["model"]["scan_layers"]
+  saved["model"]["remat"] = True
+  c = workdir_lib.config_from_json(saved)
+  assert (c.model.scan_layers, c.model.remat) == (False, "save_kda_out")
+  c = workdir_lib.config_from_json(workdir_lib.as_json(tiny.get_config()))   # a current one is kept as saved
+  assert (c.model.scan_layers, c.model.remat) == (True, "none")
+
+
 def test_saved_configs_come_back_locked_with_tuples(tmp_path):
   c = workdir_lib.config_from_json(workdir_lib.as_json(tiny.get_config()))
   assert c.model.layer_pattern == ("kda", "kda", "kda", "mla")

@@ -9,7 +9,13 @@ The residual stream is a `Stream`: completed sources plus the partial sum of the
   reference pseudocode, where the block that just closed is the last source instead.
 - "full": every sub-layer output is a source of its own (a block of one sub-layer).
 - "none": the standard pre-norm residual; the stream is the running sum x_0 + Σ f_l and is each sub-layer's input.
-The stream is kept in fp32.
+The stream is kept in fp32. Between unrolled layers it is a `Stream` (a tuple that grows); through a scan over
+layer groups it is a `Carry`, the same state in a fixed shape: a buffer with room for every source the scan will
+hold, of which the first `count` are valid, the partial sum with a flag for "empty", and the sums closed since the
+buffer was last written (with flags for whether each did close). A read-out of a `Carry` masks the softmax to what
+is valid, so it gives the `Stream`'s result (up to fp32 summation order). Inside a group the buffer is not written
+(`flush` writes it at the group's end), so every layer of the group reads the same buffer: a rematerialised layer
+then keeps only its partial sum, not a copy of the buffer.
 """
 from __future__ import annotations
 
@@ -28,14 +34,79 @@ class Stream:
   partial: jax.Array | None
 
 
+@flax.struct.dataclass
+class Carry:
+  """A `Stream` in a fixed shape (a scan carry). The completed sources are `sources_NBTD[:count]` and, of `closed`
+  (sums closed since the buffer was last written, as (value `[B,T,D]`, closed flag) pairs), those whose flag is
+  set; `partial_BTD` is the current block's partial sum, not a value when `has_partial` is false (empty)."""
+  sources_NBTD: jax.Array   # [capacity, B, T, D] fp32; slots from `count` on are not sources
+  count: jax.Array          # int32 scalar
+  partial_BTD: jax.Array    # [B, T, D] fp32
+  has_partial: jax.Array    # bool scalar
+  closed: tuple = ()
+
+
+def closes(mode: str, block_size: int, num_layers: int) -> tuple[tuple[bool, bool], ...]:
+  """Per decoder layer, whether its token mixer's and its FFN's outputs close the current block (the partial sum
+  becomes a source): every sub-layer in "full", the FFN of every `block_size`-th layer in "block", none in "none"."""
+  if mode == "full":
+    return ((True, True),) * num_layers
+  return tuple((False, mode == "block" and (i + 1) % block_size == 0) for i in range(num_layers))
+
+
+def num_sources(mode: str, closes_so_far) -> int:
+  """Completed sources after the sub-layers whose close flags are `closes_so_far` (x_0 counts; none in "none")."""
+  return 0 if mode == "none" else 1 + sum(bool(c) for c in closes_so_far)
+
+
 def start(x0_BTD, mode: str) -> Stream:
   x0 = x0_BTD.astype(jnp.float32)
   return Stream((), x0) if mode == "none" else Stream((x0,), None)
 
 
-def add(stream: Stream, y_BTD, *, close: bool) -> Stream:
-  """Adds a sub-layer output to the partial sum; `close` makes that sum a completed source (ignored in "none")."""
+def to_carry(stream: Stream, capacity: int) -> Carry:
+  """The stream in a buffer with room for `capacity` sources."""
+  n = len(stream.sources)
+  if capacity < n:
+    raise ValueError(f"capacity={capacity} is less than the stream's {n} sources")
+  like = stream.sources[0] if n else stream.partial
+  # Concatenated, not scattered into zeros: the scatter's VJP would keep the zeros for the backward pass.
+  pieces = ([jnp.stack(stream.sources)] if n else []) + [jnp.zeros((capacity - n, *like.shape), jnp.float32)]
+  sources = jnp.concatenate(pieces)
+  partial = jnp.zeros(like.shape, jnp.float32) if stream.partial is None else stream.partial
+  return Carry(sources, jnp.asarray(n, jnp.int32), partial, jnp.asarray(stream.partial is not None))
+
+
+def flush(carry: Carry) -> Carry:
+  """The carry with its closed sums written into the buffer (those whose flag is set, in order)."""
+  sources, count = carry.sources_NBTD, carry.count
+  for value, closed in carry.closed:
+    # One slot is rewritten either way: the closed sum, or (not closed) its own value. Past the last source the
+    # index clamps to a valid slot, which is then rewritten unchanged.
+    slot = jax.lax.dynamic_index_in_dim(sources, count, keepdims=False)
+    sources = jax.lax.dynamic_update_index_in_dim(sources, jnp.where(closed, value, slot), count, 0)
+    count = count + jnp.asarray(closed, jnp.int32)
+  return Carry(sources, count, carry.partial_BTD, carry.has_partial)
+
+
+def from_carry(carry: Carry, count: int, has_partial: bool) -> Stream:
+  """The `Stream` of a flushed carry whose count and partial flag the caller knows statically."""
+  if carry.closed:
+    raise ValueError("from_carry needs a flushed carry (see flush)")
+  partial = carry.partial_BTD if has_partial else None
+  return Stream(tuple(carry.sources_NBTD[i] for i in range(count)), partial)
+
+
+def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
+  """Adds a sub-layer output to the partial sum; `close` makes that sum a completed source (ignored in "none").
+  For a `Carry`, `close` may be a traced bool."""
   y = y_BTD.astype(jnp.float32)
+  if isinstance(stream, Carry):
+    partial = jnp.where(stream.has_partial, stream.partial_BTD, 0.0) + y
+    if close is False or stream.sources_NBTD.shape[0] == 0:
+      return stream.replace(partial_BTD=partial, has_partial=jnp.asarray(True))
+    close = jnp.asarray(close)  # the partial sum itself is the closed value: no copy
+    return stream.replace(partial_BTD=partial, has_partial=~close, closed=stream.closed + ((partial, close),))
   partial = y if stream.partial is None else stream.partial + y
   if close and stream.sources:
     return Stream(stream.sources + (partial,), None)
@@ -49,14 +120,35 @@ class DepthAttention(nnx.Module):
     self.query = nnx.Param(jnp.zeros((d_model,), jnp.float32))
     self.key_norm = RMSNorm(d_model, eps=eps)
 
-  def __call__(self, stream: Stream):
+  def __call__(self, stream: Stream | Carry):
     """The input of the next sub-layer: softmax-weighted sum over the sources and the non-empty partial sum."""
+    if isinstance(stream, Carry):
+      return self._read_carry(stream)
     values = stream.sources + (() if stream.partial is None else (stream.partial,))
     v_NBTD = jnp.stack(values)
     logits_NBT = jnp.einsum("d,nbtd->nbt", self.query[...], self.key_norm(v_NBTD))
-    return jnp.einsum("nbt,nbtd->btd", jax.nn.softmax(logits_NBT, axis=0), v_NBTD)
+    weights_NBT = jax.nn.softmax(logits_NBT, axis=0)
+    # Recorded only under `nnx.capture(..., nnx.Intermediate)` (k3jax.ablations.residual.depth_weights reads it).
+    self.sow(nnx.Intermediate, "weights", weights_NBT, capture_noop=True)
+    return jnp.einsum("nbt,nbtd->btd", weights_NBT, v_NBTD)
+
+  def _read_carry(self, carry: Carry):
+    """The same over the carry's buffer, closed sums and partial sum, what is not valid masked out of the softmax
+    (its weight is exactly zero, so neither its value nor its gradient matters)."""
+    q, v_NBTD = self.query[...], carry.sources_NBTD
+    logits_NBT = jnp.einsum("d,nbtd->nbt", q, self.key_norm(v_NBTD))
+    logits = [jnp.where((jnp.arange(v_NBTD.shape[0]) < carry.count)[:, None, None], logits_NBT, -jnp.inf)]
+    extra = [*carry.closed, (carry.partial_BTD, carry.has_partial)]
+    logits += [jnp.where(valid, jnp.einsum("d,btd->bt", q, self.key_norm(v_BTD)), -jnp.inf)[None]
+               for v_BTD, valid in extra]
+    w_NBT = jax.nn.softmax(jnp.concatenate(logits), axis=0)
+    n = v_NBTD.shape[0]
+    h = jnp.einsum("nbt,nbtd->btd", w_NBT[:n], v_NBTD)
+    return h + sum(w_NBT[n + i][..., None] * v_BTD for i, (v_BTD, _) in enumerate(extra))
 
 
-def read(stream: Stream, attn: DepthAttention | None):
+def read(stream: Stream | Carry, attn: DepthAttention | None):
   """A sub-layer's input: the AttnRes read-out, or the running sum when there is no AttnRes ("none")."""
-  return stream.partial if attn is None else attn(stream)
+  if attn is None:
+    return stream.partial_BTD if isinstance(stream, Carry) else stream.partial
+  return attn(stream)

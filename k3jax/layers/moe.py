@@ -106,13 +106,16 @@ class LatentMoE(nnx.Module):
 
   @jax.named_scope("balancer")
   def update_balance(self, stats_list) -> None:
-    """After the optimizer step: the new bias from this step's router scores (a list of stats, or one)."""
+    """After the optimizer step: the new bias from this step's router scores (a list of stats, or one). A module
+    of stacked layers (bias `[..., E]`, the scanned decoder's) takes stats stacked the same way, layer by layer."""
     stats_list = [stats_list] if isinstance(stats_list, MoEStats) else list(stats_list)
     cfg = self.cfg
     if cfg.balancer in ("none", "aux_loss"):
       return
-    scores_TE = jax.lax.stop_gradient(jnp.concatenate([s.scores_TE for s in stats_list], axis=0))
+    scores_TE = jax.lax.stop_gradient(jnp.concatenate([s.scores_TE for s in stats_list], axis=-2))
     method = "sign" if cfg.balancer == "sign" else cfg.balancer_method
-    self.balancer.set_value(balancer.update(
-        self.balancer.get_value(), scores_TE, top_k=cfg.top_k, eta=cfg.get("balancer_eta", 1.0), method=method,
-        sign_rate=cfg.get("sign_update_rate", 1e-3)))
+    update = functools.partial(balancer.update, top_k=cfg.top_k, eta=cfg.get("balancer_eta", 1.0), method=method,
+                               sign_rate=cfg.get("sign_update_rate", 1e-3))
+    for _ in range(self.balancer.get_value().bias.ndim - 1):
+      update = jax.vmap(update)
+    self.balancer.set_value(update(self.balancer.get_value(), scores_TE))

@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import optax
 from optax import contrib
 
+from k3jax.model import unstacked_ndim
+
 # The KDA decay parameters take no weight decay (docs/design.md, KDA); nor do vectors (norms, biases, AttnRes queries).
 NO_DECAY_NAMES = ("A_log", "dt_bias")
 # Muon orthogonalises the 2-D hidden matrices; embeddings, the output head and the depthwise short-conv kernels
-# stay with AdamW (as do vectors and the stacked 3-D / 4-D weights: per-head and per-expert tensors).
+# stay with AdamW (as do vectors and the stacked 3-D / 4-D weights: per-head and per-expert tensors). Ranks are
+# a layer's own: the scanned layers' leading group axis is a batch axis (`unstacked_ndim`).
 ADAM_ONLY_NAMES = ("embed", "lm_head", "conv")
 
 
@@ -43,15 +46,15 @@ def _names(path) -> list[str]:
 def decay_mask(params):
   """True for matrices (ndim >= 2) that take weight decay."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: x.ndim >= 2 and not set(_names(path)) & set(NO_DECAY_NAMES), params)
+      lambda path, x: unstacked_ndim(path, x) >= 2 and not set(_names(path)) & set(NO_DECAY_NAMES), params)
 
 
 def muon_dims(params):
   """Muon's dimension numbers for the 2-D hidden matrices, None (AdamW) for the rest."""
   def dims(path, x):
-    names = set(_names(path))
-    use = x.ndim == 2 and not names & set(NO_DECAY_NAMES) and not names & set(ADAM_ONLY_NAMES)
-    return contrib.MuonDimensionNumbers(0, 1) if use else None
+    names, own = set(_names(path)), unstacked_ndim(path, x)
+    use = own == 2 and not names & set(NO_DECAY_NAMES) and not names & set(ADAM_ONLY_NAMES)
+    return contrib.MuonDimensionNumbers(x.ndim - 2, x.ndim - 1) if use else None
   return jax.tree_util.tree_map_with_path(dims, params)
 
 

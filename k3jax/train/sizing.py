@@ -15,6 +15,7 @@ import math
 from flax import nnx
 
 from k3jax import config as config_lib
+from k3jax.layers import attnres
 from k3jax.layers.attnres import DepthAttention
 from k3jax.layers.common import RMSNorm
 from k3jax.layers.ffn import SiTUGLU
@@ -133,13 +134,16 @@ def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: 
   per_layer = (total - routed) / m.num_layers + (routed / max(n_moe, 1)) / ep
   gathered = 2 * 2 * per_layer
 
-  # Saved between layers (remat per layer): each layer's input partial sum, the completed block sums, the
-  # embedding, all fp32 [t, d].
-  saved = 4 * t * d * (m.num_layers + n_blocks + 1)
+  # Saved between layers (remat per layer), fp32 [t, d]: each layer's input partial sum, the completed block sums,
+  # the embedding, and per scanned group its input buffer of sources (with room for every source the scan holds).
+  plan = config_lib.layer_plan(m)
+  closes = attnres.closes(m.residual.mode, m.residual.block_size, m.num_layers)
+  capacity = attnres.num_sources(m.residual.mode, [c for layer in closes[:plan.end] for c in layer])
+  saved = 4 * t * d * (m.num_layers + n_blocks + 1 + plan.num_groups * capacity)
   # Peak of one layer's recompute + backward, bf16 (2 B) unless noted: the AttnRes read-outs (fp32 sources and keys)
   # plus the larger mixer plus the larger FFN.
   n_src = (n_blocks if m.residual.mode != "none" else 0) + 2
-  attnres = 2 * 4 * n_src * t * d
+  attnres_bytes = 2 * 4 * n_src * t * d
   mixers = [0]
   if "kda" in types:
     HK = m.kda.num_heads * config_lib.kda_head_dim(m)
@@ -155,7 +159,7 @@ def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: 
     shared = 3 * m.moe.num_shared_experts * m.moe.shared_hidden
     # router scores fp32, latent in/out, k dispatched copies (sent and received), gate/up/product, shared GLU.
     ffns.append(4 * t * m.moe.num_experts + 2 * t * (2 * l + k * (4 * l + 3 * h) + shared))
-  working = attnres + 2 * (2 * t * d) + max(mixers) + max(ffns)
+  working = attnres_bytes + 2 * (2 * t * d) + max(mixers) + max(ffns)
   logits = 2 * 4 * t * V                     # fp32 logits and their gradient (no chunked cross-entropy)
   return [
       ("params bf16, sharded over all devices", 2 * total / n_dev),
@@ -175,7 +179,8 @@ ASSUMPTIONS = """assumptions:
   - per parameter: bf16 working copy (2 B), fp32 master (4 B), Adam m and v (8 B), fp32 gradient (4 B).
   - a layer's weights are all-gathered (bf16) just before use, two layers in flight.
   - activations for one micro-batch per device, each decoder layer rematerialised in the backward pass: kept are
-    the fp32 residual stream at every layer input plus the AttnRes block sums; the peak adds one layer's working set.
+    the fp32 residual stream at every layer input plus the AttnRes block sums (a scanned group also keeps its
+    input buffer of block sums); the peak adds one layer's working set.
   - the fp32 logits of the micro-batch and their gradient are materialised (a chunked cross-entropy removes this).
   - not counted: XLA temporaries and fragmentation, communication buffers beyond the MoE dispatch, the data
     pipeline; keep ~10-15% of the device free for them."""

@@ -66,9 +66,8 @@ def update_balancers(graphdef, state: state_lib.TrainState, stats) -> state_lib.
   """The state with every MoE layer's balancer moved after an optimizer step; `stats[i]` holds layer i's MoEStats
   of the step's forward passes, stacked on a leading micro-batch axis."""
   model = state_lib.merge(graphdef, state)
-  for layer, layer_stats in zip(model.moe_layers(), stats):
-    num_micro = jax.tree.leaves(layer_stats)[0].shape[0]
-    layer.update_balance([jax.tree.map(lambda x: x[a], layer_stats) for a in range(num_micro)])
+  model.update_balance([[jax.tree.map(lambda x: x[a], s) for a in range(jax.tree.leaves(s)[0].shape[0])]
+                        for s in stats])
   _, params, balancer, other = state_lib.split(model)
   return state.replace(params=params, balancer=balancer, other=other)
 

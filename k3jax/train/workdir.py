@@ -20,6 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from k3jax import config as config_lib
 from k3jax.train import checkpoint, optimizer, stages as stages_lib
 
 CONFIG, CHANGES = "config.json", "config_changes.jsonl"
@@ -50,11 +51,15 @@ class ConfigChanged(ValueError):
 
 
 def config_from_json(d: dict) -> ml_collections.ConfigDict:
-  """A config saved as JSON (lists back to tuples, as the config files write them), locked like `get_config()`."""
+  """A config saved as JSON (lists back to tuples, as the config files write them), locked like `get_config()`;
+  a model config saved before some of its fields existed gets the values it was trained with
+  (`k3jax.config.saved_model_fields`)."""
   def tuples(x):
     if isinstance(x, dict):
       return {k: tuples(v) for k, v in x.items()}
     return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+  if "model" in d:
+    d = {**d, "model": config_lib.saved_model_fields(d["model"])}
   return ml_collections.ConfigDict(tuples(d)).lock()
 
 

@@ -1,0 +1,187 @@
+"""The ablation notebooks' settings (notebooks/), one function per study, each at two scales:
+
+- "cpu": a smoke run, a minute or two per notebook on a 2-core CPU: it shows that the notebook runs end to end, not
+  what the answer is (a model this small, trained this briefly, says nothing about K3's claims).
+- "gpu": research scale on one H200, sized so that the five notebooks together run in about 8 minutes
+  (`python -m experiments.run_notebooks --scale=gpu`, which compiles every notebook's programs at once first): a
+  3:1 KDA/MLA model of d = 512 and 4 layers (about 12M parameters besides the embeddings; dense FFNs, except in the
+  balancing study; 8 narrower layers where depth or the ratio is the question) trained on 16,384 tokens per step
+  for 100-150 steps, two seeds. That is a few million tokens per run: enough to separate large effects (load
+  balance, retrieval, speed), not the percent-level loss differences some claims are about; the table says which.
+  The tokens and steps of every variant are printed by `Study.describe`.
+
+Every variant of a study differs from its base config only in the overrides listed, and trains from the same
+seeds, hence the same initial model (where the variant does not change its shape) and the same batches.
+"""
+from __future__ import annotations
+
+import functools
+
+from experiments.configs.common import base_config
+from k3jax.ablations.balance import METHODS, ablation_config, markov_paths, markov_shards
+from k3jax.ablations.runs import Study
+from k3jax.config import model_config
+from k3jax.data import corpus
+from k3jax.data.tokenizer import VOCAB_SIZE
+
+SCALES = ("cpu", "gpu")
+KDA, MLA = "kda", "mla"
+
+
+def model_and_training(scale: str, *, num_layers: int | None = None, pattern=(KDA, KDA, KDA, MLA),
+                       last_layer: str | None = MLA):
+  """The base config of the studies at `scale`: dense, Block AttnRes, the given layer pattern; training sized
+  for the scale, one checkpoint at the end."""
+  _check(scale)
+  c = base_config()
+  m = model_config()
+  m.vocab_size = VOCAB_SIZE
+  m.layer_pattern, m.last_layer = tuple(pattern), last_layer
+  m.moe.enabled = False
+  m.residual.mode = "block"
+  m.residual.block_size = 2
+  if scale == "cpu":
+    m.d_model, m.num_layers = 64, num_layers or 2
+    m.dtype = "float32"               # CPU: bf16 matmuls are emulated and slower
+    m.ffn_hidden = 128
+    m.kda.num_heads = m.mla.num_heads = 2
+    m.mla.kv_lora_rank = 32
+    c.seq_len, c.batch_size, c.steps = 64, 8, 40
+    c.log_every = 2
+    c.eval.batches, c.eval.batch_size, c.eval.examples = 2, 8, 0
+  else:
+    m.d_model, m.num_layers = 512, num_layers or 4
+    m.dtype = "bfloat16"
+    m.ffn_hidden = 1536
+    m.kda.num_heads = m.mla.num_heads = 4   # head dims 128, as in K3
+    m.mla.kv_lora_rank = 128
+    c.seq_len, c.batch_size, c.steps = 1024, 16, 150
+    c.log_every = 5
+    c.eval.batches, c.eval.batch_size, c.eval.examples = 4, 16, 0
+  c.model = m
+  c.mesh = "data:-1,expert:1"
+  c.checkpoint_every = 10 ** 9          # a run saves at its end anyway
+  c.keep_checkpoints = 1
+  c.data.mix = {"stdlib": 1.0}
+  return c
+
+
+def gate(scale: str) -> Study:
+  """Bounded (K3) vs softplus (Kimi Linear) decay gate: training loss at equal steps; the op's speed; finiteness at
+  long T with saturated gates."""
+  if scale == "cpu":
+    c = model_and_training(scale, num_layers=1, pattern=(KDA,), last_layer=None)   # the gate acts in KDA layers
+    settings = {"timed_shapes": [(1, 256, 2, 32)], "timed_dtype": "float32", "repeats": 3,
+                "long_shape": (1, 1024, 2, 32), "long_dtype": "float32"}
+    seeds = (0,)
+  else:
+    c = model_and_training(scale)
+    settings = {"timed_shapes": [(8, 4096, 16, 128)], "timed_dtype": "bfloat16",
+                "repeats": 20, "long_shape": (1, 65536, 16, 128), "long_dtype": "bfloat16"}
+    seeds = (0, 1)
+  return Study("gate", scale, c, {"bounded": {"model.kda.gate": "bounded"},
+                                  "softplus": {"model.kda.gate": "softplus"}}, seeds, settings)
+
+
+def balance(scale: str) -> Study:
+  """MoE balancing on skewed data (k3jax.ablations.balance): none, Switch aux loss, DeepSeek sign, quantile exact
+  and histogram."""
+  if scale == "cpu":
+    c = model_and_training(scale, num_layers=1, pattern=(MLA,), last_layer=None)  # one MoE layer
+    moe = dict(num_experts=8, top_k=2, latent_dim=32, expert_hidden=32, shared_hidden=64, first_dense_layers=0)
+    seeds = (0,)
+  else:
+    c = model_and_training(scale)      # a dense FFN, then three MoE layers
+    c.steps = 100                      # the balancers act within tens of steps
+    moe = dict(num_experts=64, top_k=4, latent_dim=256, expert_hidden=256, shared_hidden=512, routed_scaling=2.5,
+               first_dense_layers=1)
+    seeds = (0, 1)
+  c.model.moe.enabled = True
+  c.model.moe.num_shared_experts = 1
+  for k, v in moe.items():
+    c.model.moe[k] = v
+  c.data.mix = {"stdlib": 0.0, "shards": 1.0}
+  c = ablation_config(c)
+  data_seed, directory = 0, corpus.default_cache_dir() / "markov"
+  c.data.shards, c.data.heldout_shards = markov_paths(data_seed, directory)
+  return Study("balance", scale, c, METHODS, seeds, {"data_seed": data_seed},
+               setup=functools.partial(markov_shards, data_seed, directory))
+
+
+def residual(scale: str) -> Study:
+  """Block AttnRes vs full AttnRes vs the plain pre-norm residual: loss curves and the learned depth weights."""
+  if scale == "cpu":
+    # Two AttnRes blocks of one layer; MLA layers, which compile faster than KDA on a CPU (the mixer is not ablated).
+    c = model_and_training(scale, num_layers=2, pattern=(MLA,), last_layer=None)
+    c.model.residual.block_size = 1
+    seeds = (0,)
+  else:
+    c = model_and_training(scale, num_layers=8)     # four blocks of two layers, narrower: depth is the question
+    c.model.d_model, c.model.ffn_hidden = 384, 1024
+    c.model.kda.num_heads = c.model.mla.num_heads = 3
+    seeds = (0, 1)
+  variants = {"block": {"model.residual.mode": "block"}, "full": {"model.residual.mode": "full"},
+              "prenorm": {"model.residual.mode": "none"}}
+  return Study("residual", scale, c, variants, seeds, {"depth_weight_rows": 8})
+
+
+def context(scale: str) -> Study:
+  """Staged context extension vs direct training at the final length, at equal tokens (equal tokens per step and
+  equal steps): loss, and MQAR / passkey accuracy at and beyond the final training length."""
+  c = model_and_training(scale, num_layers=2, pattern=(KDA, MLA)) if scale == "cpu" else model_and_training(scale)
+  c.data.mix = {"stdlib": 0.5, "mqar": 0.25, "passkey": 0.25}
+  c.eval.tasks = ("mqar", "passkey")
+  if scale == "cpu":
+    lengths, rows, steps = (128, 256), (16, 8), (25, 15)
+    c.eval.examples, c.eval.batches = 8, 1
+    beyond = (2,)
+  else:
+    lengths, rows, steps = (1024, 4096, 16384), (16, 4, 1), (90, 30, 30)
+    # One row per evaluation call: MLA masks packed rows with a [B, 1, T, T] array, 4 GiB at T = 64K.
+    c.eval.examples, c.eval.batch_size, c.eval.batches = 16, 1, 4
+    beyond = (2, 4)
+  final = lengths[-1]
+  c.eval.lengths = (final, *(k * final for k in beyond))
+  staged = tuple(dict(seq_len=t, steps=n, batch_size=b) for t, b, n in zip(lengths, rows, steps))
+  direct = (dict(seq_len=final, steps=sum(steps), batch_size=rows[-1]),)
+  variants = {"staged": {"stages": staged, "steps": sum(steps)}, "direct": {"stages": direct, "steps": sum(steps)}}
+  return Study("context", scale, c, variants, (0,) if scale == "cpu" else (0, 1), {"eval_lengths": c.eval.lengths})
+
+
+def hybrid(scale: str) -> Study:
+  """KDA:MLA ratio: 3:1 (K3) vs all-MLA, all-KDA and 7:1 over 8 layers: forward tokens/s against length, and MQAR
+  recall after the same training."""
+  c = model_and_training(scale, num_layers=8)
+  c.data.mix = {"mqar": 1.0}
+  c.eval.tasks = ("mqar",)
+  if scale == "cpu":
+    c.model.d_model, c.model.ffn_hidden, c.model.mla.kv_lora_rank = 32, 64, 16
+    c.model.residual.mode = "none"    # eight layers compile a third faster without AttnRes on a CPU
+    c.steps = 16
+    c.eval.examples, c.eval.batches = 8, 0
+    c.eval.lengths = (64,)
+    settings = {"throughput_lengths": (64, 256), "throughput_tokens": 2048, "repeats": 3}
+    seeds = (0,)
+  else:
+    c.model.d_model, c.model.ffn_hidden, c.model.mla.kv_lora_rank = 256, 768, 64
+    c.model.kda.num_heads = c.model.mla.num_heads = 2
+    c.steps = 120
+    c.eval.examples, c.eval.batches = 64, 0
+    c.eval.lengths = (1024, 4096)
+    settings = {"throughput_lengths": (2048, 8192, 32768), "throughput_tokens": 65536, "repeats": 10}
+    seeds = (0, 1)
+  variants = {"3to1": {"model.layer_pattern": (KDA, KDA, KDA, MLA), "model.last_layer": MLA},
+              "7to1": {"model.layer_pattern": (KDA,) * 7 + (MLA,), "model.last_layer": MLA},
+              "all_kda": {"model.layer_pattern": (KDA,), "model.last_layer": None},
+              "all_mla": {"model.layer_pattern": (MLA,), "model.last_layer": None}}
+  return Study("hybrid", scale, c, variants, seeds, settings)
+
+
+def _check(scale):
+  if scale not in SCALES:
+    raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+
+
+# The notebook (notebooks/<name>.ipynb) of each study.
+NOTEBOOKS = {"01_gate": gate, "02_balance": balance, "03_residual": residual, "04_context": context,
+             "05_hybrid": hybrid}

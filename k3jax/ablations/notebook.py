@@ -1,0 +1,191 @@
+"""What the ablation notebooks share: the scale choice and where their results and runs go.
+
+A notebook picks its scale in one cell (`SCALE = notebook.scale("cpu")`); the environment variable
+K3JAX_NOTEBOOK_SCALE, when set, wins (experiments/run_notebooks.py runs the notebooks that way). Results (JSON and
+PNGs) go to `$K3JAX_NOTEBOOK_OUT/<scale>/` (default `results/<scale>/`), training runs to
+`$K3JAX_NOTEBOOK_WORKDIR/<notebook>/<scale>/` (default `runs/...`), both relative to the working directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+SCALES = ("cpu", "gpu")
+SCALE_ENV, OUT_ENV, WORKDIR_ENV = "K3JAX_NOTEBOOK_SCALE", "K3JAX_NOTEBOOK_OUT", "K3JAX_NOTEBOOK_WORKDIR"
+PRECOMPILED_ENV = "K3JAX_NOTEBOOK_PRECOMPILED"
+
+
+def scale(default: str) -> str:
+  """`default`, or $K3JAX_NOTEBOOK_SCALE when set; one of SCALES."""
+  value = os.environ.get(SCALE_ENV) or default
+  if value not in SCALES:
+    raise ValueError(f"scale must be one of {SCALES}, got {value!r} (from ${SCALE_ENV} or the notebook)")
+  return value
+
+
+def precompile(scale: str) -> bool:
+  """Whether a notebook compiles its runs' programs side by side before training them (`runs.train_variants`'
+  `precompile`): at the GPU scale, where each takes tens of seconds to minutes, unless experiments.run_notebooks
+  has already compiled every notebook's programs into the cache ($K3JAX_NOTEBOOK_PRECOMPILED set)."""
+  return scale == "gpu" and not os.environ.get(PRECOMPILED_ENV)
+
+
+def directories(name: str, scale: str) -> tuple[pathlib.Path, pathlib.Path]:
+  """(results directory, work directory of the training runs) of notebook `name` at `scale`, created."""
+  out = pathlib.Path(os.environ.get(OUT_ENV) or "results") / scale
+  work = pathlib.Path(os.environ.get(WORKDIR_ENV) or "runs") / name / scale
+  out.mkdir(parents=True, exist_ok=True)
+  work.mkdir(parents=True, exist_ok=True)
+  return out, work
+
+
+def pick(paths, names) -> list[pathlib.Path]:
+  """The notebook sources among `paths` named by stem ("01_gate") or number ("01"), in the order named; all of
+  `paths` when `names` is empty. ValueError for a name that picks none."""
+  paths = [pathlib.Path(p) for p in paths]
+  picked = []
+  for n in names or ():
+    match = [p for p in paths if p.stem == n or p.stem.split("_")[0] == n]
+    if len(match) != 1:
+      raise ValueError(f"{n!r} names none of {[p.stem for p in paths]}")
+    picked += match
+  return picked or paths
+
+
+def precompile_studies(studies, workdir) -> dict:
+  """Compiles the programs of every unfinished training run of `studies` ({notebook: Study}) at once
+  (`runs.precompile_variants`: each variant once, with the seeds it has still to train), the runs where the
+  notebooks put them under `workdir` (`directories`); needs JAX's persistent compilation cache on. Returns
+  {"wall_s", "variants": {notebook/variant: compile seconds or the error}}."""
+  import time
+
+  from k3jax.ablations import runs
+  from k3jax.data import corpus
+
+  configs, seeds = {}, {}
+  for name, study in studies.items():
+    for variant, config in study.configs().items():
+      todo = [s for s in study.seeds if not runs.finished(
+          runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s), runs.with_seed(config, s))]
+      if todo:
+        configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = config, todo
+  start = time.perf_counter()
+  corpus.stdlib_shards()   # tokenised once here, not by every process at once
+  print(f"compiling the programs of {len(configs)} variants at once: {', '.join(configs) or 'none'}", flush=True)
+  compiled = runs.precompile_variants(configs, seeds=seeds) if configs else {}
+  for name, result in compiled.items():
+    print(f"  {name}: " + (f"{result:.0f} s" if isinstance(result, float) else f"failed ({result})"), flush=True)
+  return {"wall_s": time.perf_counter() - start, "variants": compiled}
+
+
+class Session:
+  """One notebook run: its study at the chosen scale, where its results and runs go, and the results so far.
+
+  Creating it prints the platform and the study's settings and turns on JAX's persistent compilation cache under
+  the work directory (later seeds reuse the first one's programs, and `runs.train_variants(..., precompile=True)`
+  needs it; JAX_COMPILATION_CACHE_DIR, when set, wins). `save()` writes `results` to `<out>/<name>.json`; the
+  notebooks save after every section, so a notebook cut short keeps what it finished.
+  """
+
+  def __init__(self, name: str, study):
+    import jax
+
+    self.name, self.study = name, study
+    self.out, self.workdir = directories(name, study.scale)
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+      jax.config.update("jax_compilation_cache_dir", str(self.workdir / "xla_cache"))
+    device = jax.devices()[0]
+    self.results = {"scale": study.scale, "platform": jax.default_backend(), "device": device.device_kind,
+                    "run": study.summary(), "study": study.describe()}
+    print(f"JAX {jax.__version__} on {jax.default_backend()} ({device.device_kind}); results in {self.out}")
+    print(study.describe())
+
+  @property
+  def path(self) -> pathlib.Path:
+    return self.out / f"{self.name}.json"
+
+  def save(self) -> pathlib.Path:
+    self.path.write_text(json.dumps(self.results, indent=2) + "\n")
+    return self.path
+
+
+EXECUTORS = ("script", "kernel")
+# Runs a notebook's percent-format source as one script. Its __name__ is not "__main__", so processes it spawns
+# (multiprocessing's "spawn") do not run it again.
+_SCRIPT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__notebook__')"
+# Executes an .ipynb with `execute_ipynb` of this k3jax (its parent directory first on the path).
+_KERNEL = ("import sys; sys.path.insert(0, sys.argv[1]); from k3jax.ablations import notebook; "
+           "notebook.execute_ipynb(*sys.argv[2:4], float(sys.argv[4]))")
+
+
+def execute_ipynb(source, executed, timeout_s: float) -> None:
+  """Executes notebook `source` (.ipynb) cell by cell in a Jupyter kernel (nbclient, as Jupyter or Colab would,
+  inline plots included), the working directory the current one, each cell within `timeout_s`; prints each cell's
+  text output as it finishes and writes the notebook with its outputs to `executed` (also when a cell fails, which
+  raises nbclient's CellExecutionError)."""
+  import nbclient
+  import nbformat
+
+  nb = nbformat.read(source, as_version=4)
+
+  def echo(cell, **_):
+    for output in cell.get("outputs", ()):
+      if output.get("output_type") == "stream":
+        print(output["text"], end="", flush=True)
+
+  client = nbclient.NotebookClient(nb, timeout=int(timeout_s), kernel_name="python3",
+                                   resources={"metadata": {"path": os.getcwd()}}, on_cell_executed=echo)
+  try:
+    client.execute()
+  finally:
+    nbformat.write(nb, executed)
+
+
+def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: str = "script", log=None,
+                 env: dict | None = None) -> dict:
+  """Executes a notebook in a fresh Python at `scale`, its results under `out`, its runs under `workdir`, the
+  working directory the repository root (the notebook's parent's parent); kills it (and what it started) after
+  `timeout_s`. `executor`: "script" runs the percent-format source `path` (a `# %%` .py file) as one script (no
+  Jupyter needed; plots are only saved); "kernel" executes the .ipynb beside it in a Jupyter kernel (`execute_ipynb`;
+  needs nbclient and ipykernel, the `test` extras) and writes it with its outputs to `out/<name>.ipynb`. Returns
+  {"notebook", "executor", "returncode" (None: timed out), "wall_s", "cpu_s" (user + system of it and its
+  children), "output" (its stdout and stderr)}; `log` receives the output too (a text file)."""
+  import resource
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  if executor not in EXECUTORS:
+    raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+  path = pathlib.Path(path).resolve()
+  out = pathlib.Path(out).resolve()
+  child_env = {**os.environ, **(env or {}), SCALE_ENV: scale, OUT_ENV: str(out),
+               WORKDIR_ENV: str(pathlib.Path(workdir).resolve())}
+  if executor == "script":
+    child_env["MPLBACKEND"] = "Agg"
+    command = [sys.executable, "-c", _SCRIPT, str(path)]
+  else:
+    child_env.pop("MPLBACKEND", None)   # the kernel's inline backend puts the plots into the executed notebook
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-c", _KERNEL, str(pathlib.Path(__file__).resolve().parents[2]),
+               str(path.with_suffix(".ipynb")), str(out / f"{path.stem}.ipynb"), str(timeout_s)]
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
+  start = time.perf_counter()
+  proc = subprocess.Popen(command, cwd=path.parent.parent, env=child_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    output, _ = proc.communicate(timeout=timeout_s)
+    returncode = proc.returncode
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    output, _ = proc.communicate()
+    returncode = None
+  wall = time.perf_counter() - start
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  if log is not None:
+    log.write(output)
+  cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+  return {"notebook": path.stem, "executor": executor, "returncode": returncode, "wall_s": wall, "cpu_s": cpu,
+          "output": output}

@@ -1,0 +1,61 @@
+"""Forward (prefill) throughput of models against sequence length, at a constant number of tokens per call.
+
+The cost of a KDA layer per token does not depend on the length; an MLA layer's attention grows with it. Every
+(model, length) pair is its own program: all are lowered first, then compiled at once on threads (XLA compiles
+outside the GIL; a GPU program takes tens of seconds), then timed one after another. A call runs `tokens // length`
+rows of random tokens through the model to its logits and reduces them to one number, so the whole forward is timed.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import statistics
+import time
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens_BT):
+  logits_BTV, _ = nnx.merge(graphdef, state)(tokens_BT)
+  return jnp.mean(jax.nn.logsumexp(logits_BTV, axis=-1))
+
+
+def forward_tokens_per_s(models: Mapping, lengths, *, tokens: int, repeats: int = 5, seed: int = 0) -> dict:
+  """{name: one row per length: {"seq_len", "rows", "compile_s" (wall time of the concurrent compile that built it),
+  "ms" (median of `repeats` calls after one untimed), "tokens_per_s"}} for `models` ({name: model}). `tokens` must
+  be a multiple of every length."""
+  lengths = list(lengths)
+  bad = [t for t in lengths if t < 1 or tokens % t]
+  if bad or repeats < 1 or not lengths or not models:
+    raise ValueError(f"tokens={tokens} must be a multiple of every length (not of {bad}); repeats={repeats} >= 1; "
+                     f"lengths and models non-empty")
+  inputs = {t: jax.random.randint(jax.random.PRNGKey(seed), (tokens // t, t), 0, 256, jnp.int32) for t in lengths}
+  split = {name: nnx.split(model) for name, model in models.items()}
+  lowered = {(name, t): _forward.lower(graphdef, state, inputs[t])
+             for name, (graphdef, state) in split.items() for t in lengths}
+
+  def compile_one(key):
+    start = time.perf_counter()
+    return key, lowered[key].compile(), time.perf_counter() - start
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+    compiled = {key: (program, seconds) for key, program, seconds in pool.map(compile_one, lowered)}
+  out = {}
+  for name, (_, state) in split.items():
+    out[name] = []
+    for t in lengths:
+      program, compile_s = compiled[(name, t)]
+      jax.block_until_ready(program(state, inputs[t]))
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(state, inputs[t]))
+        times.append(time.perf_counter() - start)
+      seconds = statistics.median(times)
+      out[name].append({"seq_len": t, "rows": tokens // t, "compile_s": compile_s, "ms": 1e3 * seconds,
+                        "tokens_per_s": tokens / seconds})
+  return out

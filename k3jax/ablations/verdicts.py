@@ -1,0 +1,216 @@
+"""The research-fidelity table (docs/results.md) from the notebooks' JSON: one row per claim, what was run, the
+numbers with their spread, and a one-word verdict (reproduced / not reproduced / inconclusive) by rules fixed before
+the runs (`VERDICT_RULES`), with what the rule found beside it.
+
+Numbers are means over seeds, ± the sample standard deviation and [min, max] when there are several. The noise of
+a comparison is the largest seed-to-seed range (max − min) among the variants compared; with one seed there is no
+noise estimate, and a comparison that needs one is inconclusive. The same rules apply at both scales (the CPU
+scale's models are far too small for its verdicts to be evidence: docs/results.md says so above its table).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+# The rules, fixed before the research-scale runs (docs/results.md lists them: `rules_text`).
+VERDICT_RULES = {
+    "Bounded gate, speed": "reproduced if the bounded gate on its kernels runs the op's forward+backward at least "
+                           "1.5x faster than the softplus gate (which has no kernel: XLA with pairwise diagonal "
+                           "tiles) at every timed shape; not reproduced if it is not faster at some shape; otherwise, "
+                           "or without a GPU (the kernels not timed), inconclusive",
+    "Bounded gate, quality": "reproduced if the bounded gate's held-out loss is at most the softplus gate's plus the "
+                             "noise; not reproduced if it is higher by more than twice the noise; otherwise "
+                             "inconclusive",
+    "Bounded gate, finiteness": "reproduced if o, the final state and every gradient are finite with the bounded "
+                                "gate at saturation and o is within 5e-3 of the fp32 recurrence (the softplus gate "
+                                "forced through the factorised tiles is shown beside it: it is expected to "
+                                "overflow); not reproduced otherwise",
+    "Quantile balancing": "reproduced if both quantile forms hold MaxVio (mean over the last half of training) below "
+                          "every baseline's and their held-out loss is at most the best baseline's plus the noise; "
+                          "not reproduced if a baseline balances better; otherwise inconclusive",
+    "Block AttnRes": "reproduced if its held-out loss is below the pre-norm residual's by more than the noise; not "
+                     "reproduced if it is not below it (full AttnRes is reported beside it, claimed lower still); "
+                     "otherwise inconclusive",
+    "Staged context extension": "reproduced if the staged run's held-out loss is at most the direct run's plus the "
+                                "noise and its mean retrieval accuracy at the final length at least the direct "
+                                "run's minus the noise; not reproduced if either is worse by more than twice the "
+                                "noise; otherwise inconclusive",
+    "3:1 hybrid": "reproduced if its prefill is at least 1.5x all-MLA's tokens/s at the longest length and its MQAR "
+                  "accuracy exceeds all-KDA's by more than the noise; not reproduced if it is slower than all-MLA "
+                  "there or recalls no better than all-KDA; otherwise inconclusive",
+}
+ONE_SEED = "one seed: no noise estimate"
+MARKERS = "<!-- results:{scale}:begin -->", "<!-- results:{scale}:end -->"
+SETTINGS_MARKERS = "<!-- settings:{scale}:begin -->", "<!-- settings:{scale}:end -->"
+RULES_MARKERS = "<!-- rules:begin -->", "<!-- rules:end -->"
+
+
+def fmt(s: dict | None, digits: int = 4) -> str:
+  """A runs.spread summary as text: mean, ± std and [min, max] with several seeds."""
+  if s is None:
+    return "—"
+  if s["n"] == 1:
+    return f"{s['mean']:.{digits}f}"
+  return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+def noise(*summaries) -> float | None:
+  """The largest seed-to-seed range of the summaries; None with a single seed."""
+  if any(s["n"] < 2 for s in summaries):
+    return None
+  return max(s["max"] - s["min"] for s in summaries)
+
+
+def _verdict(good: bool | None, bad: bool | None, why: str) -> dict:
+  """{"verdict", "why"}: reproduced if `good`, not reproduced if `bad`, else inconclusive; None: one seed."""
+  if good is None or bad is None:
+    return {"verdict": "inconclusive", "why": ONE_SEED}
+  return {"verdict": "reproduced" if good else "not reproduced" if bad else "inconclusive", "why": why}
+
+
+def gate_rows(r: dict) -> list[dict]:
+  rows = []
+  if "speed" in r:
+    by_shape = {}
+    for x in r["speed"]:
+      by_shape.setdefault(x["shape"], {})[(x["gate"], x["backend"])] = x["ms"]
+    # softplus (XLA, pairwise tiles) over bounded on its fastest path (the kernels where they were timed)
+    ratios = {s: t[("softplus", "xla")] / t.get(("bounded", "auto"), t[("bounded", "xla")])
+              for s, t in by_shape.items()}
+    text = "; ".join(f"{s}: " + ", ".join(f"{g}/{b} {ms:.3f} ms" for (g, b), ms in t.items())
+                     + f" (softplus / bounded {ratios[s]:.2f}x)" for s, t in by_shape.items())
+    on_kernels = r["platform"] == "gpu" and all(("bounded", "auto") in t for t in by_shape.values())
+    low = min(ratios.values())
+    verdict = (_verdict(low >= 1.5, low <= 1.0, f"softplus / bounded at least {low:.2f}x (rule: 1.5x)")
+               if on_kernels else {"verdict": "inconclusive", "why": "the kernels were not timed (no GPU)"})
+    rows.append({"claim": "bounded gate: faster KDA op (fwd+bwd)", "run": f"{r['device']}, {r['speed'][0]['dtype']}",
+                 "numbers": text, **verdict})
+  if "training" in r:
+    b, s = r["training"]["bounded"]["heldout_loss"], r["training"]["softplus"]["heldout_loss"]
+    n = noise(b, s)
+    delta = b["mean"] - s["mean"]
+    rows.append({"claim": "bounded gate: no loss in quality", "run": r["run"],
+                 "numbers": f"held-out loss bounded {fmt(b)}, softplus {fmt(s)}",
+                 **_verdict(None if n is None else delta <= n, None if n is None else delta > 2 * n,
+                            f"bounded − softplus {delta:+.4f}, noise {n or 0:.4f}")})
+  if "finiteness" in r:
+    bounded = r["finiteness"][0]
+    ok = bounded["finite_o"] and bounded["finite_state"] and all(bounded["finite_grads"].values())
+    ok = ok and bounded["rel_err_o"] <= 5e-3
+    text = "; ".join(f"{x['case']}: " + ("all finite" if x["finite_o"] and x["finite_state"]
+                                         and all(x["finite_grads"].values()) else "non-finite")
+                     + f", rel err o {x['rel_err_o']:.1e}" for x in r["finiteness"])
+    shape = f"B={bounded['B']} T={bounded['T']} H={bounded['H']} D={bounded['D']} {bounded['dtype']}, saturated gates"
+    rows.append({"claim": "bounded gate: finite at long T", "run": shape, "numbers": text,
+                 **_verdict(ok, not ok, f"bounded gate {'finite' if ok else 'not finite or not accurate'} at "
+                                        f"T={bounded['T']}")})
+  return rows
+
+
+def balance_rows(r: dict) -> list[dict]:
+  m = r["methods"]
+  vio = {k: v["summary"]["mean_max_vio_last_half"] for k, v in m.items()}
+  loss = {k: v["summary"]["heldout_loss"] for k, v in m.items()}
+  quantile = [k for k in m if k.startswith("quantile")]
+  baselines = [k for k in m if k not in quantile]
+  n = noise(*loss.values())
+  good = bad = None
+  worst_q = max(vio[q]["mean"] for q in quantile)
+  best_b = min(baselines, key=lambda b: vio[b]["mean"])
+  d_loss = max(loss[q]["mean"] for q in quantile) - min(loss[b]["mean"] for b in baselines)
+  if n is not None:
+    good = worst_q < vio[best_b]["mean"] and d_loss <= n
+    bad = worst_q >= vio[best_b]["mean"]
+  text = "; ".join(f"{k}: MaxVio {fmt(vio[k], 3)}, held-out {fmt(loss[k])}" for k in m)
+  why = (f"worst quantile MaxVio {worst_q:.3f} vs best baseline ({best_b}) {vio[best_b]['mean']:.3f}; held-out "
+         f"loss vs best baseline {d_loss:+.4f}, noise {n or 0:.4f}")
+  return [{"claim": "quantile balancing: balanced load, no aux loss", "run": r["run"], "numbers": text,
+           **_verdict(good, bad, why)}]
+
+
+def residual_rows(r: dict) -> list[dict]:
+  t = {k: v["heldout_loss"] for k, v in r["training"].items()}
+  n = noise(*t.values())
+  delta = t["prenorm"]["mean"] - t["block"]["mean"]
+  return [{"claim": "Block AttnRes: lower loss than pre-norm (full AttnRes lower still)", "run": r["run"],
+           "numbers": "; ".join(f"{k} {fmt(v)}" for k, v in t.items()),
+           **_verdict(None if n is None else delta > n, None if n is None else delta <= 0,
+                      f"pre-norm − block {delta:+.4f}, noise {n or 0:.4f}")}]
+
+
+def context_rows(r: dict) -> list[dict]:
+  s = r["summary"]
+  staged, direct = s["staged"], s["direct"]
+  final = min(int(k.split("@")[1]) for k in staged["accuracy"])
+  acc = {v: [a for k, a in s[v]["accuracy"].items() if int(k.split("@")[1]) == final] for v in ("staged", "direct")}
+  mean_acc = {v: sum(a["mean"] for a in x) / len(x) for v, x in acc.items()}
+  n_loss = noise(staged["heldout_loss"], direct["heldout_loss"])
+  n_acc = noise(*acc["staged"], *acc["direct"])
+  good = bad = None
+  d_loss = staged["heldout_loss"]["mean"] - direct["heldout_loss"]["mean"]
+  d_acc = mean_acc["direct"] - mean_acc["staged"]
+  if n_loss is not None and n_acc is not None:
+    good, bad = d_loss <= n_loss and d_acc <= n_acc, d_loss > 2 * n_loss or d_acc > 2 * n_acc
+  stages = " → ".join(str(e["seq_len"]) for e in staged["stage_evals"][0])
+  text = (f"held-out loss staged {fmt(staged['heldout_loss'])}, direct {fmt(direct['heldout_loss'])}; accuracy "
+          + "; ".join(f"{k} staged {fmt(staged['accuracy'][k], 3)} / direct {fmt(direct['accuracy'][k], 3)}"
+                      for k in staged["accuracy"]))
+  why = (f"staged − direct: held-out loss {d_loss:+.4f} (noise {n_loss or 0:.4f}), accuracy at {final} "
+         f"{-d_acc:+.3f} (noise {n_acc or 0:.3f})")
+  return [{"claim": "staged context extension: as good as direct at equal tokens",
+           "run": f"{r['run']}; staged {stages} vs direct {final}", "numbers": text, **_verdict(good, bad, why)}]
+
+
+def hybrid_rows(r: dict) -> list[dict]:
+  speed = {k: {x["seq_len"]: x["tokens_per_s"] for x in rows} for k, rows in r.get("forward_tokens_per_s", {}).items()}
+  recall = {k: v["accuracy"] for k, v in r["recall"].items()}
+  key = max(recall["3to1"], key=lambda k: int(k.split("@")[1]))
+  n = noise(*(recall[v][key] for v in recall))
+  longest = max(speed["3to1"])
+  ratio = speed["3to1"][longest] / speed["all_mla"][longest]
+  d_recall = recall["3to1"][key]["mean"] - recall["all_kda"][key]["mean"]
+  good = bad = None
+  if n is not None:
+    good, bad = ratio >= 1.5 and d_recall > n, ratio < 1.0 or d_recall <= 0
+  text = "; ".join(f"{k}: " + ", ".join(f"T={t} {v:,.0f} tok/s" for t, v in speed.get(k, {}).items())
+                   + f"; MQAR {key} {fmt(recall[k][key], 3)}" for k in recall)
+  why = (f"3:1 / all-MLA tokens/s at T={longest} {ratio:.2f}x (rule: 1.5x); 3:1 − all-KDA recall {d_recall:+.3f}, "
+         f"noise {n or 0:.3f}")
+  return [{"claim": "3:1 hybrid: fast at long context, recalls like attention", "run": r["run"], "numbers": text,
+           **_verdict(good, bad, why)}]
+
+
+ROWS = {"01_gate": gate_rows, "02_balance": balance_rows, "03_residual": residual_rows, "04_context": context_rows,
+        "05_hybrid": hybrid_rows}
+
+
+def table(results_dir, scale: str) -> str:
+  """The markdown table of the notebooks' JSON under `results_dir/scale/`; a notebook without JSON is "not run
+  yet"."""
+  lines = ["| notebook | claim | what was run | numbers (mean ± std [min, max] over seeds) | verdict | why |",
+           "|---|---|---|---|---|---|"]
+  for name, make in ROWS.items():
+    path = pathlib.Path(results_dir) / scale / f"{name}.json"
+    if not path.exists():
+      lines.append(f"| {name} | see notebooks/{name}.ipynb | — | — | not run yet | |")
+      continue
+    for row in make(json.loads(path.read_text())):
+      lines.append(f"| {name} | {row['claim']} | {row['run']} | {row['numbers']} | {row['verdict']} | {row['why']} |")
+  return "\n".join(lines)
+
+
+def rules_text() -> str:
+  """`VERDICT_RULES` as a markdown list, and the one-seed rule."""
+  return "\n".join([*(f"- **{claim}**: {rule}." for claim, rule in VERDICT_RULES.items()),
+                    "- With one seed, a comparison that needs the noise is inconclusive."])
+
+
+def write_into(doc: pathlib.Path, scale: str, text: str, markers=MARKERS) -> None:
+  """Replaces the text between the scale's `markers` in `doc`."""
+  begin, end = (m.format(scale=scale) for m in markers)
+  page = doc.read_text()
+  if page.count(begin) != 1 or page.count(end) != 1:
+    raise ValueError(f"{doc} needs one {begin} and one {end} line")
+  head, rest = page.split(begin)
+  _, tail = rest.split(end)
+  doc.write_text(f"{head}{begin}\n{text}\n{end}{tail}")

@@ -1,0 +1,171 @@
+"""The notebooks' settings (experiments/configs/ablations.py) and helpers (k3jax.ablations.notebook): every study's
+variants differ from the base only in what they ablate, train on equal tokens, and build a Run at both scales
+(the GPU settings are checked here, on the CPU, without compiling); the scale choice, the directories, and the
+notebook runner's exit status, time bound and CPU time."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+from experiments.configs import ablations
+from k3jax import config as config_lib
+from k3jax.ablations import notebook, runs
+from k3jax.train import trainer
+
+STUDIES = ("gate", "balance", "residual", "context", "hybrid")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("sync_notebooks", ROOT / "scripts" / "sync_notebooks.py")
+sync_notebooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sync_notebooks)
+
+
+def _flat(config):
+  out = {}
+
+  def walk(prefix, node):
+    for k, v in node.items():
+      walk(f"{prefix}{k}.", v) if isinstance(v, dict) else out.__setitem__(f"{prefix}{k}", v)
+  walk("", json.loads(config.to_json_best_effort()))
+  return out
+
+
+@pytest.mark.parametrize("scale", ablations.SCALES)
+@pytest.mark.parametrize("name", STUDIES)
+def test_variants_change_only_their_overrides_and_train_equal_tokens(name, scale):
+  study = getattr(ablations, name)(scale)
+  assert study.name == name and study.scale == scale and len(study.variants) >= 2
+  base = _flat(study.base)
+  configs = study.configs()
+  for variant, config in configs.items():
+    changed = {k for k, v in _flat(config).items() if base.get(k) != v}
+    assert changed <= set(study.variants[variant]) | {"stages", "steps"}, (variant, changed)
+  assert len({runs.train_tokens(c) for c in configs.values()}) == 1
+  if scale == "gpu":
+    assert len(study.seeds) >= 2   # the research setting reports a spread
+  for config in configs.values():
+    # The balance study's shards exist (configs() wrote them); one device, as the notebooks run.
+    run = trainer.Run(runs.override(config, {"mesh": "data:1,expert:1"}))   # validates model, stages, data and evaluation; builds the abstract state
+    assert run.stages[0].seq_len * run.stages[0].batch_size == run.stages[-1].seq_len * run.stages[-1].batch_size
+
+
+def test_the_context_study_is_staged_against_direct_at_the_final_length():
+  for scale, lengths, beyond in (("cpu", [128, 256], (1, 2)), ("gpu", [1024, 4096, 16384], (1, 2, 4))):
+    study = ablations.context(scale)
+    staged, direct = (trainer.Run(runs.override(study.configs()[n], {"mesh": "data:1,expert:1"})).stages
+                      for n in ("staged", "direct"))
+    assert [s.seq_len for s in staged] == lengths and [s.seq_len for s in direct] == lengths[-1:]
+    assert sum(s.steps for s in staged) == direct[0].steps
+    assert study.settings["eval_lengths"] == tuple(k * lengths[-1] for k in beyond)
+
+
+def test_the_hybrid_study_spans_the_four_ratios_over_eight_layers():
+  study = ablations.hybrid("gpu")
+  types = {n: config_lib.layer_types(c.model) for n, c in study.configs().items()}
+  assert {n: t.count("mla") for n, t in types.items()} == {"3to1": 2, "7to1": 1, "all_kda": 0, "all_mla": 8}
+  assert all(len(t) == 8 for t in types.values())
+
+
+def test_scale_comes_from_the_notebook_unless_the_environment_sets_it(monkeypatch, tmp_path):
+  monkeypatch.delenv(notebook.SCALE_ENV, raising=False)
+  assert notebook.scale("gpu") == "gpu"
+  monkeypatch.setenv(notebook.SCALE_ENV, "cpu")
+  assert notebook.scale("gpu") == "cpu"
+  monkeypatch.setenv(notebook.SCALE_ENV, "tpu")
+  with pytest.raises(ValueError, match="scale must be"):
+    notebook.scale("cpu")
+  monkeypatch.setenv(notebook.OUT_ENV, str(tmp_path / "o"))
+  monkeypatch.setenv(notebook.WORKDIR_ENV, str(tmp_path / "w"))
+  out, work = notebook.directories("01_x", "cpu")
+  assert out == tmp_path / "o" / "cpu" and work == tmp_path / "w" / "01_x" / "cpu" and out.is_dir() and work.is_dir()
+
+
+FAKE_NOTEBOOK = """\
+# %%
+import os, pathlib, sys
+out = pathlib.Path(os.environ["K3JAX_NOTEBOOK_OUT"]) / os.environ["K3JAX_NOTEBOOK_SCALE"]
+out.mkdir(parents=True, exist_ok=True)
+(out / "x.json").write_text(str(__name__))
+n = 0
+for i in range(3 * 10 ** 6):
+  n += i
+print("done", os.getcwd())
+
+# %%
+if os.environ.get("FAIL"):
+  raise SystemExit(3) if __name__ == "__notebook__" else RuntimeError("failed on purpose")
+if os.environ.get("HANG"):
+  import time; time.sleep(60)
+"""
+
+
+def _fake_notebook(tmp_path):
+  nb = tmp_path / "notebooks" / "01_x.py"
+  nb.parent.mkdir()
+  nb.write_text(FAKE_NOTEBOOK)
+  nb.with_suffix(".ipynb").write_text(sync_notebooks.render(nb))
+  return nb
+
+
+def test_script_runner_reports_exit_status_time_bound_and_cpu_time(tmp_path):
+  nb = _fake_notebook(tmp_path)
+  row = notebook.run_notebook(nb, scale="gpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=60)
+  assert row["returncode"] == 0 and f"done {tmp_path}" in row["output"] and row["cpu_s"] > 0.05
+  assert row["executor"] == "script"
+  assert (tmp_path / "out" / "gpu" / "x.json").read_text() == "__notebook__"   # not __main__: spawn-safe
+  (tmp_path / "out" / "gpu" / "x.json").unlink()
+  assert notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=60,
+                               env={"FAIL": "1"})["returncode"] == 3
+  (tmp_path / "out" / "cpu" / "x.json").unlink()
+  row = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=5,
+                              env={"HANG": "1"})
+  assert row["returncode"] is None and row["wall_s"] < 30
+  with pytest.raises(ValueError, match="executor"):
+    notebook.run_notebook(nb, scale="cpu", out=tmp_path, workdir=tmp_path, timeout_s=5, executor="papermill")
+
+
+def test_kernel_runner_executes_the_ipynb_and_keeps_its_outputs(tmp_path):
+  nb = _fake_notebook(tmp_path)
+  nb.write_text("# %%\nraise RuntimeError('the .py is not what the kernel runs')\n")
+  row = notebook.run_notebook(nb, scale="gpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=120,
+                              executor="kernel")
+  assert row["returncode"] == 0, row["output"]
+  assert row["executor"] == "kernel" and f"done {tmp_path}" in row["output"] and row["cpu_s"] > 0.05
+  assert (tmp_path / "out" / "gpu" / "x.json").read_text() == "__main__"
+  executed = json.loads((tmp_path / "out" / "01_x.ipynb").read_text())
+  assert ["".join(o["text"]) for o in executed["cells"][0]["outputs"]] == [f"done {tmp_path}\n"]
+  failed = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=120,
+                                 executor="kernel", env={"FAIL": "1"})
+  assert failed["returncode"] not in (0, None) and "failed on purpose" in failed["output"]
+  hung = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=20,
+                               executor="kernel", env={"HANG": "1"})
+  assert hung["returncode"] is None and hung["wall_s"] < 45
+
+
+def test_notebooks_precompile_on_the_gpu_unless_the_runner_has(monkeypatch):
+  monkeypatch.delenv(notebook.PRECOMPILED_ENV, raising=False)
+  assert notebook.precompile("gpu") and not notebook.precompile("cpu")
+  monkeypatch.setenv(notebook.PRECOMPILED_ENV, "1")
+  assert not notebook.precompile("gpu")
+
+
+def test_notebooks_are_picked_by_number_or_stem_in_the_order_named():
+  paths = [pathlib.Path(f"notebooks/{n}.py") for n in ablations.NOTEBOOKS]
+  assert notebook.pick(paths, None) == paths
+  assert [p.stem for p in notebook.pick(paths, ["05", "01_gate"])] == ["05_hybrid", "01_gate"]
+  for bad in (["06"], ["gate"]):
+    with pytest.raises(ValueError, match="names none"):
+      notebook.pick(paths, bad)
+
+
+def test_precompile_asks_for_each_unfinished_variant_with_its_remaining_seeds(monkeypatch, tmp_path):
+  asked = {}
+  monkeypatch.setattr(runs, "precompile_variants", lambda configs, seeds: asked.update(configs=configs, seeds=seeds)
+                      or {n: 1.0 for n in configs})
+  done = {("bounded", 1), ("softplus", 0), ("softplus", 1)}   # finished runs: nothing to compile for softplus
+  monkeypatch.setattr(runs, "finished", lambda directory, config: (directory.parent.name,
+                                                                   int(directory.name.split("_")[1])) in done)
+  out = notebook.precompile_studies({"01_gate": ablations.gate("gpu")}, tmp_path)
+  assert list(asked["configs"]) == ["01_gate/bounded"] and asked["seeds"] == {"01_gate/bounded": [0]}
+  assert asked["configs"]["01_gate/bounded"].model.kda.gate == "bounded"
+  assert out["variants"] == {"01_gate/bounded": 1.0} and out["wall_s"] >= 0

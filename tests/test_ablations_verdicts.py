@@ -1,0 +1,116 @@
+"""k3jax.ablations.verdicts: the verdict rules on made-up results (reproduced, not reproduced, inconclusive, one
+seed, no kernels timed), the table's rows, and the write between a scale's markers; experiments.results_table's
+table of what each notebook runs."""
+import json
+
+import pytest
+
+from k3jax.ablations import verdicts as rt
+from k3jax.ablations import runs
+
+
+def spread(*xs):
+  return runs.spread(xs)
+
+
+def gate(scale="gpu", kernel_ms=1.0, softplus_ms=3.0, bounded=(2.00, 2.01), softplus=(2.00, 2.02)):
+  speed = [{"gate": "bounded", "backend": "auto", "shape": "8x4096x16x128", "dtype": "bfloat16", "ms": kernel_ms},
+           {"gate": "bounded", "backend": "xla", "shape": "8x4096x16x128", "dtype": "bfloat16", "ms": 2.0},
+           {"gate": "softplus", "backend": "xla", "shape": "8x4096x16x128", "dtype": "bfloat16", "ms": softplus_ms}]
+  row = {"finite_o": True, "finite_state": True, "finite_grads": {"q": True}, "rel_err_o": 1e-3, "B": 1,
+         "T": 65536, "H": 16, "D": 128, "dtype": "bfloat16", "case": "bounded"}
+  return {"scale": scale, "platform": "gpu" if scale == "gpu" else "cpu", "device": "H200", "run": "r",
+          "speed": speed, "training": {"bounded": {"heldout_loss": spread(*bounded)},
+                                       "softplus": {"heldout_loss": spread(*softplus)}},
+          "finiteness": [row, {**row, "case": "forced", "finite_o": False, "rel_err_o": float("inf")}]}
+
+
+def verdicts(rows):
+  return [r["verdict"] for r in rows]
+
+
+def test_gate_rules():
+  assert verdicts(rt.gate_rows(gate())) == ["reproduced"] * 3
+  assert verdicts(rt.gate_rows(gate(kernel_ms=4.0)))[0] == "not reproduced"
+  assert verdicts(rt.gate_rows(gate(kernel_ms=2.5)))[0] == "inconclusive"       # faster, by less than 1.5x
+  assert verdicts(rt.gate_rows(gate(bounded=(2.20, 2.21))))[1] == "not reproduced"
+  assert verdicts(rt.gate_rows(gate(bounded=(2.04, 2.05))))[1] == "inconclusive"
+  one_seed = rt.gate_rows(gate(bounded=(2.0,), softplus=(2.0,)))[1]
+  assert one_seed["verdict"] == "inconclusive" and one_seed["why"] == rt.ONE_SEED
+  on_cpu = rt.gate_rows(gate(scale="cpu"))   # the XLA path only: the speed claim is about the kernels
+  assert verdicts(on_cpu) == ["inconclusive", "reproduced", "reproduced"] and "not timed" in on_cpu[0]["why"]
+  broken = gate()
+  broken["finiteness"][0]["finite_grads"] = {"q": False}
+  assert verdicts(rt.gate_rows(broken))[2] == "not reproduced"
+
+
+def test_balance_residual_context_and_hybrid_rules():
+  def method(vio, loss):
+    return {"summary": {"mean_max_vio_last_half": spread(*vio), "heldout_loss": spread(*loss)}}
+  balance = {"scale": "gpu", "run": "r", "methods": {
+      "none": method((2.9, 2.95), (1.50, 1.51)), "sign": method((0.5, 0.6), (1.50, 1.52)),
+      "quantile": method((0.05, 0.06), (1.50, 1.51)), "quantile_histogram": method((0.07, 0.08), (1.50, 1.515))}}
+  assert verdicts(rt.balance_rows(balance)) == ["reproduced"]
+  balance["methods"]["sign"] = method((0.01, 0.02), (1.50, 1.52))
+  assert verdicts(rt.balance_rows(balance)) == ["not reproduced"]
+
+  residual = {"scale": "gpu", "run": "r", "training": {"block": {"heldout_loss": spread(1.70, 1.71)},
+                                                       "full": {"heldout_loss": spread(1.69, 1.70)},
+                                                       "prenorm": {"heldout_loss": spread(1.75, 1.76)}}}
+  assert verdicts(rt.residual_rows(residual)) == ["reproduced"]
+  residual["training"]["prenorm"] = {"heldout_loss": spread(1.69, 1.70)}
+  assert verdicts(rt.residual_rows(residual)) == ["not reproduced"]
+
+  def variant(loss, acc, stages):
+    return {"heldout_loss": spread(*loss), "accuracy": {"mqar@16384": spread(*acc), "mqar@32768": spread(*acc)},
+            "stage_evals": [[{"seq_len": t} for t in stages]]}
+  context = {"scale": "gpu", "run": "r", "summary": {"staged": variant((1.0, 1.01), (0.9, 0.92), (1024, 16384)),
+                                                     "direct": variant((1.0, 1.02), (0.9, 0.91), (16384,))}}
+  assert verdicts(rt.context_rows(context)) == ["reproduced"]
+  context["summary"]["staged"] = variant((1.2, 1.21), (0.5, 0.51), (1024, 16384))
+  assert verdicts(rt.context_rows(context)) == ["not reproduced"]
+
+  def speed(short, long):
+    return [{"seq_len": 2048, "tokens_per_s": short}, {"seq_len": 32768, "tokens_per_s": long}]
+  hybrid = {"scale": "gpu", "run": "r",
+            "forward_tokens_per_s": {"3to1": speed(9, 8), "all_mla": speed(10, 4), "all_kda": speed(8, 8)},
+            "recall": {"3to1": {"accuracy": {"mqar@4096": spread(0.9, 0.92)}},
+                       "all_mla": {"accuracy": {"mqar@4096": spread(0.95, 0.96)}},
+                       "all_kda": {"accuracy": {"mqar@4096": spread(0.3, 0.32)}}}}
+  assert verdicts(rt.hybrid_rows(hybrid)) == ["reproduced"]
+  hybrid["forward_tokens_per_s"]["all_mla"] = speed(10, 9)
+  assert verdicts(rt.hybrid_rows(hybrid)) == ["not reproduced"]
+
+
+def test_table_marks_missing_notebooks_and_write_replaces_only_its_scales_block(tmp_path):
+  (tmp_path / "gpu").mkdir()
+  (tmp_path / "gpu" / "01_gate.json").write_text(json.dumps(gate()))
+  text = rt.table(tmp_path, "gpu")
+  assert text.count("| 01_gate |") == 3
+  assert "| 02_balance | see notebooks/02_balance.ipynb | — | — | not run yet | |" in text
+  assert all(line.count("|") == 7 for line in text.splitlines())   # six columns on every row
+  doc = tmp_path / "results.md"
+  doc.write_text("head\n<!-- results:cpu:begin -->\nold cpu\n<!-- results:cpu:end -->\n"
+                 "<!-- results:gpu:begin -->\nold\n<!-- results:gpu:end -->\ntail\n")
+  rt.write_into(doc, "gpu", text)
+  page = doc.read_text()
+  assert "old cpu" in page and "\nold\n" not in page and text in page and page.endswith("tail\n")
+  with pytest.raises(ValueError, match="markers|needs one"):
+    rt.write_into(tmp_path / "results.md", "tpu", text)
+
+
+def test_settings_table_has_a_row_per_notebook_with_its_variants_and_training():
+  from experiments import results_table
+  text = results_table.settings_table("gpu")
+  rows = text.splitlines()[2:]
+  assert [r.split(" | ")[0] for r in rows] == [f"| {n}" for n in rt.ROWS]
+  assert "bounded, softplus" in rows[0] and "seeds 0, 1" in rows[0] and "16,384 tokens" in rows[0]
+
+
+def test_rules_text_lists_every_rule_and_write_into_fills_scale_free_markers(tmp_path):
+  text = rt.rules_text()
+  assert text.count("\n- **") == len(rt.VERDICT_RULES) - 1 and "**3:1 hybrid**" in text and "one seed" in text
+  doc = tmp_path / "results.md"
+  doc.write_text("a\n<!-- rules:begin -->\nold\n<!-- rules:end -->\nb\n")
+  rt.write_into(doc, "gpu", text, rt.RULES_MARKERS)
+  assert doc.read_text() == f"a\n<!-- rules:begin -->\n{text}\n<!-- rules:end -->\nb\n"
