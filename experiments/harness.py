@@ -21,6 +21,18 @@ def check_argv(argv):
     logging.set_verbosity(logging.WARNING)
 
 
+def define_run_flags():
+  """(--allow_config_change, --allow_missing_metrics, --compilation_cache): the flags of every script that trains
+  into a run directory, defined once per script (at import)."""
+  from k3jax.data import corpus
+  return (flags.DEFINE_bool("allow_config_change", False, "resume a run directory with a config that differs from "
+                            "its config.json (the change is recorded in config_changes.jsonl)"),
+          flags.DEFINE_bool("allow_missing_metrics", False, "resume although metrics.jsonl is missing (the new file "
+                            "then starts at the resumed step)"),
+          flags.DEFINE_string("compilation_cache", str(corpus.default_cache_dir() / "xla"),
+                              "directory of JAX's persistent compilation cache ('': none)"))
+
+
 def run_guarded(fn) -> int | None:
   """`fn()` as the training scripts run it: a run stopped by a signal prints why and returns its exit status
   (128 + the signal); a refused, diverged or unusable run exits with a one-line error."""

@@ -11,7 +11,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import harness
-from k3jax.data import corpus
 from k3jax.rl import runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (with a `rl` section)",
@@ -19,12 +18,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config fil
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: sft/ and rl/")
 _UNTIL = flags.DEFINE_integer("until", None, "stop after this many RL iterations (default: all; 0: only the SFT "
                               "stage); the same command without it continues")
-_ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False, "resume a run directory with a config that differs "
-                                   "from its config.json (the change is recorded in config_changes.jsonl)")
-_ALLOW_MISSING_METRICS = flags.DEFINE_bool("allow_missing_metrics", False, "resume although metrics.jsonl is "
-                                           "missing (the new file then starts at the resumed step)")
-_CACHE = flags.DEFINE_string("compilation_cache", str(corpus.default_cache_dir() / "xla"),
-                             "directory of JAX's persistent compilation cache ('': none)")
+_ALLOW_CHANGE, _ALLOW_MISSING_METRICS, _CACHE = harness.define_run_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -11,7 +11,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import harness
-from k3jax.data import corpus
 from k3jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -21,12 +20,7 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "call jax.distributed.ini
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (with --distributed)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "number of processes (with --distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index (with --distributed)")
-_ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False, "resume a run directory with a config that differs "
-                                   "from its config.json (the change is recorded in config_changes.jsonl)")
-_ALLOW_MISSING_METRICS = flags.DEFINE_bool("allow_missing_metrics", False, "resume although metrics.jsonl is "
-                                           "missing (the new file then starts at the resumed step)")
-_CACHE = flags.DEFINE_string("compilation_cache", str(corpus.default_cache_dir() / "xla"),
-                             "directory of JAX's persistent compilation cache ('': none)")
+_ALLOW_CHANGE, _ALLOW_MISSING_METRICS, _CACHE = harness.define_run_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -21,8 +21,8 @@ def test_the_config_own_mesh_and_stages_are_planned():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--config=huge"], "error: unknown config 'huge': expected one of ['k3_full', 'small', 'tiny'] or a path to a "
-                         ".py file"),
+    (["--config=huge"], "error: unknown config 'huge': expected one of ['k3_full', 'rl_small', 'rl_tiny', 'small', "
+                         "'tiny'] or a path to a .py file"),
     (["--config=tiny", "--mesh=data:1,expert:3"], "error: mesh 'data:1,expert:3': the expert axis (3) does not "
                                                   "divide model.moe.num_experts=8"),
 ])
@@ -32,6 +32,6 @@ def test_bad_names_and_meshes_are_one_line_errors(flags, message):
 
 
 def test_config_names_are_the_files_with_a_get_config():
-  assert configs.names() == ["k3_full", "small", "tiny"]
+  assert configs.names() == ["k3_full", "rl_small", "rl_tiny", "small", "tiny"]
   with pytest.raises(FileNotFoundError):
     configs.load("experiments/configs/absent.py")

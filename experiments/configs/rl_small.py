@@ -22,7 +22,7 @@ def get_config():
   r = c.rl
   r.envs = ml_collections.ConfigDict({"lookup": 0.5, "calc": 0.5})
   r.length = 4096
-  r.iterations = 20
+  r.iterations = 16
   r.prompts, r.group_size = 16, 8
   r.minibatches = 4
   r.lr = 2e-5
