@@ -22,16 +22,6 @@ _DOC = flags.DEFINE_string("doc", str(pathlib.Path(__file__).resolve().parent.pa
                            "the results page")
 
 
-def settings_table(scale: str) -> str:
-  """The markdown table of what each notebook runs at `scale` (experiments/configs/ablations.py)."""
-  lines = ["| notebook | variants | model and training per variant | also measured |", "|---|---|---|---|"]
-  for name, make in ablations.NOTEBOOKS.items():
-    study = make(scale)
-    also = "; ".join(f"{k} {v}" for k, v in study.settings.items())
-    lines.append(f"| {name} | {', '.join(study.variants)} | {study.summary()} | {also or '—'} |")
-  return "\n".join(lines)
-
-
 def main(argv):
   harness.check_argv(argv)
   text = verdicts.table(_RESULTS.value, _SCALE.value)
@@ -39,7 +29,7 @@ def main(argv):
   if _WRITE.value:
     doc = pathlib.Path(_DOC.value)
     verdicts.write_into(doc, _SCALE.value, text)
-    verdicts.write_into(doc, _SCALE.value, settings_table(_SCALE.value), verdicts.SETTINGS_MARKERS)
+    verdicts.write_into(doc, _SCALE.value, verdicts.settings_table(ablations.NOTEBOOKS, _SCALE.value), verdicts.SETTINGS_MARKERS)
     verdicts.write_into(doc, _SCALE.value, verdicts.rules_text(), verdicts.RULES_MARKERS)
 
 

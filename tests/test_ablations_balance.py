@@ -10,7 +10,6 @@ import chex
 import numpy as np
 import pytest
 
-from experiments import balance_ablation
 from experiments.configs import tiny
 from k3jax.ablations import balance
 from k3jax.train import workdir as workdir_lib

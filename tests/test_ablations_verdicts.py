@@ -100,8 +100,8 @@ def test_table_marks_missing_notebooks_and_write_replaces_only_its_scales_block(
 
 
 def test_settings_table_has_a_row_per_notebook_with_its_variants_and_training():
-  from experiments import results_table
-  text = results_table.settings_table("gpu")
+  from experiments.configs import ablations
+  text = rt.settings_table(ablations.NOTEBOOKS, "gpu")
   rows = text.splitlines()[2:]
   assert [r.split(" | ")[0] for r in rows] == [f"| {n}" for n in rt.ROWS]
   assert "bounded, softplus" in rows[0] and "seeds 0, 1" in rows[0] and "16,384 tokens" in rows[0]

@@ -1,6 +1,8 @@
 """The experiment scripts' shared pieces: the compilation cache switch (the environment variable wins, an empty
 path turns it off), the training scripts' exit statuses, the JSON writer and the timers."""
+import ast
 import json
+import pathlib
 import signal
 import time
 
@@ -10,6 +12,8 @@ import pytest
 
 from experiments import harness
 from k3jax.train import interrupt, trainer, workdir
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -76,3 +80,38 @@ def test_guarded_runs_exit_with_the_signal_status_or_a_one_line_error(capsys):
       harness.run_guarded(lambda e=error: (_ for _ in ()).throw(e))
   with pytest.raises(ZeroDivisionError):   # anything else is a bug: its traceback stays
     harness.run_guarded(lambda: 1 / 0)
+
+
+def _defines_flags_on_import(path: pathlib.Path) -> bool:
+  """Whether a module's top-level statements call an absl `DEFINE_*` (its flags exist once it is imported)."""
+  for stmt in ast.parse(path.read_text()).body:
+    if isinstance(stmt, (ast.FunctionDef, ast.ClassDef, ast.If)):
+      continue   # run later, or under `if __name__ == "__main__"`
+    for node in ast.walk(stmt):
+      if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("DEFINE"):
+        return True
+  return False
+
+
+def _experiments_imports(path: pathlib.Path) -> set[str]:
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == "experiments":
+      names |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("experiments."):
+      names.add(node.module.split(".")[1])
+    elif isinstance(node, ast.Import):
+      names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("experiments.")}
+  return names
+
+
+def test_no_test_imports_a_script_whose_flags_would_clash_with_another():
+  # Two scripts define --config, so importing both into one pytest worker raises DuplicateFlagError; a test runs a
+  # script as a subprocess and imports only libraries (k3jax, experiments.harness/configs/kda_benchmark).
+  experiments = ROOT / "experiments"
+  scripts = {p.stem for p in experiments.glob("*.py") if _defines_flags_on_import(p)}
+  assert {"train", "lower_train_step", "results_table"} <= scripts   # the check sees module-level flags
+  assert not _defines_flags_on_import(experiments / "harness.py")     # ... and not those defined inside functions
+  offending = {str(p.relative_to(ROOT)): sorted(_experiments_imports(p) & scripts)
+               for p in (ROOT / "tests").rglob("*.py")}
+  assert not {k: v for k, v in offending.items() if v}

@@ -1,7 +1,7 @@
-"""experiments/lower_train_step.py: the train step lowers from abstract inputs, and with scanned layer groups its
+"""k3jax/train/lowering.py: the train step lowers from abstract inputs, and with scanned layer groups its
 program does not grow with the number of groups."""
 from experiments import configs
-from experiments.lower_train_step import lower_train_step
+from k3jax.train.lowering import lower_train_step
 
 
 def _lowered(num_layers: int) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Mapping
 
 # The rules, fixed before the research-scale runs (docs/results.md lists them: `rules_text`).
 VERDICT_RULES = {
@@ -196,6 +197,17 @@ def table(results_dir, scale: str) -> str:
       continue
     for row in make(json.loads(path.read_text())):
       lines.append(f"| {name} | {row['claim']} | {row['run']} | {row['numbers']} | {row['verdict']} | {row['why']} |")
+  return "\n".join(lines)
+
+
+def settings_table(notebooks: Mapping, scale: str) -> str:
+  """The markdown table of what each notebook runs at `scale`: `notebooks` maps a notebook's name to its study's
+  maker, `make(scale)` (experiments/configs/ablations.py's NOTEBOOKS)."""
+  lines = ["| notebook | variants | model and training per variant | also measured |", "|---|---|---|---|"]
+  for name, make in notebooks.items():
+    study = make(scale)
+    also = "; ".join(f"{k} {v}" for k, v in study.settings.items())
+    lines.append(f"| {name} | {', '.join(study.variants)} | {study.summary()} | {also or '—'} |")
   return "\n".join(lines)
 
 
