@@ -74,8 +74,8 @@ class GatedMLA(nnx.Module):
     return y, MLACache(jnp.pad(ckv, ((0, 0), (0, max_len - T), (0, 0))))
 
   def decode(self, x_B1D, cache: MLACache, pos):
-    """The token at position `pos` (int32 scalar) attends to cached positions 0..pos: `decode_rows` with every row
-    at `pos`."""
+    """One token per row at position `pos` (int32 scalar, or `[B]`: each row's own), attending to cached positions
+    0..pos: `decode_rows`. The call every token mixer shares (`KDALayer.decode` takes and ignores `pos`)."""
     return self.decode_rows(x_B1D, cache, pos)
 
   def prefill_chunk(self, x_BTD, cache: MLACache, start_B, lengths_B=None):
