@@ -18,13 +18,11 @@ def generate(model, prompt_BT, num_tokens: int, *, rng=None, temperature: float 
                      f"{prompt_BT.dtype}{tuple(prompt_BT.shape)}")
   if not isinstance(num_tokens, int) or num_tokens < 1:
     raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  options = sampling.SamplingOptions(temperature=float(temperature))   # checks temperature >= 0
   if temperature > 0 and rng is None:
     raise ValueError("sampling (temperature > 0) needs rng")
   rng = jax.random.PRNGKey(0) if rng is None else rng
   T = prompt_BT.shape[1]
   logits, cache = generate_lib.prefill_chunked(model, prompt_BT, chunk=T, max_len=T + num_tokens)
-  tokens, _, _ = generate_lib.decode_loop(model, logits, cache, rng, max_new=num_tokens,
-                                          options=sampling.SamplingOptions(temperature=float(temperature)))
+  tokens, _, _ = generate_lib.decode_loop(model, logits, cache, rng, max_new=num_tokens, options=options)
   return tokens
