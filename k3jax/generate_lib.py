@@ -34,7 +34,6 @@ from flax import nnx
 
 from k3jax import sampling
 from k3jax.layers import attnres
-from k3jax.layers.kda import KDALayer
 
 
 @flax.struct.dataclass
@@ -86,7 +85,7 @@ def decode_step(model, cache: GenerationCache, token_B, active_B):
   pos_B = cache.lengths_B
 
   def mix(mixer, x, layer_cache):
-    y, new = mixer.decode(x, layer_cache) if isinstance(mixer, KDALayer) else mixer.decode_rows(x, layer_cache, pos_B)
+    y, new = mixer.decode(x, layer_cache, pos_B)
     return y, layer_cache.keep_rows(new, active_B)
 
   stream, cache = _run_layers(model, stream, cache, mix)

@@ -107,24 +107,24 @@ def _exclusive_cumsum(a, axis=-1):
 
 
 def local_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, *, num_experts: int,
-                         expert_fn: Callable, out_dtype=None):
+                         expert_fn: Callable):
   """`u[t] = Σ_j w[t, j] · E_{ids[t, j]}(z[t])`, `[T, L]`, with every expert on this device: the slots sorted by
   expert once (`moe_dispatch.plan`), gathered, run through `expert_fn` (see `expert_parallel_routed_outputs`) and
-  combined. `out_dtype`: u's dtype (z's when None); the combine accumulates in fp32."""
+  combined, in z's dtype (the combine accumulates in fp32)."""
   p = moe_dispatch.plan(expert_ids_TK, num_experts)
   y_ML = expert_fn(moe_dispatch.dispatch(z_TL, p), p.group_sizes_E, *expert_weights)
-  return moe_dispatch.combine(y_ML, weights_TK, p, out_dtype or z_TL.dtype)
+  return moe_dispatch.combine(y_ML, weights_TK, p, z_TL.dtype)
 
 
 def _ep_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, *, num_experts: int, expert_fn: Callable,
-                       a2a_impl: str, out_dtype):
+                       a2a_impl: str):
   """Per device (inside shard_map): the routed output of every local token, `[T, L]`."""
   t, k = expert_ids_TK.shape
   ep = jax.lax.axis_size(EXPERT)
   me = jax.lax.axis_index(EXPERT)
   if ep == 1:  # every expert is local: no exchange (a one-device all-to-all would still copy every row twice)
     return local_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, num_experts=num_experts,
-                                expert_fn=expert_fn, out_dtype=out_dtype)
+                                expert_fn=expert_fn)
   e_loc = num_experts // ep
   p = moe_dispatch.plan(expert_ids_TK, num_experts)
   counts_E = p.group_sizes_E
@@ -153,11 +153,11 @@ def _ep_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, *, num_e
       (my_start_J[None, :] + my_before_SJ).reshape(-1), mine_SJ.reshape(-1),
       jax.lax.dynamic_slice_in_dim(src_offsets_SE, me * e_loc, e_loc, axis=1).reshape(-1), counts_E,
       axis_name=EXPERT, impl=a2a_impl)
-  return moe_dispatch.combine(y_sorted, weights_TK, p, out_dtype)
+  return moe_dispatch.combine(y_sorted, weights_TK, p, z_TL.dtype)
 
 
 def expert_parallel_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weights, *, mesh: Mesh,
-                                   num_experts: int, expert_fn: Callable, a2a_impl: str = "auto", out_dtype=None):
+                                   num_experts: int, expert_fn: Callable, a2a_impl: str = "auto"):
   """`local_routed_outputs` with the experts sharded over `expert` and the tokens over all devices.
 
   `expert_weights`: arrays with the expert axis first (sharded over `expert`); `expert_fn(x_ML, group_sizes_G,
@@ -167,7 +167,7 @@ def expert_parallel_routed_outputs(z_TL, expert_ids_TK, weights_TK, expert_weigh
   tok, exp = P(TOKENS), P(EXPERT)
   fn = jax.shard_map(
       lambda z, ids, w, ws: _ep_routed_outputs(z, ids, w, ws, num_experts=num_experts, expert_fn=expert_fn,
-                                               a2a_impl=a2a_impl, out_dtype=jnp.dtype(out_dtype or z.dtype)),
+                                               a2a_impl=a2a_impl),
       mesh=mesh, in_specs=(tok, tok, tok, exp), out_specs=tok,
       # Mosaic-GPU kernels type their outputs as replicated, which check_vma would reject in the custom VJP;
       # unchecked, shard_map still sums the experts' gradients over `data` (their in_spec does not name it).

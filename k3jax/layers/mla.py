@@ -74,18 +74,9 @@ class GatedMLA(nnx.Module):
     return y, MLACache(jnp.pad(ckv, ((0, 0), (0, max_len - T), (0, 0))))
 
   def decode(self, x_B1D, cache: MLACache, pos):
-    """The token at position `pos` (int32 scalar) attends to cached positions 0..pos, in the absorbed form."""
-    B = x_B1D.shape[0]
-    q = self._queries(x_B1D)[:, 0]                                                     # [B,H,Dqk]
-    c_new = self._latents(x_B1D)                                                       # [B,1,R]
-    ckv = jax.lax.dynamic_update_slice(cache.ckv_BLR, c_new.astype(cache.ckv_BLR.dtype), (0, pos, 0))
-    w_uk, w_uv = self.w_uk[...].astype(self.dtype), self.w_uv[...].astype(self.dtype)
-    q_lat = jnp.einsum("bhd,rhd->bhr", q, w_uk)
-    s = jnp.einsum("bhr,blr->bhl", q_lat, ckv, preferred_element_type=jnp.float32) * self.Dqk ** -0.5
-    s = jnp.where(jnp.arange(ckv.shape[1]) <= pos, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
-    o = jnp.einsum("bhr,rhv->bhv", jnp.einsum("bhl,blr->bhr", p, ckv), w_uv)
-    return self._output(o.reshape(B, 1, self.H, self.Dv), x_B1D), MLACache(ckv)
+    """One token per row at position `pos` (int32 scalar, or `[B]`: each row's own), attending to cached positions
+    0..pos: `decode_rows`. The call every token mixer shares (`KDALayer.decode` takes and ignores `pos`)."""
+    return self.decode_rows(x_B1D, cache, pos)
 
   def prefill_chunk(self, x_BTD, cache: MLACache, start_B, lengths_B=None):
     """A chunk of each row's prompt after the `start_B[b]` positions already cached (int32 `[B]` or a scalar).
