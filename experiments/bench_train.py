@@ -19,10 +19,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import harness
+from experiments import configs, harness
 from k3jax.train import benchmark, profile
-
-CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config name under experiments/configs/ or a .py path",
                                           lock_config=True)
@@ -46,10 +44,9 @@ def config_path(value: str) -> str:
     if not pathlib.Path(value).is_file():
       raise app.UsageError(f"--config={value}: no such file")
     return value
-  names = sorted(p.stem for p in CONFIGS.glob("*.py") if p.stem not in ("__init__", "common"))
-  if value not in names:
-    raise app.UsageError(f"--config={value}: no config of that name; experiments/configs has {names}")
-  return str(CONFIGS / f"{value}.py")
+  if value not in configs.names():
+    raise app.UsageError(f"--config={value}: no config of that name; experiments/configs has {configs.names()}")
+  return str(configs.HERE / f"{value}.py")
 
 
 def parse_flags(argv):
