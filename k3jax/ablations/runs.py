@@ -30,6 +30,7 @@ from k3jax.train import trainer
 from k3jax.train import workdir as workdir_lib
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+override = workdir_lib.override   # a study's variants are overrides of its base config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +81,6 @@ class Study:
 
 def _layers(model_cfg) -> str:
   return f"{model_cfg.num_layers} layer" + ("" if model_cfg.num_layers == 1 else "s")
-
-
-def override(config, overrides: Mapping | None) -> ml_collections.ConfigDict:
-  """A copy of `config` with dotted fields set (e.g. {"model.kda.gate": "softplus", "eval.lengths": (64, 256)}); a
-  field that does not exist is a ValueError naming it."""
-  config = copy.deepcopy(config)
-  for dotted, value in (overrides or {}).items():
-    *path, last = dotted.split(".")
-    node = config
-    for p in path:
-      node = node[p] if isinstance(node, ml_collections.ConfigDict) and p in node else None
-    if not isinstance(node, ml_collections.ConfigDict) or last not in node:
-      raise ValueError(f"config has no field {dotted!r}")
-    node[last] = value
-  return config
 
 
 def train_tokens(config) -> int:
