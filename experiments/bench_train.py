@@ -12,17 +12,14 @@ kernel (GEMM, grouped GEMM, attention, KDA, dispatch, collective, other) with la
 (`k3jax/train/profile.py`). MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in
 k3jax/train/flops.py; a CPU reports no MFU.
 """
-import functools
 import pathlib
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import harness
-from k3jax.train import benchmark, profile
-
-CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
+from experiments import configs, harness
+from k3jax.train import benchmark
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config name under experiments/configs/ or a .py path",
                                           lock_config=True)
@@ -46,10 +43,9 @@ def config_path(value: str) -> str:
     if not pathlib.Path(value).is_file():
       raise app.UsageError(f"--config={value}: no such file")
     return value
-  names = sorted(p.stem for p in CONFIGS.glob("*.py") if p.stem not in ("__init__", "common"))
-  if value not in names:
-    raise app.UsageError(f"--config={value}: no config of that name; experiments/configs has {names}")
-  return str(CONFIGS / f"{value}.py")
+  if value not in configs.names():
+    raise app.UsageError(f"--config={value}: no config of that name; experiments/configs has {configs.names()}")
+  return str(configs.HERE / f"{value}.py")
 
 
 def parse_flags(argv):
@@ -72,27 +68,10 @@ def parse_flags(argv):
 def main(argv):
   harness.check_argv(argv)
   harness.enable_compilation_cache(_CACHE.value)
-  lengths = benchmark.stage_lengths(_CONFIG.value, _SEQ_LENS.value and [int(t) for t in _SEQ_LENS.value],
-                                    _TOKENS.value)
-  names = [(p, t, n) for p in _PATTERNS.value for t, n in lengths]
-  configs = [benchmark.variant(_CONFIG.value, pattern=p, seq_len=t, tokens_per_step=n) for p, t, n in names]
-  print(f"compiling {len(configs)} variants, one process each: "
-        + ", ".join(f"{p} T={t} B={n // t}" for p, t, n in names), flush=True)
-  measure = functools.partial(benchmark.time_train_step, steps=_STEPS.value, warmup=_WARMUP.value,
-                              profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0)
-  rows, failed = [], []
-  for (pattern, seq_len, _), row in zip(names, benchmark.measure_in_turn(configs, measure)):
-    if "error" in row:
-      failed.append((pattern, seq_len))
-      print(f"{pattern} at T={seq_len} failed:\n{row['error']}", flush=True)
-      continue
-    rows.append({"variant": pattern, **row})
-    print(benchmark.format_table(rows[-1:]).splitlines()[-1], flush=True)
-    if "profile" in row:
-      kernels = [profile.Kernel(**k) for k in row["profile"]["kernels"]]
-      print(f"profile of {pattern} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
-            flush=True)
-    harness.write_json(_OUT.value, rows)
+  rows, failed = benchmark.time_variants(
+      _CONFIG.value, patterns=_PATTERNS.value, seq_lens=_SEQ_LENS.value, tokens_per_step=_TOKENS.value,
+      steps=_STEPS.value, warmup=_WARMUP.value, profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0,
+      on_row=lambda rows: harness.write_json(_OUT.value, rows))
   print(benchmark.format_table(rows), flush=True)
   if failed:
     raise SystemExit(f"failed variants: {failed}")

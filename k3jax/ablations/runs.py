@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
-import json
 import multiprocessing
 import os
 import pathlib
@@ -23,13 +22,14 @@ import ml_collections
 import numpy as np
 
 from k3jax.data import pipeline
-from k3jax.train import batches, checkpoint, evaluate
+from k3jax.train import batches, checkpoint, evaluate, metrics as metrics_lib
 from k3jax.train import stages as stages_lib
 from k3jax.train import state as state_lib
 from k3jax.train import trainer
 from k3jax.train import workdir as workdir_lib
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+override = workdir_lib.override   # a study's variants are overrides of its base config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +80,6 @@ class Study:
 
 def _layers(model_cfg) -> str:
   return f"{model_cfg.num_layers} layer" + ("" if model_cfg.num_layers == 1 else "s")
-
-
-def override(config, overrides: Mapping | None) -> ml_collections.ConfigDict:
-  """A copy of `config` with dotted fields set (e.g. {"model.kda.gate": "softplus", "eval.lengths": (64, 256)}); a
-  field that does not exist is a ValueError naming it."""
-  config = copy.deepcopy(config)
-  for dotted, value in (overrides or {}).items():
-    *path, last = dotted.split(".")
-    node = config
-    for p in path:
-      node = node[p] if isinstance(node, ml_collections.ConfigDict) and p in node else None
-    if not isinstance(node, ml_collections.ConfigDict) or last not in node:
-      raise ValueError(f"config has no field {dotted!r}")
-    node[last] = value
-  return config
 
 
 def train_tokens(config) -> int:
@@ -150,10 +135,10 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
 def finished(directory, config) -> bool:
   """Whether `directory` holds a run of `config` that has evaluated its last stage."""
   directory = pathlib.Path(directory)
-  if not (directory / "config.json").exists():
+  if not (directory / workdir_lib.CONFIG).exists():
     return False
   workdir_lib.check_resume(directory, config)
-  evals = _jsonl(directory / "eval.jsonl")
+  evals = metrics_lib.read_jsonl(directory / metrics_lib.EVALS)
   return bool(evals) and evals[-1]["step"] == stages_lib.stages_of(config)[-1].end
 
 
@@ -161,17 +146,12 @@ def read_history(directory) -> dict:
   """{"metrics": {field: [value per logged step]}, "evals": [evaluation records]} of a run directory; a field
   missing from a record (e.g. MoE metrics of a dense model) reads as None there."""
   directory = pathlib.Path(directory)
-  records = _jsonl(directory / "metrics.jsonl")
+  records = metrics_lib.read_jsonl(directory / metrics_lib.METRICS)
   if not records:
-    raise FileNotFoundError(f"{directory / 'metrics.jsonl'} has no records: the run has not logged a step")
+    raise FileNotFoundError(f"{directory / metrics_lib.METRICS} has no records: the run has not logged a step")
   fields = list(dict.fromkeys(k for r in records for k in r))
-  return {"metrics": {k: [r.get(k) for r in records] for k in fields}, "evals": _jsonl(directory / "eval.jsonl")}
-
-
-def _jsonl(path: pathlib.Path) -> list[dict]:
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  return {"metrics": {k: [r.get(k) for r in records] for k in fields},
+          "evals": metrics_lib.read_jsonl(directory / metrics_lib.EVALS)}
 
 
 def trained_model(directory, *, stage: int | None = None, step: int | None = None, overrides: dict | None = None):

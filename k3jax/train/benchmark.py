@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import multiprocessing
 import os
 import queue as queue_lib
@@ -176,6 +177,34 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
           "mfu": flops.mfu(tokens_per_s, flops_token, devices), "compile_s": c.compile_s, "loss": loss,
           "finite": bool(np.isfinite(loss)), "peak_gib": peak and max(peak) / 2 ** 30,
           "step_gib": step_bytes and step_bytes / 2 ** 30, **({"profile": traced} if traced else {})}
+
+
+def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | None = None, steps: int, warmup: int,
+                  profile_steps: int = 0, on_row: Callable[[list[dict]], None] | None = None):
+  """`time_train_step` of `config` with each layer pattern of `patterns` at each (seq_len, tokens per step) of
+  `stage_lengths(config, seq_lens, tokens_per_step)`, every variant in its own process (`measure_in_turn`); prints
+  each row (and its profile) as it comes and calls `on_row(rows so far)` after each. Returns (the rows, each with
+  "variant": its pattern; the (pattern, seq_len) of the variants that failed)."""
+  names = [(p, t, n) for p in patterns for t, n in stage_lengths(config, seq_lens, tokens_per_step)]
+  configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n) for p, t, n in names]
+  print(f"compiling {len(configs)} variants, one process each: "
+        + ", ".join(f"{p} T={t} B={n // t}" for p, t, n in names), flush=True)
+  measure = functools.partial(time_train_step, steps=steps, warmup=warmup, profile_steps=profile_steps)
+  rows, failed = [], []
+  for (pattern, seq_len, _), row in zip(names, measure_in_turn(configs, measure)):
+    if "error" in row:
+      failed.append((pattern, seq_len))
+      print(f"{pattern} at T={seq_len} failed:\n{row['error']}", flush=True)
+      continue
+    rows.append({"variant": pattern, **row})
+    print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    if "profile" in row:
+      kernels = [profile.Kernel(**k) for k in row["profile"]["kernels"]]
+      print(f"profile of {pattern} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
+            flush=True)
+    if on_row is not None:
+      on_row(rows)
+  return rows, failed
 
 
 def loss_curve(c: CompiledRun, *, steps: int, warmup: int = 5) -> dict:

@@ -282,13 +282,7 @@ def restore(workdir, *, stage: int | None = None, step: int | None = None, overr
     steps = [s for s in ckpt.steps() if step is None or s == step]
     if not steps:
       raise FileNotFoundError(f"no checkpoint step {step} in {ckpt.directory} (have {ckpt.steps()})")
-    config = config_from_json(ckpt.read_meta(steps[-1])["config"])
-    for dotted, value in (overrides or {}).items():
-      *path, last = dotted.split(".")
-      node = config
-      for p in path:
-        node = node[p]
-      node[last] = value
+    config = workdir_lib.override(config_from_json(ckpt.read_meta(steps[-1])["config"]), overrides)
     spec = state_spec(config, mesh=mesh)
     restored = ckpt.restore_latest(spec.abstract, at=step)
     if restored is None:

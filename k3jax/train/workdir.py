@@ -9,6 +9,7 @@ learning rate of the steps already taken.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -61,6 +62,21 @@ def config_from_json(d: dict) -> ml_collections.ConfigDict:
   if "model" in d:
     d = {**d, "model": config_lib.saved_model_fields(d["model"])}
   return ml_collections.ConfigDict(tuples(d)).lock()
+
+
+def override(config, overrides: dict | None) -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted fields set (e.g. {"model.kda.gate": "softplus", "eval.lengths": (64, 256)}); a
+  field that does not exist is a ValueError naming it."""
+  config = copy.deepcopy(config)
+  for dotted, value in (overrides or {}).items():
+    *path, last = dotted.split(".")
+    node = config
+    for p in path:
+      node = node[p] if isinstance(node, ml_collections.ConfigDict) and p in node else None
+    if not isinstance(node, ml_collections.ConfigDict) or last not in node:
+      raise ValueError(f"config has no field {dotted!r}")
+    node[last] = value
+  return config
 
 
 def as_json(config) -> dict:
