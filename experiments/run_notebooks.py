@@ -2,12 +2,13 @@
 own Python with a time limit; their JSON and PNGs go to `--out/<scale>/`, each one's output to `--out/<name>.log`;
 prints a table of the runs, then the results table of docs/results.md for that scale.
 
-  python -m experiments.run_notebooks --scale=gpu --out=$OUT/notebooks     # notebooks 1-5 on one H200, ~8 minutes
+  python -m experiments.run_notebooks --scale=gpu --out=$OUT/notebooks     # all six on one H200 (1-5: ~8 minutes)
   python -m experiments.run_notebooks --scale=cpu --notebooks=01,05        # the CPU smoke setting, two of them
 
 At the GPU scale every program that the notebooks' training runs compile (each variant's init per seed, train step
-per stage, evaluations) is first compiled at once, one process per variant, into a compilation cache under
-`--workdir` (`runs.precompile_variants`); the notebooks then find them compiled. Training runs go to `--workdir`
+per stage, evaluations; of the RL notebook, its SFT stage: its RL programs compile while SFT trains) is first
+compiled at once, one process per variant, into a compilation cache under `--workdir` (`runs.precompile_variants`);
+the notebooks then find them compiled. Training runs go to `--workdir`
 (default `--out/runs`): running the same command again reuses the finished runs and the compiled programs, so a run
 cut short continues where it stopped. `--executor=kernel` executes the .ipynb files in a Jupyter kernel (nbclient,
 as CI does) and writes them with their outputs to `--out/<name>.ipynb`; the default runs the .py sources as

@@ -66,6 +66,34 @@ def test_the_hybrid_study_spans_the_four_ratios_over_eight_layers():
   assert all(len(t) == 8 for t in types.values())
 
 
+def test_the_rl_study_is_rl_small_on_the_gpu_and_a_cut_rl_tiny_on_the_cpu():
+  from experiments.configs import rl_small, rl_tiny
+  from k3jax.rl import config as rl_config_lib
+  gpu, cpu = ablations.rl("gpu"), ablations.rl("cpu")
+  assert _flat(gpu.configs()["grpo"]) == _flat(rl_small.get_config()) and list(gpu.variants) == ["grpo"]
+  changed = {k for k, v in _flat(cpu.base).items() if _flat(rl_tiny.get_config()).get(k) != v}
+  assert changed <= {"model.num_layers", "model.moe.enabled", "model.residual.mode", "steps", "batch_size",
+                     "log_every", "rl.iterations", "rl.prompts", "rl.group_size", "rl.max_turns", "rl.log_every",
+                     "rl.eval_at", "rl.eval_examples", "rl.eval_batch"}, changed
+  for study in (gpu, cpu):
+    rl_config_lib.validate(study.base.rl)
+    trainer.Run(rl_config_lib.sft_config(study.base))   # the SFT stage builds
+    assert study.settings["eval_at"] == tuple(f"{n}@{t}" for n, t in rl_config_lib.eval_points(study.base.rl))
+  assert cpu.base.rl.eval_batch == cpu.base.rl.prompts * cpu.base.rl.group_size   # shares the rollouts' programs
+
+
+def test_precompile_compiles_the_sft_stage_of_an_rl_study_where_the_runner_trains_it(monkeypatch, tmp_path):
+  asked, looked = {}, []
+  monkeypatch.setattr(runs, "precompile_variants", lambda configs, seeds: asked.update(configs=configs, seeds=seeds)
+                      or {n: 1.0 for n in configs})
+  monkeypatch.setattr(runs, "finished", lambda directory, config: looked.append((directory, config)) or False)
+  notebook.precompile_studies({"06_rl": ablations.rl("cpu")}, tmp_path)
+  ((directory, config),) = looked
+  assert directory == tmp_path / "06_rl" / "cpu" / "grpo" / "seed_0" / "sft" and "rl" not in config
+  assert list(asked["configs"]) == ["06_rl/grpo"] and "rl" not in asked["configs"]["06_rl/grpo"]
+  assert asked["seeds"] == {"06_rl/grpo": [0]}
+
+
 def test_scale_comes_from_the_notebook_unless_the_environment_sets_it(monkeypatch, tmp_path):
   monkeypatch.delenv(notebook.SCALE_ENV, raising=False)
   assert notebook.scale("gpu") == "gpu"
@@ -153,7 +181,7 @@ def test_notebooks_are_picked_by_number_or_stem_in_the_order_named():
   paths = [pathlib.Path(f"notebooks/{n}.py") for n in ablations.NOTEBOOKS]
   assert notebook.pick(paths, None) == paths
   assert [p.stem for p in notebook.pick(paths, ["05", "01_gate"])] == ["05_hybrid", "01_gate"]
-  for bad in (["06"], ["gate"]):
+  for bad in (["07"], ["gate"]):
     with pytest.raises(ValueError, match="names none"):
       notebook.pick(paths, bad)
 

@@ -26,8 +26,8 @@ def _sync():
   return module
 
 
-def test_there_are_the_five_notebooks():
-  assert [p.stem for p in SOURCES] == ["01_gate", "02_balance", "03_residual", "04_context", "05_hybrid"]
+def test_there_are_the_six_notebooks():
+  assert [p.stem for p in SOURCES] == ["01_gate", "02_balance", "03_residual", "04_context", "05_hybrid", "06_rl"]
 
 
 def test_committed_ipynb_hold_the_cells_of_their_sources_without_outputs():
@@ -157,8 +157,21 @@ def _check_hybrid(out):
   return ["05_hybrid.png"]
 
 
+def _check_rl(out):
+  r = json.loads((out / "06_rl.json").read_text())
+  assert r["points"] == ["lookup@320", "calc@320"] and r["train_length"] == 320
+  (run,) = r["runs"]
+  assert set(run["before"]) == set(run["after"]) == set(r["points"])   # the SFT policy and the RL one, same points
+  assert run["sft"]["step"][-1] == 12 and all(_finite(x) for x in run["sft"]["loss"])
+  assert run["sft"]["loss"][-1] < run["sft"]["loss"][0]
+  assert run["rl"]["step"] == [1, 2, 3, 4]
+  assert all(_finite(x) for k in ("reward_mean", "success_rate", "kl", "loss") for x in run["rl"][k])
+  assert all(0.0 <= s[w]["mean"] <= 1.0 for s in r["success"].values() for w in ("before", "after"))
+  return ["06_rl.png"]
+
+
 CHECKS = {"01_gate": _check_gate, "02_balance": _check_balance, "03_residual": _check_residual,
-          "04_context": _check_context, "05_hybrid": _check_hybrid}
+          "04_context": _check_context, "05_hybrid": _check_hybrid, "06_rl": _check_rl}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xdist_group(f"notebook_{p.stem}"))

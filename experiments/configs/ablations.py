@@ -2,13 +2,14 @@
 
 - "cpu": a smoke run, a minute or two per notebook on a 2-core CPU: it shows that the notebook runs end to end, not
   what the answer is (a model this small, trained this briefly, says nothing about K3's claims).
-- "gpu": research scale on one H200, sized so that the five notebooks together run in about 8 minutes
+- "gpu": research scale on one H200, sized so that notebooks 1-5 together run in about 8 minutes
   (`python -m experiments.run_notebooks --scale=gpu`, which compiles every notebook's programs at once first): a
   3:1 KDA/MLA model of d = 512 and 4 layers (about 12M parameters besides the embeddings; dense FFNs, except in the
   balancing study; 8 narrower layers where depth or the ratio is the question) trained on 16,384 tokens per step
   for 100-150 steps, two seeds. That is a few million tokens per run: enough to separate large effects (load
   balance, retrieval, speed), not the percent-level loss differences some claims are about; the table says which.
-  The tokens and steps of every variant are printed by `Study.describe`.
+  The tokens and steps of every variant are printed by `Study.describe`. The RL notebook (6) runs
+  experiments/configs/rl_small.py: SFT of the ~100M-activated small model, then GRPO at 4K tokens.
 
 Every variant of a study differs from its base config only in the overrides listed, and trains from the same
 seeds, hence the same initial model (where the variant does not change its shape) and the same batches.
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 import functools
 
+from experiments.configs import rl_small, rl_tiny
 from experiments.configs.common import base_config
+from k3jax.ablations import rl as agentic, runs
 from k3jax.ablations.balance import METHODS, ablation_config, markov_paths, markov_shards
 from k3jax.ablations.runs import Study
 from k3jax.config import model_config
 from k3jax.data import corpus
 from k3jax.data.tokenizer import VOCAB_SIZE
+from k3jax.rl import config as rl_config_lib
 
 SCALES = ("cpu", "gpu")
 KDA, MLA = "kda", "mla"
@@ -177,6 +181,26 @@ def hybrid(scale: str) -> Study:
   return Study("hybrid", scale, c, variants, seeds, settings)
 
 
+def rl(scale: str) -> Study:
+  """Agentic RL (k3jax.rl): SFT on the environments' demonstrations, then GRPO from its final checkpoint; held-out
+  success (greedy) of the SFT policy and of the RL one. One variant, the RL run: the study is before vs after RL.
+  At "gpu" it is experiments/configs/rl_small.py unchanged; at "cpu" rl_tiny cut to a smoke run (two dense layers,
+  KDA then MLA, a few SFT steps and RL iterations, eight held-out problems per point)."""
+  _check(scale)
+  if scale == "cpu":
+    c = runs.override(rl_tiny.get_config(), {
+        "model.num_layers": 2, "model.moe.enabled": False, "model.residual.mode": "none", "steps": 12,
+        "batch_size": 4, "log_every": 2, "rl.iterations": 4, "rl.prompts": 2, "rl.group_size": 4, "rl.max_turns": 3,
+        "rl.eval_at": ("lookup@320", "calc@320"),   # one length: each more compiles its own sampler programs
+        "rl.eval_examples": 8, "rl.eval_batch": 8})   # the rollouts' 8 rows: evaluation shares their programs
+  else:
+    c = rl_small.get_config()
+  r = c.rl
+  settings = {"rl": agentic.describe(c), "eval_examples": r.eval_examples,
+              "eval_at": tuple(f"{name}@{n}" for name, n in rl_config_lib.eval_points(r))}
+  return Study("rl", scale, c, {"grpo": {}}, (c.seed,), settings)
+
+
 def _check(scale):
   if scale not in SCALES:
     raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
@@ -184,4 +208,4 @@ def _check(scale):
 
 # The notebook (notebooks/<name>.ipynb) of each study.
 NOTEBOOKS = {"01_gate": gate, "02_balance": balance, "03_residual": residual, "04_context": context,
-             "05_hybrid": hybrid}
+             "05_hybrid": hybrid, "06_rl": rl}

@@ -55,8 +55,9 @@ def pick(paths, names) -> list[pathlib.Path]:
 
 def precompile_studies(studies, workdir) -> dict:
   """Compiles the programs of every unfinished training run of `studies` ({notebook: Study}) at once
-  (`runs.precompile_variants`: each variant once, with the seeds it has still to train), the runs where the
-  notebooks put them under `workdir` (`directories`); needs JAX's persistent compilation cache on. Returns
+  (`runs.precompile_variants`: each variant once, with the seeds it has still to train; of an RL study, its SFT
+  stage), the runs where the notebooks put them under `workdir` (`directories`); needs JAX's persistent
+  compilation cache on. Returns
   {"wall_s", "variants": {notebook/variant: compile seconds or the error}}."""
   import time
 
@@ -66,10 +67,10 @@ def precompile_studies(studies, workdir) -> dict:
   configs, seeds = {}, {}
   for name, study in studies.items():
     for variant, config in study.configs().items():
-      todo = [s for s in study.seeds if not runs.finished(
-          runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s), runs.with_seed(config, s))]
+      todo = [s for s in study.seeds if not runs.finished(*_trained(
+          runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s), runs.with_seed(config, s)))]
       if todo:
-        configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = config, todo
+        configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = _trained(pathlib.Path(), config)[1], todo
   start = time.perf_counter()
   corpus.stdlib_shards()   # tokenised once here, not by every process at once
   print(f"compiling the programs of {len(configs)} variants at once: {', '.join(configs) or 'none'}", flush=True)
@@ -77,6 +78,16 @@ def precompile_studies(studies, workdir) -> dict:
   for name, result in compiled.items():
     print(f"  {name}: " + (f"{result:.0f} s" if isinstance(result, float) else f"failed ({result})"), flush=True)
   return {"wall_s": time.perf_counter() - start, "variants": compiled}
+
+
+def _trained(directory: pathlib.Path, config):
+  """(directory, config) of the ordinary training run of a study's run in `directory`: itself, or for an RL config
+  (one with an `rl` section) its SFT stage in `directory/sft` (`k3jax.rl.runner`, which compiles the RL programs
+  while SFT trains)."""
+  if "rl" not in config:
+    return directory, config
+  from k3jax.rl import config as rl_config_lib
+  return directory / "sft", rl_config_lib.sft_config(config)
 
 
 class Session:

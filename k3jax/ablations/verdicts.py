@@ -6,6 +6,7 @@ Numbers are means over seeds, ± the sample standard deviation and [min, max] wh
 a comparison is the largest seed-to-seed range (max − min) among the variants compared; with one seed there is no
 noise estimate, and a comparison that needs one is inconclusive. The same rules apply at both scales (the CPU
 scale's models are far too small for its verdicts to be evidence: docs/results.md says so above its table).
+The RL rule's noise is the held-out sampling error of a success rate (`success_noise`), which one seed has.
 """
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ VERDICT_RULES = {
     "3:1 hybrid": "reproduced if its prefill is at least 1.5x all-MLA's tokens/s at the longest length and its MQAR "
                   "accuracy exceeds all-KDA's by more than the noise; not reproduced if it is slower than all-MLA "
                   "there or recalls no better than all-KDA; otherwise inconclusive",
+    "RL over SFT": "reproduced if the held-out success (greedy, problems no step saw), averaged over the evaluation "
+                   "points, is higher after RL than the SFT policy's by more than the noise and no point falls by "
+                   "more than its own noise; not reproduced if it is lower by more than the noise; otherwise "
+                   "inconclusive (a change within the noise says nothing either way). The noise "
+                   "is twice the standard error of the change from the number of held-out problems (so it exists "
+                   "with one seed; it leaves out how another seed's RL run would differ), or the seed-to-seed range "
+                   "of the change where that is larger",
 }
 ONE_SEED = "one seed: no noise estimate"
 MARKERS = "<!-- results:{scale}:begin -->", "<!-- results:{scale}:end -->"
@@ -181,8 +189,35 @@ def hybrid_rows(r: dict) -> list[dict]:
            **_verdict(good, bad, why)}]
 
 
+def success_noise(before: float, after: float, n: int) -> float:
+  """Twice the standard error of the change between two success rates measured on `n` problems each, each rate
+  taken as (successes + 1) / (n + 2) so that a rate of 0 or 1 still has an error."""
+  var = sum(q * (1 - q) for q in ((p * n + 1) / (n + 2) for p in (before, after))) / n
+  return 2 * var ** 0.5
+
+
+def rl_rows(r: dict) -> list[dict]:
+  s, points = r["success"], r["points"]
+  n = r["eval_examples"] * len(r["runs"])   # held-out problems per point, over the seeds
+  change = {p: s[p]["after"]["mean"] - s[p]["before"]["mean"] for p in points}
+  own = {p: success_noise(s[p]["before"]["mean"], s[p]["after"]["mean"], n) for p in points}
+  delta = sum(change.values()) / len(points)
+  noise_delta = sum(x ** 2 for x in own.values()) ** 0.5 / len(points)   # the points' problems are independent
+  per_seed = [sum(x["after"][p]["success_rate"] - x["before"][p]["success_rate"] for p in points) / len(points)
+              for x in r["runs"]]
+  noise_delta = max(noise_delta, max(per_seed) - min(per_seed))
+  falls = [p for p in points if change[p] < -own[p]]
+  text = "; ".join(f"{p} {fmt(s[p]['before'], 3)} → {fmt(s[p]['after'], 3)}" for p in points)
+  why = (f"after − before, mean over points {delta:+.3f}, noise {noise_delta:.3f} ({n} held-out problems per point"
+         + (", one seed" if len(r["runs"]) == 1 else "") + ")"
+         + (f"; falls beyond its noise at {', '.join(falls)}" if falls else ""))
+  return [{"claim": "RL raises held-out success over the SFT policy", "run": f"{r['run']} (SFT); then {r['rl_run']}",
+           "numbers": f"held-out success SFT → RL: {text}",
+           **_verdict(delta > noise_delta and not falls, delta < -noise_delta, why)}]
+
+
 ROWS = {"01_gate": gate_rows, "02_balance": balance_rows, "03_residual": residual_rows, "04_context": context_rows,
-        "05_hybrid": hybrid_rows}
+        "05_hybrid": hybrid_rows, "06_rl": rl_rows}
 
 
 def table(results_dir, scale: str) -> str:
@@ -214,7 +249,7 @@ def settings_table(notebooks: Mapping, scale: str) -> str:
 def rules_text() -> str:
   """`VERDICT_RULES` as a markdown list, and the one-seed rule."""
   return "\n".join([*(f"- **{claim}**: {rule}." for claim, rule in VERDICT_RULES.items()),
-                    "- With one seed, a comparison that needs the noise is inconclusive."])
+                    "- With one seed, a comparison that needs the seed-to-seed noise is inconclusive."])
 
 
 def write_into(doc: pathlib.Path, scale: str, text: str, markers=MARKERS) -> None:

@@ -1,0 +1,98 @@
+"""The RL notebook's runs: SFT then GRPO (`k3jax.rl.runner`) once per seed of a study, what they logged, and its
+plots.
+
+Each seed's run lives in `runs.run_dir(workdir, variant, seed)` (`sft/` and `rl/`, the runner's layout); calling
+`train` again reuses the finished stages and continues an interrupted one, as the runner does.
+"""
+from __future__ import annotations
+
+import pathlib
+import time
+
+import numpy as np
+
+from k3jax.ablations import runs
+from k3jax.rl import runner
+from k3jax.train import metrics as metrics_lib
+
+# The RL iterations' logged fields the notebook keeps (metrics.jsonl has more: timing, tool calls, ...).
+CURVES = ("reward_mean", "success_rate", "kl", "loss", "groups_with_signal", "response_tokens")
+
+
+def describe(config) -> str:
+  """The RL stage of a config in a line: iterations, problems x samples, length, environments."""
+  r = config.rl
+  return (f"{r.iterations} RL iterations of {r.prompts} problems x {r.group_size} samples at {r.length} tokens, "
+          f"envs {dict(r.envs)}")
+
+
+def train(study, workdir) -> dict:
+  """Runs SFT then RL for every (variant, seed) of `study` (the RL notebook's: one variant) under `workdir`.
+  Returns {"rl_run" (`describe`), "train_length", "eval_examples", "points": ["env@length", ...], "runs":
+  [{"variant", "seed", "before", "after" (the held-out evaluations of the SFT and final policies), "sft": {"step",
+  "loss"}, "rl": {"step", and each of CURVES}, "wall_s"}], "success": {"env@length": {"before": spread, "after":
+  spread}} over the runs}."""
+  out_runs = []
+  for variant, config in study.configs().items():
+    for seed in study.seeds:
+      config_s = runs.with_seed(config, seed)
+      directory = runs.run_dir(workdir, variant, seed)
+      print(f"== {variant}, seed {seed}: {directory}", flush=True)
+      start = time.perf_counter()
+      result = runner.RLRun(config_s).run(directory)
+      out_runs.append({"variant": variant, "seed": seed, **result, "sft": _curves(directory / "sft", ("loss",)),
+                       "rl": _curves(directory / "rl", CURVES), "wall_s": time.perf_counter() - start})
+  r = study.base.rl
+  points = list(out_runs[0]["after"])
+  success = {p: {when: runs.spread(x[when][p]["success_rate"] for x in out_runs) for when in ("before", "after")}
+             for p in points}
+  return {"rl_run": describe(study.base), "train_length": r.length, "eval_examples": r.eval_examples,
+          "points": points, "runs": out_runs, "success": success}
+
+
+def _curves(directory: pathlib.Path, fields) -> dict:
+  records = metrics_lib.read_jsonl(directory / metrics_lib.METRICS)
+  return {k: [x.get(k) for x in records] for k in ("step", *fields)}
+
+
+def format_table(result: dict) -> str:
+  """Held-out success before and after RL per evaluation point (mean over seeds), and the change."""
+  lines = [f"held-out success ({result['eval_examples']} problems per point)   before   after   change"]
+  for p, s in result["success"].items():
+    times = int(p.split("@")[1]) // result["train_length"]
+    where = "  (the trained length)" if times == 1 else f"  ({times}x the trained length)"
+    b, a = s["before"]["mean"], s["after"]["mean"]
+    lines.append(f"{p:<44} {b:6.3f} {a:7.3f} {a - b:+8.3f}{where}")
+  return "\n".join(lines)
+
+
+def plot(result: dict, fig):
+  """Four panels on `fig`: the SFT loss; held-out success before vs after RL per point (two standard errors of the
+  problems' count as error bars); the reward and success of the rollouts per RL iteration; the KL to the SFT
+  policy per iteration. Returns `fig`."""
+  from matplotlib import ticker
+  ax_sft, ax_success, ax_reward, ax_kl = fig.subplots(1, 4)
+  for x in result["runs"]:
+    label = f"seed {x['seed']}"
+    ax_sft.plot(x["sft"]["step"], x["sft"]["loss"], lw=1, label=label)
+    ax_reward.plot(x["rl"]["step"], x["rl"]["reward_mean"], marker=".", label=f"reward, {label}")
+    ax_reward.plot(x["rl"]["step"], x["rl"]["success_rate"], marker=".", ls="--", label=f"success, {label}")
+    ax_kl.plot(x["rl"]["step"], x["rl"]["kl"], marker=".", label=label)
+  ax_sft.set(xlabel="SFT step", ylabel="training loss (nats/token)", yscale="log", title="SFT on demonstrations")
+  n = result["eval_examples"] * len(result["runs"])
+  width, positions = 0.38, np.arange(len(result["points"]))
+  for k, when in enumerate(("before", "after")):
+    p = np.array([result["success"][q][when]["mean"] for q in result["points"]])
+    q = (p * n + 1) / (n + 2)   # as verdicts.success_noise takes a rate: 0 and 1 still have an error
+    ax_success.bar(positions + (k - 0.5) * width, p, width, yerr=2 * np.sqrt(q * (1 - q) / n), capsize=3,
+                   label="SFT policy" if when == "before" else "after RL")
+  ax_success.set(xticks=positions, ylim=(0, 1), ylabel="held-out success (greedy)", title="before vs after RL")
+  ax_success.set_xticklabels(result["points"], rotation=20)
+  ax_reward.set(xlabel="RL iteration", ylabel="rollouts (sampled)", title="reward and success per iteration")
+  ax_kl.set(xlabel="RL iteration", ylabel="KL to the SFT policy (k3)", title="KL per iteration")
+  for ax in (ax_reward, ax_kl):
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  for ax in (ax_sft, ax_success, ax_reward, ax_kl):
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+  return fig
