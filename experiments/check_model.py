@@ -5,7 +5,7 @@
 Checks: the KDA and MLA layers in bf16 against their XLA paths in fp32 (packed documents), the whole model's prefill
 and decode logits against its full forward in fp32 and in bf16, greedy generation against the full forward's
 argmax; times: forward, forward+backward, prefill + decode. What each check compares: `experiments/model_check.py`.
-Writes $OUT/check_model.json when $OUT is set.
+Writes $OUT/check_model.json when $OUT is set; exits non-zero when a check is past its tolerance.
 """
 import os
 
@@ -29,6 +29,8 @@ def main(argv):
   results = {"config": _CONFIG.value, **model_check.run(configs.load(_CONFIG.value).model, sizes)}
   print(model_check.format_report(results, _CONFIG.value))
   harness.write_json(_OUT.value, results)
+  if failed := model_check.failed_checks(results):
+    raise SystemExit(f"checks past their tolerance: {failed}")
 
 
 if __name__ == "__main__":

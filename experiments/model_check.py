@@ -138,6 +138,11 @@ def run(model_cfg, sizes: Sizes) -> dict:
           **timings(model_cfg, params, k3, sizes)}
 
 
+def failed_checks(results: dict) -> list[str]:
+  """The checks whose relative error is past its tolerance (TOL)."""
+  return [name for name, tol in TOL.items() if not results[name] <= tol]
+
+
 def format_report(results: dict, config_name: str) -> str:
   """The checks against their tolerances, the greedy agreement, then the times."""
   lines = [f"{'check':<14}{'rel err':>12}{'tol':>10}  ok"]

@@ -19,7 +19,7 @@ def test_as_dtype_with_params_shares_the_parameters_and_changes_only_the_dtype_a
   assert all(jax.tree.leaves(same))
 
 
-def test_report_marks_each_check_against_its_tolerance_and_lists_the_times():
+def test_report_marks_each_check_against_its_tolerance_lists_the_times_and_the_failures():
   results = {"device": "cpu:0", "batch": 2, "seq_len": 64, "kda_layer": 1e-2, "mla_layer": 4e-2, "model_fp32": 1e-5,
              "model_bf16": 1e-2, "generate_agree": 0.75, **{k: 1.5 for k in model_check.TIMES}}
   lines = model_check.format_report(results, "tiny").splitlines()
@@ -28,3 +28,4 @@ def test_report_marks_each_check_against_its_tolerance_and_lists_the_times():
   assert lines[5].split()[1] == "75.00%"
   assert lines[7] == "tiny on cpu:0, batch 2 x 64 tokens"
   assert [line.split()[0] for line in lines[8:]] == list(model_check.TIMES)
+  assert model_check.failed_checks(results) == ["mla_layer"]                  # check_model exits non-zero on it
