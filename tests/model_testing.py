@@ -1,4 +1,5 @@
-"""Shared helpers for the layer, model and generation tests: small fp32 configs, shared jitted calls, random inputs.
+"""Shared helpers for the layer, model and generation tests: small fp32 configs, shared jitted calls, random inputs,
+the primitives of a jaxpr.
 
 Compiles dominate these tests on CPU (the initialiser alone compiles once per parameter shape), so most tests take
 modules with NumPy-drawn random parameters (`random_module`), share them (`shared_model`), and call them through the
@@ -8,6 +9,7 @@ matters (zero AttnRes queries, the KDA gate ranges).
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -95,3 +97,13 @@ def abstract(factory, fn, *args):
   """Shapes and dtypes of `fn(module, *args)` for `module = factory(rngs)`, never allocated: nothing compiles."""
   module = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
   return nnx.eval_shape(fn, module, *args)
+
+
+def primitives(fn, *args):
+  """Names of the primitives in `fn`'s jaxpr, nested jaxprs (custom VJPs, checkpoints) included."""
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn.primitive.name
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from walk(sub)
+  return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax import parallel
 from k3jax.layers.moe import expert_ffn
 from pallas_kernels.grouped_gemm import Configs, ops
-from test_moe import base, base_output_and_grads, forward, output_and_grads, rel, tokens, variant  # noqa: F401
+from moe_testing import base, base_output_and_grads, forward, output_and_grads, rel, tokens, variant  # noqa: F401
 
 
 def reference_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv):

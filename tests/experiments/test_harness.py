@@ -13,7 +13,7 @@ import pytest
 from experiments import harness
 from k3jax.train import interrupt, trainer, workdir
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from k3jax.ablations import notebook, runs
 from k3jax.train import trainer
 
 STUDIES = ("gate", "balance", "residual", "context", "hybrid")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("sync_notebooks", ROOT / "scripts" / "sync_notebooks.py")
 sync_notebooks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sync_notebooks)

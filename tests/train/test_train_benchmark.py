@@ -128,7 +128,7 @@ def test_variant_rejects_unknown_patterns_and_uneven_batches():
 
 
 def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
-  repo = pathlib.Path(__file__).resolve().parents[1]
+  repo = pathlib.Path(__file__).resolve().parents[2]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # one device; the fast compile conftest.py sets
   run = lambda *flags: subprocess.run([sys.executable, "-m", "experiments.bench_train", *flags], cwd=repo, env=env,

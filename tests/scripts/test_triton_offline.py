@@ -4,7 +4,7 @@ import pathlib
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_dump_writes_each_forward_launch_as_text_ir_with_its_launch_parameters(tmp_path):

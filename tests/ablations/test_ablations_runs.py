@@ -22,7 +22,7 @@ from k3jax.model import K3Model, scanned_layout
 from k3jax.train import step as step_lib
 from k3jax.train import workdir as workdir_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.xdist_group("ablations_runs")  # one worker builds the module fixture (--dist loadgroup)
 STEPS = 3
 
@@ -219,7 +219,7 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
       from jax import monitoring
       from experiments import harness
       from experiments.configs.common import set_stages
-      sys.path.insert(0, {str(ROOT / "tests")!r})
+      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
       from test_ablations_runs import small_config
       from k3jax.ablations import runs
       if __name__ == "__main__":

@@ -15,7 +15,7 @@ from k3jax.ablations import balance
 from k3jax.train import workdir as workdir_lib
 
 pytestmark = pytest.mark.xdist_group("balance_ablation")  # one worker builds the module fixture (--dist loadgroup)
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 4
 METHODS = ["quantile_histogram", "none"]
 

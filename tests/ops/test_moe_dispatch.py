@@ -3,7 +3,6 @@ the gather/scatter reference; the backward has no scatter and the slots are sort
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from k3jax import parallel
 from k3jax.layers.moe import expert_ffn
 from k3jax.ops import moe_dispatch
+from model_testing import primitives
 
 T, K, E, L = 13, 3, 7, 5
 
@@ -115,16 +115,6 @@ def test_routed_experts_equal_the_old_scatter_path_outputs_and_gradients():
   np.testing.assert_allclose(u, u_old, rtol=1e-5, atol=1e-6)
   for g, g_old in zip(grads(cot), grads_old(cot)):
     np.testing.assert_allclose(g, g_old, rtol=1e-5, atol=1e-6)
-
-
-def primitives(fn, *args):
-  """Names of the primitives in `fn`'s jaxpr, nested jaxprs (custom VJPs, checkpoints) included."""
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      yield eqn.primitive.name
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        yield from walk(sub)
-  return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
 def test_backward_gathers_by_the_inverse_permutation_and_never_scatter_adds():

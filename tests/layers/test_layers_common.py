@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.layers import common
-from test_moe_dispatch import primitives
+from model_testing import primitives
 
 
 def lookup_case(vocab, d=8, shape=(3, 40), seed=0):
