@@ -10,4 +10,4 @@ run: setup
 	$(PY) -m experiments.train --config=experiments/configs/tiny.py --workdir=runs/tiny
 
 test: setup
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q --durations=20 tests
