@@ -11,9 +11,8 @@ import time
 
 import numpy as np
 
-from k3jax.ablations import runs
+from k3jax.ablations import runs, verdicts
 from k3jax.rl import runner
-from k3jax.train import metrics as metrics_lib
 
 # The RL iterations' logged fields the notebook keeps (metrics.jsonl has more: timing, tool calls, ...).
 CURVES = ("reward_mean", "success_rate", "kl", "loss", "groups_with_signal", "response_tokens")
@@ -51,8 +50,8 @@ def train(study, workdir) -> dict:
 
 
 def _curves(directory: pathlib.Path, fields) -> dict:
-  records = metrics_lib.read_jsonl(directory / metrics_lib.METRICS)
-  return {k: [x.get(k) for x in records] for k in ("step", *fields)}
+  logged = runs.read_history(directory)["metrics"]
+  return {k: logged.get(k, [None] * len(logged["step"])) for k in ("step", *fields)}
 
 
 def format_table(result: dict) -> str:
@@ -83,8 +82,7 @@ def plot(result: dict, fig):
   width, positions = 0.38, np.arange(len(result["points"]))
   for k, when in enumerate(("before", "after")):
     p = np.array([result["success"][q][when]["mean"] for q in result["points"]])
-    q = (p * n + 1) / (n + 2)   # as verdicts.success_noise takes a rate: 0 and 1 still have an error
-    ax_success.bar(positions + (k - 0.5) * width, p, width, yerr=2 * np.sqrt(q * (1 - q) / n), capsize=3,
+    ax_success.bar(positions + (k - 0.5) * width, p, width, yerr=verdicts.success_error(p, n), capsize=3,
                    label="SFT policy" if when == "before" else "after RL")
   ax_success.set(xticks=positions, ylim=(0, 1), ylabel="held-out success (greedy)", title="before vs after RL")
   ax_success.set_xticklabels(result["points"], rotation=20)

@@ -189,11 +189,16 @@ def hybrid_rows(r: dict) -> list[dict]:
            **_verdict(good, bad, why)}]
 
 
+def success_error(p, n: int):
+  """Twice the standard error of a success rate `p` (a float or an array) measured on `n` problems, the rate taken
+  as (successes + 1) / (n + 2) so that a rate of 0 or 1 still has an error."""
+  q = (p * n + 1) / (n + 2)
+  return 2 * (q * (1 - q) / n) ** 0.5
+
+
 def success_noise(before: float, after: float, n: int) -> float:
-  """Twice the standard error of the change between two success rates measured on `n` problems each, each rate
-  taken as (successes + 1) / (n + 2) so that a rate of 0 or 1 still has an error."""
-  var = sum(q * (1 - q) for q in ((p * n + 1) / (n + 2) for p in (before, after))) / n
-  return 2 * var ** 0.5
+  """Twice the standard error of the change between two success rates measured on `n` problems each."""
+  return (success_error(before, n) ** 2 + success_error(after, n) ** 2) ** 0.5
 
 
 def rl_rows(r: dict) -> list[dict]:
