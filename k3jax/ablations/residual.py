@@ -24,12 +24,16 @@ from k3jax.layers.common import embed
 def names(model) -> list[str]:
   """The read-outs of a `K3Model` in the order they run: each decoder layer's token mixer, then its FFN, then the
   final read-out before the LM head."""
-  kinds = {}
-  for k, i in enumerate(model.plan.unrolled):
-    kinds[i] = model.layers[k].kind
+  return [f"layer {i} {name}" for i, layer, _ in _layers(model) for name in (layer.kind, "ffn")] + ["final"]
+
+
+def _layers(model):
+  """(layer index, its module, its slot in the module's stacked parameters or None) of every decoder layer, in
+  order: unrolled layers are modules of their own, a scanned group's layer at index i is slot g of the group."""
+  at = {i: (model.layers[k], None) for k, i in enumerate(model.plan.unrolled)}
   for j, layer in enumerate(model.groups or ()):
-    kinds.update((i, layer.kind) for i in model.plan.position(j))
-  return [f"layer {i} {name}" for i in sorted(kinds) for name in (kinds[i], "ffn")] + ["final"]
+    at.update((i, (layer, g)) for g, i in enumerate(model.plan.position(j)))
+  return [(i, *at[i]) for i in sorted(at)]
 
 
 def depth_weights(model, tokens_BT, *, segment_ids_BT=None) -> list[dict]:
@@ -77,11 +81,6 @@ def _walk(graphdef, state, tokens_BT, segment_ids_BT):
 
 def _queries(model) -> list[np.ndarray]:
   """Every read-out's pseudo-query w_l, in `names` order (a scanned group's, one per group)."""
-  queries = {}
-  for k, i in enumerate(model.plan.unrolled):
-    layer = model.layers[k]
-    queries[i] = (layer.mixer_res.query[...], layer.ffn_res.query[...])
-  for j, layer in enumerate(model.groups or ()):
-    for g, i in enumerate(model.plan.position(j)):
-      queries[i] = (layer.mixer_res.query[...][g], layer.ffn_res.query[...][g])
-  return [np.asarray(q) for i in sorted(queries) for q in queries[i]] + [np.asarray(model.final_res.query[...])]
+  slot = lambda w, g: np.asarray(w if g is None else w[g])
+  return [slot(res.query[...], g) for _, layer, g in _layers(model) for res in (layer.mixer_res, layer.ffn_res)] + [
+      np.asarray(model.final_res.query[...])]
