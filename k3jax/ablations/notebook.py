@@ -67,10 +67,11 @@ def precompile_studies(studies, workdir) -> dict:
   configs, seeds = {}, {}
   for name, study in studies.items():
     for variant, config in study.configs().items():
-      todo = [s for s in study.seeds if not runs.finished(*_trained(
-          runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s), runs.with_seed(config, s)))]
+      directory = lambda s: runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s)
+      todo = [s for s in study.seeds
+              if not runs.finished(_trained_dir(directory(s), config), _trained(runs.with_seed(config, s)))]
       if todo:
-        configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = _trained(pathlib.Path(), config)[1], todo
+        configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = _trained(config), todo
   start = time.perf_counter()
   corpus.stdlib_shards()   # tokenised once here, not by every process at once
   print(f"compiling the programs of {len(configs)} variants at once: {', '.join(configs) or 'none'}", flush=True)
@@ -80,14 +81,18 @@ def precompile_studies(studies, workdir) -> dict:
   return {"wall_s": time.perf_counter() - start, "variants": compiled}
 
 
-def _trained(directory: pathlib.Path, config):
-  """(directory, config) of the ordinary training run of a study's run in `directory`: itself, or for an RL config
-  (one with an `rl` section) its SFT stage in `directory/sft` (`k3jax.rl.runner`, which compiles the RL programs
-  while SFT trains)."""
+def _trained(config):
+  """The config of the ordinary training run of a study's run: itself, or of an RL config (one with an `rl`
+  section) its SFT stage (`k3jax.rl.runner`, which compiles the RL programs while SFT trains)."""
   if "rl" not in config:
-    return directory, config
+    return config
   from k3jax.rl import config as rl_config_lib
-  return directory / "sft", rl_config_lib.sft_config(config)
+  return rl_config_lib.sft_config(config)
+
+
+def _trained_dir(directory: pathlib.Path, config) -> pathlib.Path:
+  """Where that training run lives: the run's directory, or an RL run's `sft/` in it."""
+  return directory / "sft" if "rl" in config else directory
 
 
 class Session:
