@@ -18,8 +18,10 @@ then a jitted decode loop, with per-row lengths throughout.
 Rows are independent: a row's tokens never see another row's, and padding (a row shorter than the chunk) leaves
 its caches as they were (`KDALayer.prefill_chunk`, `GatedMLA.prefill_chunk`).
 
-The layers run as in training (`K3Model.run_layers`: the scanned groups under one scan, their caches stacked over
-the groups as their parameters are), each token mixer's training call replaced by its cached one.
+Every decoder layer runs unrolled, each with a cache of its own (`decoder_layers`: a scanned group's layers are cut
+out of its stacked parameters once per call). Under a scan over the groups the caches would be a scanned input and a
+scanned output, two buffers of the stacked caches (32 GiB at B = 32 and 1M positions), and every step would slice
+each group's weights anew; unrolled, each cache is updated in place in its donated buffer.
 """
 from __future__ import annotations
 
@@ -38,26 +40,41 @@ from k3jax.layers import attnres
 
 @flax.struct.dataclass
 class GenerationCache:
-  """A `KDACache` or `MLACache` per unrolled decoder layer (`layers`, in the order of `K3Model.layers`) and per
-  position of the scanned group (`groups`, as `K3Model.groups`: each array stacked over the groups on a leading
-  axis; None when nothing is scanned), and each row's length: the tokens its caches hold, which is also the
-  position its next token takes."""
+  """A `KDACache` or `MLACache` per decoder layer (`layers`, in layer order) and each row's length: the tokens its
+  caches hold, which is also the position its next token takes."""
   layers: tuple
-  groups: tuple | None
   lengths_B: jax.Array                                   # int32 [B]
   max_len: int = flax.struct.field(pytree_node=False)   # positions the MLA caches hold
 
 
 def init_cache(model, batch: int, max_len: int) -> GenerationCache:
   """Empty caches for `batch` rows of up to `max_len` tokens each (MLA: `batch × max_len × kv_lora_rank` latents in
-  the compute dtype; KDA: a fixed state per row)."""
+  the compute dtype; KDA: a fixed state per row). A mixer's cache depends only on its static configuration, so a
+  scanned layer's comes from its position's module."""
   if batch < 1 or max_len < 1:
     raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
-  empty = lambda layer: layer.mixer.init_cache(batch, max_len)
-  stacked = lambda c: jax.tree.map(lambda x: jnp.repeat(x[None], model.plan.num_groups, axis=0), c)
-  groups = None if model.groups is None else tuple(stacked(empty(layer)) for layer in model.groups)
-  return GenerationCache(layers=tuple(empty(layer) for layer in model.layers), groups=groups,
+  return GenerationCache(layers=tuple(m.mixer.init_cache(batch, max_len) for m, _ in _modules(model)),
                          lengths_B=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+
+
+def _modules(model) -> list:
+  """(module, group) of each decoder layer in order: an unrolled layer's module and None, or a scanned layer's
+  position module (its Variables stacked over the groups) and the layer's group."""
+  by_index = {i: (layer, None) for i, layer in zip(model.plan.unrolled, model.layers)}
+  for j, stacked in enumerate(model.groups or ()):
+    by_index.update((i, (stacked, g)) for g, i in enumerate(model.plan.position(j)))
+  return [by_index[i] for i in range(len(model.closes))]
+
+
+def decoder_layers(model) -> list:
+  """Every decoder layer of `model` in order as a module of its own: the unrolled ones as they are, the scanned
+  ones cut out of their position's stacked Variables (inside a jit, a copy of those weights per call)."""
+  def cut(module, g):
+    if g is None:
+      return module
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[g], state))
+  return [cut(module, g) for module, g in _modules(model)]
 
 
 def cache_bytes(cache) -> int:
@@ -78,9 +95,10 @@ def prefill_chunk(model, cache: GenerationCache, tokens_BT, lengths_B):
   return model._logits(last)[:, 0], cache.replace(lengths_B=start_B + lengths_B)
 
 
-def decode_step(model, cache: GenerationCache, token_B, active_B):
+def decode_step(model, cache: GenerationCache, token_B, active_B, layers=None):
   """One token per row at the row's own position `cache.lengths_B[b]`; rows not `active_B` keep their caches and
-  length (their logits are arbitrary). Returns (fp32 logits `[B, V]`, the advanced cache)."""
+  length (their logits are arbitrary). `layers`: `decoder_layers(model)` when already cut (a decode loop cuts them
+  once, outside its loop). Returns (fp32 logits `[B, V]`, the advanced cache)."""
   stream = attnres.start(model._embed(token_B[:, None]), model.mode)
   pos_B = cache.lengths_B
 
@@ -88,16 +106,21 @@ def decode_step(model, cache: GenerationCache, token_B, active_B):
     y, new = mixer.decode(x, layer_cache, pos_B)
     return y, layer_cache.keep_rows(new, active_B)
 
-  stream, cache = _run_layers(model, stream, cache, mix)
+  stream, cache = _run_layers(model, stream, cache, mix, layers)
   return model._logits(stream)[:, 0], cache.replace(lengths_B=pos_B + active_B.astype(jnp.int32))
 
 
-def _run_layers(model, stream, cache: GenerationCache, mix: Callable):
-  """`stream` through every decoder layer, `mix(token mixer, its input, its cache) -> (output, cache)` in place of
-  the mixer's training call; returns (stream, the cache with every layer's new cache; lengths unchanged)."""
-  run = lambda layer, s, closes, c: layer._apply(s, closes, lambda x: mix(layer.mixer, x, c))
-  stream, (layers, groups), _ = model.run_layers(stream, run, (cache.layers, cache.groups))
-  return stream, cache.replace(layers=layers, groups=groups)
+def _run_layers(model, stream, cache: GenerationCache, mix: Callable, layers=None):
+  """`stream` through every decoder layer (`layers`, or `decoder_layers(model)` when None), `mix(token mixer, its
+  input, its cache) -> (output, cache)` in place of the mixer's training call; returns (stream, the cache with every
+  layer's new cache; lengths unchanged)."""
+  caches = []
+  layers = decoder_layers(model) if layers is None else layers
+  for i, (layer, layer_cache) in enumerate(zip(layers, cache.layers, strict=True)):
+    with jax.named_scope(f"layer_{i}"):
+      stream, new, _ = layer._apply(stream, model.closes[i], lambda x: mix(layer.mixer, x, layer_cache))
+    caches.append(new)
+  return stream, cache.replace(layers=tuple(caches))
 
 
 def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: int | None = None,
@@ -189,6 +212,7 @@ def lower(model, batch: int, max_len: int, *, chunk: int, max_new: int,
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "options"), donate_argnames=("cache",))
 def _decode_loop(graphdef, state, cache, logits_BV, rng, budget_B, *, max_new, options):
   model = nnx.merge(graphdef, state)
+  layers = decoder_layers(model)          # cut once: the loop's body then reads the same weights every step
   B = budget_B.shape[0]
   pick = lambda logits, t: sampling.sample(logits, jax.random.fold_in(rng, t), temperature=options.temperature,
                                            top_p=options.top_p)
@@ -212,7 +236,7 @@ def _decode_loop(graphdef, state, cache, logits_BV, rng, budget_B, *, max_new, o
   def body(carry):
     t, token_B, done_B, got_B, recent_BW, out_BN, cache = carry
     active_B = ~done_B & (cache.lengths_B < cache.max_len)
-    logits, cache = decode_step(model, cache, token_B, active_B)
+    logits, cache = decode_step(model, cache, token_B, active_B, layers)
     token_B = jnp.where(active_B, pick(logits, t), options.pad_id)
     got_B = got_B + active_B.astype(jnp.int32)
     done_B, recent_BW = finished(done_B, token_B, got_B, recent_BW)

@@ -1,8 +1,8 @@
 """Long-context generation: a chunked prefill with per-row lengths equals each row's full forward, decoding after
 it is the argmax of full forwards, stop tokens / stop sequences / budgets / a full cache end rows, a turn after a
 tool result appended to some rows continues their caches as a full forward over the whole context, sampling is
-reproducible; the first and the greedy decode also on a model with scanned layer groups (their caches stacked over
-the groups)."""
+reproducible; the first and the greedy decode also on a model with scanned layer groups (run
+unrolled, every layer with a cache of its own)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +41,10 @@ def test_chunked_prefill_gives_each_rows_full_forward_logits(chunk, layers):
   tokens = _prompts(0)
   logits, cache = _prefill(model, tokens, chunk=chunk)
   np.testing.assert_array_equal(cache.lengths_B, LENGTHS)
-  if layers == "scanned":  # per position of the group: KDA then MLA, stacked over the 2 groups
-    assert model.plan.num_groups == 2 and cache.groups[1].ckv_BLR.shape == (2, len(LENGTHS), MAX_LEN, 16)
+  if layers == "scanned":  # a cache per decoder layer, the scanned ones too (none stacked over the 2 groups)
+    assert model.plan.num_groups == 2 and len(cache.layers) == 6
+    assert [type(c).__name__ for c in cache.layers] == ["KDACache", "MLACache"] * 3
+    assert cache.layers[5].ckv_BLR.shape == (len(LENGTHS), MAX_LEN, 16)
   full = _reference_logits(model, list(tokens))
   for b, n in enumerate(LENGTHS):
     assert rel_err(logits[b], full[b, n - 1]) < TOL, b
