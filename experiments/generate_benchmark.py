@@ -12,7 +12,11 @@ loop, compiled together in threads before anything is timed; per context:
 - decode: `decode_loop` for `Settings.decode_steps` tokens per row, greedy, no stop (timed after one untimed loop).
 - cache: bytes of the KDA states and MLA latents at the context (per row: fixed + per-token), bytes per token;
   est. peak = parameters + the cache at this context + the compiled programs' largest working memory.
-- check: at the first context, B = 1, the chunked prefill's logits after the prompt against the full forward's.
+- check: at the first context, B = 1, the chunked prefill's logits after the prompt held to the anchor's error: both
+  it and the full (training) forward in bf16 against the fp32 full forward of the same weights ("highest" products);
+  the chunked prefill passes within `CHECK_FACTOR` times the full forward's error plus `CHECK_FLOOR`. (Two bf16 runs
+  of a random-init MoE model are not comparable with each other: a rounding difference flips an expert choice and
+  moves that token's output by O(1), so the full bf16 forward is itself ~0.6 away from fp32 there.)
 Device times: host timer around `block_until_ready`.
 """
 from __future__ import annotations
@@ -34,7 +38,7 @@ from k3jax.model import K3Model
 from k3jax.numerics import rel_err
 from k3jax.train import benchmark
 
-CHECK_TOL = {"float32": 1e-4, "bfloat16": 5e-2}   # fp32: roundoff over layers; bf16: chunked vs full kernels
+CHECK_FACTOR, CHECK_FLOOR = 2.0, 1e-3   # the chunked prefill's error: <= factor x the full forward's + floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Programs:
   step: object = None
   loop: object = None
   forward: object = None          # the full forward at the first context (B = 1, for the check)
+  reference: object = None        # the same in fp32 on the same weights (`fp32_twin`), "highest" products
   compile_s: float = 0.0
   work_bytes: int = 0
 
@@ -96,6 +101,18 @@ def with_bf16_matrices(module):
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: x if x.ndim < 2 or keep(path) else x.astype(jnp.bfloat16), params)
   return nnx.merge(graphdef, params, rest)
+
+
+def fp32_twin(model, model_cfg):
+  """A model of `model_cfg`'s layout computing in fp32 on `model`'s weights (its bf16 matrices cast up)."""
+  cfg = model_cfg.copy_and_resolve_references()
+  cfg.unlock()
+  cfg.dtype = "float32"
+  twin = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(twin)
+  state = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                       nnx.state(model))
+  return nnx.merge(graphdef, state)
 
 
 def cache_line(model) -> tuple[int, int]:
@@ -132,17 +149,19 @@ def compile_all(programs: list[Programs], steps: int, check: bool) -> None:
   for p in programs:
     start = time.perf_counter()
     calls = generate_lib.lower(p.model, p.B, p.max_len, chunk=p.chunk, max_new=steps)
-    forward = None
+    forward = reference = None
     if check and p.B == 1:
-      graphdef, state = nnx.split(p.model)
-      forward = full_last_logits.lower(graphdef, state, jax.ShapeDtypeStruct((1, p.contexts[0]), jnp.int32))
-    lowered.append((p, (*calls, forward), time.perf_counter() - start))
+      tokens = jax.ShapeDtypeStruct((1, p.contexts[0]), jnp.int32)
+      forward = full_last_logits.lower(*nnx.split(p.model), tokens)
+      with jax.default_matmul_precision("highest"):
+        reference = full_last_logits.lower(*nnx.split(fp32_twin(p.model, p.model_cfg)), tokens)
+    lowered.append((p, (*calls, forward, reference), time.perf_counter() - start))
 
   def compile_one(item):
-    p, (step, loop, forward), trace_s = item
+    p, (step, loop, forward, reference), trace_s = item
     start = time.perf_counter()
     p.step, p.loop = step.compile(), loop.compile()
-    p.forward = forward and forward.compile()
+    p.forward, p.reference = forward and forward.compile(), reference and reference.compile()
     p.compile_s = trace_s + time.perf_counter() - start
     p.work_bytes = max(_temp_bytes(p.step), _temp_bytes(p.loop))
     print(f"compiled {p.pattern} B={p.B} in {p.compile_s:.0f} s", flush=True)
@@ -225,8 +244,8 @@ def measure(p: Programs, steps: int, budget_s: float) -> list[dict]:
         seconds = time.perf_counter() - t0
         row.update(prefill_s=seconds, prefill_tok_s=p.B * L / seconds)
         if p.forward is not None and i == 0:
-          err = rel_err(logits, p.forward(nnx.split(p.model)[1], tokens))
-          row.update(check_rel_err=err, check_ok=err < CHECK_TOL[str(p.model_cfg.dtype)])
+          row.update(check(logits, p.forward(nnx.state(p.model), tokens),
+                           p.reference(nnx.state(fp32_twin(p.model, p.model_cfg)), tokens)))
       seconds, cache = time_decode(p, cache, L, steps)
       ms = 1e3 * seconds / (steps - 1)                           # the first token comes from the prefill's logits
       row.update(decode_ms_per_step=ms, decode_tok_s_per_seq=1e3 / ms, decode_tok_s=p.B * 1e3 / ms)
@@ -241,6 +260,13 @@ def measure(p: Programs, steps: int, budget_s: float) -> list[dict]:
     rows.append(row)
     print(format_table(rows[-1:]).splitlines()[-1], flush=True)
   return rows
+
+
+def check(chunked_BV, full_BV, reference_BV) -> dict:
+  """The check's fields: the chunked prefill's and the full forward's errors against the fp32 reference, and
+  whether the chunked one is within CHECK_FACTOR × the full one's + CHECK_FLOOR."""
+  ours, anchor = rel_err(chunked_BV, reference_BV), rel_err(full_BV, reference_BV)
+  return {"check_rel_err": ours, "check_anchor_err": anchor, "check_ok": ours <= CHECK_FACTOR * anchor + CHECK_FLOOR}
 
 
 def format_table(rows) -> str:
@@ -288,8 +314,8 @@ def summary(rows) -> list[str]:
     lines.append(f"mix: longest real prefill {r['L']} tokens in {r['prefill_s']:.1f} s, then decoded")
   for r in rows:
     if "check_ok" in r:
-      lines.append(f"check {r['pattern']}: chunked prefill vs full forward rel err {r['check_rel_err']:.1e} "
-                   f"({'ok' if r['check_ok'] else 'FAILED'})")
+      lines.append(f"check {r['pattern']}: vs the fp32 forward, chunked prefill rel err {r['check_rel_err']:.1e}, bf16 "
+                   f"full forward {r['check_anchor_err']:.1e} ({'ok' if r['check_ok'] else 'FAILED'})")
   return lines
 
 

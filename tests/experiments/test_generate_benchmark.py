@@ -4,6 +4,7 @@ end to end in tests/test_benchmarks.py."""
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -56,19 +57,34 @@ def test_format_table_says_how_each_prefill_speed_was_had_and_which_rows_did_not
   assert lines[3].endswith("skipped: cache 99 GiB") and lines[4].endswith("error: RuntimeError: out of memory")
 
 
+def _logits(chunked_err, full_err):
+  """(chunked, full, reference) logits [1, 4] whose errors against the reference are the given ones."""
+  ref = np.asarray([[1.0, -1.0, 1.0, -1.0]])
+  return ref * (1 + chunked_err), ref * (1 - full_err), ref
+
+
+def test_the_check_holds_the_chunked_prefill_to_the_full_forwards_error():
+  assert generate_benchmark.check(*_logits(0.5, 0.3))["check_ok"]          # within 2x the anchor's error
+  fails = generate_benchmark.check(*_logits(0.5, 0.2))
+  assert not fails["check_ok"] and fails["check_rel_err"] == pytest.approx(0.5)
+  assert fails["check_anchor_err"] == pytest.approx(0.2)
+  assert generate_benchmark.check(*_logits(5e-4, 0.0))["check_ok"]         # the floor, for an fp32 model
+  assert not generate_benchmark.check(*_logits(2e-3, 0.0))["check_ok"]
+
+
 def test_summary_gives_the_cache_ratio_the_decode_ratios_and_the_checks():
   rows = [row("config", 8192, 1, cache_bytes_per_token=30.0, decode_ms_per_step=1.0),
           row("mla", 8192, 1, cache_bytes_per_token=100.0, decode_ms_per_step=3.0),
           row("config", 262144, 1, cache_bytes_per_token=25.0, decode_ms_per_step=1.5, prefill_tok_s=1.0,
-              prefill_s=12.0, check_rel_err=1e-5, check_ok=True),
-          row("mla", 262144, 1, cache_bytes_per_token=100.0, decode_ms_per_step=6.0, check_rel_err=0.2,
-              check_ok=False)]
+              prefill_s=12.0, **generate_benchmark.check(*_logits(0.6, 0.5))),
+          row("mla", 262144, 1, cache_bytes_per_token=100.0, decode_ms_per_step=6.0,
+              **generate_benchmark.check(*_logits(0.2, 0.05)))]
   assert generate_benchmark.summary(rows) == [
       "cache bytes/token at the longest context: mix 25, all-MLA 100: 25.0% (bar <= 30%)",
       "decode L=8192 B=1: mix 3.00x all-MLA's tokens/s",
       "decode L=262144 B=1: mix 4.00x all-MLA's tokens/s (bar >= 3x at 256K)",
       "mix decode B=1: 262144 is 1.50x slower per step than 8192 (bar <= 2x at 1M vs 8K)",
       "mix: longest real prefill 262144 tokens in 12.0 s, then decoded",
-      "check config: chunked prefill vs full forward rel err 1.0e-05 (ok)",
-      "check mla: chunked prefill vs full forward rel err 2.0e-01 (FAILED)"]
+      "check config: vs the fp32 forward, chunked prefill rel err 6.0e-01, bf16 full forward 5.0e-01 (ok)",
+      "check mla: vs the fp32 forward, chunked prefill rel err 2.0e-01, bf16 full forward 5.0e-02 (FAILED)"]
   assert [(r["pattern"], r["L"]) for r in generate_benchmark.failed_rows(rows)] == [("mla", 262144)]
