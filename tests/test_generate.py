@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax import generate_lib
 from k3jax.generate import generate
 from model_testing import SCANNED, T, T0, shared_model
 
@@ -42,9 +43,18 @@ def test_sampling_is_reproducible_in_range_and_depends_on_the_key():
     (dict(num_tokens=0), "num_tokens must be a positive int"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(temperature=0.5), "sampling \\(temperature > 0\\) needs rng"),
+    (dict(prompt=jnp.zeros((1, 0), jnp.int32)), "prompt_BT must be a non-empty integer array"),
+    (dict(top_p=0.0), "top_p must lie in \\(0, 1\\]"),
+    (dict(top_p=1.5), "top_p must lie in \\(0, 1\\]"),
+    (dict(max_len=4), "max_len=4 cannot hold the prompt \\(3 tokens\\) and 2 new tokens"),
+    (dict(prompt=jnp.full((1, 3), 64, jnp.int32)), "prompt tokens must lie in \\[0, vocab_size=64\\)"),
+    (dict(prompt=jnp.full((1, 3), -1, jnp.int32)), "prompt tokens must lie in \\[0, vocab_size=64\\)"),
 ])
-def test_bad_arguments_raise_clear_errors(kwargs, match):
+def test_bad_arguments_raise_clear_errors_before_any_compute(kwargs, match, monkeypatch):
   args = dict(prompt=jnp.zeros((1, 3), jnp.int32), num_tokens=2, temperature=0.0)
   args.update(kwargs)
+  ran = []
+  monkeypatch.setattr(generate_lib, "prefill_chunked", lambda *a, **k: ran.append(1))
   with pytest.raises(ValueError, match=match):
-    generate(shared_model(), args["prompt"], args["num_tokens"], temperature=args["temperature"])
+    generate(shared_model(), args.pop("prompt"), args.pop("num_tokens"), **args)
+  assert not ran

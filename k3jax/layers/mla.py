@@ -13,6 +13,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax import config as config_lib
@@ -139,14 +140,25 @@ class GatedMLA(nnx.Module):
 
 
 def _row_lengths(start_B, lengths_B, B: int, T: int, L: int):
-  """(start `[B]`, lengths `[B]`) as int32 vectors (scalars broadcast; lengths None: all T); when concrete, checked:
-  0 ≤ length ≤ T and start + length ≤ L (the cache would drop the rest)."""
+  """(start `[B]`, lengths `[B]`) as int32 vectors (scalars broadcast; lengths None: all T); when concrete (also a
+  constant inside a trace), checked: 0 ≤ length ≤ T and start + length ≤ L (the cache would drop the rest)."""
+  start = _concrete(start_B)
+  lengths = np.full((), T) if lengths_B is None else _concrete(lengths_B)
+  if start is not None and lengths is not None:
+    start, lengths = np.broadcast_to(start, (B,)), np.broadcast_to(lengths, (B,))
+    if lengths.min() < 0 or lengths.max() > T or start.min() < 0:
+      raise ValueError(f"need 0 <= lengths <= T={T} and start >= 0, got start {start}, lengths {lengths}")
+    if (start + lengths).max() > L:
+      raise ValueError(f"the cache holds {L} positions; start + length reaches {int((start + lengths).max())}")
   start_B = jnp.broadcast_to(jnp.asarray(start_B, jnp.int32), (B,))
   lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else jnp.broadcast_to(
       jnp.asarray(lengths_B, jnp.int32), (B,))
-  if not isinstance(start_B, jax.core.Tracer) and not isinstance(lengths_B, jax.core.Tracer):
-    if int(jnp.min(lengths_B)) < 0 or int(jnp.max(lengths_B)) > T or int(jnp.min(start_B)) < 0:
-      raise ValueError(f"need 0 <= lengths <= T={T} and start >= 0, got start {start_B}, lengths {lengths_B}")
-    if int(jnp.max(start_B + lengths_B)) > L:
-      raise ValueError(f"the cache holds {L} positions; start + length reaches {int(jnp.max(start_B + lengths_B))}")
   return start_B, lengths_B
+
+
+def _concrete(x):
+  """`x` as a NumPy array, or None when it is traced."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
