@@ -85,6 +85,8 @@ def _split_kernel(len_ref, q_ref, ckv_ref, acc_ref, m_ref, l_ref, *, scale, bloc
   end = jnp.minimum(begin + part, n)
   q = q_ref[...]
   dtype = ckv_ref.dtype
+  # fp32 operands: exact products (Triton's default for fp32 is tf32, 1e-3 off); bf16: tensor cores as they are.
+  precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
 
   def step(i, carry):
     m, l, acc = carry
@@ -93,12 +95,14 @@ def _split_kernel(len_ref, q_ref, ckv_ref, acc_ref, m_ref, l_ref, *, scale, bloc
     rows = at + jax.lax.broadcasted_iota(jnp.int32, (block_l,), 0)
     valid = (rows >= first) & (rows < end)
     c = pltriton.load(ckv_ref.at[pl.ds(at, block_l), :], mask=valid[:, None], other=0.0)
-    sc = jax.lax.dot_general(q, c, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
+    sc = jax.lax.dot_general(q, c, (((1,), (1,)), ((), ())), precision=precision,
+                         preferred_element_type=F32) * scale
     sc = jnp.where(valid[None, :], sc, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))                  # finite: every block has a valid row
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(sc - m_new[:, None])
-    pv = jax.lax.dot_general(p.astype(dtype), c, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+    pv = jax.lax.dot_general(p.astype(dtype), c, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=F32)
     return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
   R = q.shape[-1]
