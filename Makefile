@@ -1,8 +1,10 @@
 # The two commands of the README: `make run` (the main job) and `make test` (the test suite).
-# Both create .venv with a Python >= 3.12 and install k3jax first (scripts/setup.sh).
-PY := .venv/bin/python
+# Both create .venv with a Python >= 3.12 and install k3jax first (scripts/setup.sh). `make gpu-test` runs the tests
+# marked gpu on this machine's GPU; `make gpu-test PY=python3` uses an image's own Python instead of .venv.
+VENV_PY := .venv/bin/python
+PY := $(VENV_PY)
 
-.PHONY: setup run test
+.PHONY: setup run test gpu-test
 setup:
 	@scripts/setup.sh
 
@@ -11,3 +13,6 @@ run: setup
 
 test: setup
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q --durations=20 tests
+
+gpu-test: $(if $(filter $(VENV_PY),$(PY)),setup)
+	K3JAX_GPU_TESTS=1 $(PY) -m pytest -m gpu -q --durations=15 tests/gpu

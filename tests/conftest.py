@@ -1,12 +1,17 @@
-"""Test-wide set-up: 8 simulated CPU devices (expert/data-parallel tests) before JAX initialises."""
+"""Test-wide set-up: 8 simulated CPU devices (expert/data-parallel tests) before JAX initialises; tests marked
+`gpu` (tests/gpu/, `make gpu-test`) skipped where JAX sees no GPU. `make gpu-test` sets K3JAX_GPU_TESTS=1, which
+keeps the CPU suite's compile flags off the GPU's programs; K3JAX_GPU_TESTS=cpu runs the gpu tests on the CPU
+(Pallas in interpret mode) to check the tests themselves, not the GPU."""
 import os
 
-flag = "--xla_force_host_platform_device_count=8"
-if flag not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-# CPU tests are dominated by compile time (Pallas interpret mode especially); LLVM's -O0 compiles ~3x faster.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+GPU_RUN = os.environ.get("K3JAX_GPU_TESTS", "")
+if GPU_RUN != "1":
+  flag = "--xla_force_host_platform_device_count=8"
+  if flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  # CPU tests are dominated by compile time (Pallas interpret mode especially); LLVM's -O0 compiles ~3x faster.
+  if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import pytest  # noqa: E402  (after the flags: JAX must see them when it first initialises)
 
@@ -21,6 +26,24 @@ def trained(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+  _skip_gpu_tests_without_a_gpu(items)
+  _group_for_loadgroup(config, items)
+
+
+def _skip_gpu_tests_without_a_gpu(items):
+  if GPU_RUN == "cpu" or not any(item.get_closest_marker("gpu") for item in items):
+    return
+  import jax
+  if jax.default_backend() != "gpu" and GPU_RUN == "1":
+    raise pytest.UsageError(f"K3JAX_GPU_TESTS=1 (make gpu-test) needs a GPU; JAX sees {jax.devices()}")
+  if jax.default_backend() != "gpu":
+    skip = pytest.mark.skip(reason="needs a GPU (make gpu-test on a GPU machine)")
+    for item in items:
+      if item.get_closest_marker("gpu"):
+        item.add_marker(skip)
+
+
+def _group_for_loadgroup(config, items):
   """`--dist loadgroup` sends the tests of one `xdist_group` to one worker by a `@group` suffix on their node ids.
   pytest-xdist 3.8 adds it by setting `item._nodeid`, which pytest 9 no longer reads (node ids are `item._id`),
   so every group was spread over the workers and each built its fixtures; the suffix is added here where missing."""
