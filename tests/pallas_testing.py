@@ -1,5 +1,7 @@
-"""Helpers for the Pallas kernels' tests: a jitted function's program as lowered for a CUDA GPU, from this CPU."""
+"""Helpers for the Pallas kernels' tests: a jitted function's program as lowered for a CUDA GPU, from this CPU; the
+Pallas kernels a traced program launches."""
 import jax
+import jax.extend
 
 
 def cuda_module_text(monkeypatch, fn, *args) -> str:
@@ -12,3 +14,18 @@ def cuda_module_text(monkeypatch, fn, *args) -> str:
   triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
   return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
 
+
+
+def pallas_kernels_in(closed_jaxpr) -> set[str]:
+  """The Pallas kernels a traced program launches, by name (nothing compiles): Triton's (`pallas_call`) and Mosaic
+  GPU's (`plgpu.kernel`'s `mpmd_map`), in nested programs too."""
+  found = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+        found.add(eqn.params["name"])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(closed_jaxpr.jaxpr)
+  return found

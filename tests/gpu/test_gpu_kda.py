@@ -13,7 +13,6 @@ program, which runs the Mosaic GPU state passes. With K3JAX_GPU_TESTS=cpu the sa
 mode on small shapes (K = V = 64, the Mosaic GPU kernels' smallest), to check the tests themselves.
 """
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 
@@ -23,6 +22,7 @@ from k3jax.ops import kda
 from k3jax.ops.kda.testing import (CHECK_CASES, CHECK_TOL, GATED_CASES, check_case, kda_outputs_and_grads,
                                    numpy_recurrence, raw_inputs)
 from pallas_kernels.kda import KDAKernelOptions
+from pallas_testing import pallas_kernels_in
 
 pytestmark = pytest.mark.gpu
 
@@ -73,21 +73,6 @@ def _assert_within(errs, anchor=None, *, slack=1.0):
     bad.update({f"{n} (anchor {anchor[n]:.2e})": e for n, e in errs.items()
                 if n in ANCHORED and not e <= 2 * anchor[n] + ANCHOR_FLOOR})
   assert not bad, f"errors above tolerance: {bad}; all: {errs}; anchor: {anchor}"
-
-
-def _kernels(fn, *args) -> set[str]:
-  """The Pallas kernels `fn(*args)` launches, by name, from its traced program (nothing compiles): Triton's
-  (`pallas_call`) and Mosaic GPU's (`plgpu.kernel`'s `mpmd_map`), in nested programs too."""
-  found = set()
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-        found.add(eqn.params["name"])
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
 
 
 @pytest.mark.parametrize("case", CHECK_CASES)
@@ -161,7 +146,7 @@ def test_the_kernels_compared_are_the_ones_meant():
     seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
     run = lambda x, seg: kda.chunk_kda(**x, segment_ids=seg, lower_bound=LOWER_BOUND, backend="pallas",
                                        kernel_options=options)[0].astype(jnp.float32).sum()
-    return _kernels(jax.grad(run) if grad else run, x, seg)
+    return pallas_kernels_in(jax.make_jaxpr(jax.grad(run) if grad else run)(x, seg))
 
   forward = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mosaic"}
   backward = {"kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"}

@@ -17,7 +17,6 @@ input; the kernels' precision is tests/gpu/test_gpu_kda.py's to hold.
 import contextlib
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -29,6 +28,7 @@ from k3jax import config as config_lib, parallel
 from k3jax.model import K3Model
 from k3jax.numerics import rel_err
 from k3jax.train import optimizer, stages as stages_lib, state as state_lib, step as step_lib
+from pallas_testing import pallas_kernels_in
 
 pytestmark = pytest.mark.gpu
 
@@ -123,7 +123,7 @@ def steps():
       traced = step.trace(state, batch)
       lowered = traced.lower()
     new_state, metrics = lowered.compile()(state, batch)
-    out[name] = (jax.device_get(metrics), new_state.opt_state[0], new_state, _kernels(traced.jaxpr),
+    out[name] = (jax.device_get(metrics), new_state.opt_state[0], new_state, pallas_kernels_in(traced.jaxpr),
                  lowered.as_text())
   return out
 
@@ -172,18 +172,3 @@ def test_the_step_compared_runs_the_kernels(steps):
     for name in ("xla", "fp32"):
       xla_text = steps[name][4]
       assert "__gpu$xla.gpu.triton" not in xla_text and "mosaic_gpu_v2" not in xla_text, name
-
-
-def _kernels(closed_jaxpr) -> set[str]:
-  """The Pallas kernels a traced program launches, by name: Triton's (`pallas_call`) and Mosaic GPU's
-  (`plgpu.kernel`'s `mpmd_map`), in nested programs too."""
-  found = set()
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-        found.add(eqn.params["name"])
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(closed_jaxpr.jaxpr)
-  return found
