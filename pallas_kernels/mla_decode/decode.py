@@ -96,13 +96,13 @@ def _split_kernel(len_ref, q_ref, ckv_ref, acc_ref, m_ref, l_ref, *, scale, bloc
     valid = (rows >= first) & (rows < end)
     c = pltriton.load(ckv_ref.at[pl.ds(at, block_l), :], mask=valid[:, None], other=0.0)
     sc = jax.lax.dot_general(q, c, (((1,), (1,)), ((), ())), precision=precision,
-                         preferred_element_type=F32) * scale
+                             preferred_element_type=F32) * scale
     sc = jnp.where(valid[None, :], sc, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))                  # finite: every block has a valid row
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(sc - m_new[:, None])
     pv = jax.lax.dot_general(p.astype(dtype), c, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=F32)
+                             preferred_element_type=F32)
     return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
   R = q.shape[-1]

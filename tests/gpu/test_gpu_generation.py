@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.generate_benchmark import fp32_twin
 from k3jax import generate_lib
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import GatedMLA
@@ -42,19 +43,15 @@ BF16_FLOOR = 2e-3      # bf16's rounding of a result at unit scale
 full_logits = nnx.jit(lambda m, tokens: m(tokens)[0])
 
 
+def _config(dtype, pattern="mix", moe=True):
+  return small_config(**{**WIDTH, **(MOE if moe else {}), **PATTERNS[pattern], "dtype": dtype})
+
+
 def _model(dtype, pattern="mix", moe=True, seed=0):
   """The test model as the model initialises it (zero AttnRes queries, the gate's ranges). Not `random_module`:
   its random depth-softmax queries make the AttnRes read-outs nearly one-hot, so some positions do not see a change
   earlier in the context (a cache error), and its bf16 forward is chaotic."""
-  changes = {**WIDTH, **(MOE if moe else {}), **PATTERNS[pattern], "dtype": dtype}
-  return nnx.jit(lambda: K3Model(small_config(**changes), rngs=nnx.Rngs(seed)))()
-
-
-def _as_fp32(model, pattern, moe):
-  """`model`'s weights (fp32 Params) in a model of the same layout computing in fp32."""
-  ref = nnx.eval_shape(lambda: _model("float32", pattern, moe))
-  nnx.update(ref, nnx.state(model, nnx.Param))
-  return ref
+  return nnx.jit(lambda: K3Model(_config(dtype, pattern, moe), rngs=nnx.Rngs(seed)))()
 
 
 def _rows(seed, batch):
@@ -121,7 +118,8 @@ def test_bf16_chunked_prefill_is_as_close_to_fp32_as_the_full_forward(pattern):
   """A dense bf16 model (no expert choice to flip) as initialised: the chunked prefill's error against the fp32
   forward of the same weights is within twice the bf16 full forward's own."""
   model = _model("bfloat16", pattern, moe=False)
-  anchor, ours = _bf16_errors(model, _as_fp32(model, pattern, False), *_rows(3, B), chunk=CHUNKS[2])
+  reference = fp32_twin(model, _config("bfloat16", pattern, moe=False))
+  anchor, ours = _bf16_errors(model, reference, *_rows(3, B), chunk=CHUNKS[2])
   assert ours <= 2 * anchor + BF16_FLOOR, (ours, anchor)
 
 
@@ -175,7 +173,7 @@ def test_a_batch_32_cache_is_updated_in_place():
   held a second copy of them), and the donated cache is the output's buffer. (In CPU mode the decode loop is not
   held to it: the XLA decode attention there upcasts the bf16 cache for its products, the CPU having no bf16
   dots; the GPU runs the Pallas decode kernel on the cache as it is.)"""
-  model = nnx.eval_shape(lambda: K3Model(small_config(**WIDTH, **MOE, dtype="bfloat16"), rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: K3Model(_config("bfloat16"), rngs=nnx.Rngs(0)))
   temps, caches = {}, {}
   for max_len in (16384, 65536):
     caches[max_len] = generate_lib.cache_bytes(jax.eval_shape(lambda: generate_lib.init_cache(model, 32, max_len)))
