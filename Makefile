@@ -14,5 +14,9 @@ run: setup
 test: setup
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q --durations=20 tests
 
+# The GPU tests are mostly compile time, which is CPU work: four processes (pytest-xdist, where installed) share the
+# GPU, each allowed a fifth of its memory.
+GPU_WORKERS := 4
 gpu-test: $(if $(filter $(VENV_PY),$(PY)),setup)
-	K3JAX_GPU_TESTS=1 $(PY) -m pytest -m gpu -q --durations=15 tests/gpu
+	K3JAX_GPU_TESTS=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 $(PY) -m pytest -m gpu -q --durations=15 \
+	  $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS)") tests/gpu

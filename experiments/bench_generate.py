@@ -27,6 +27,7 @@ flags.DEFINE_integer("decode_steps", 64, "tokens decoded per row")
 flags.DEFINE_float("prefill_budget_s", 120.0, "run the real prefill (B = 1) only where its estimate is below this")
 flags.DEFINE_float("memory_fraction", 0.8, "skip contexts whose cache exceeds this share of device memory")
 flags.DEFINE_bool("check", True, "check the chunked prefill against the full forward at the first context")
+flags.DEFINE_bool("profile", False, "trace the decode loop at the first context: device time per token by kind")
 flags.DEFINE_bool("small", False, "tiny config and sizes for a CPU run")
 flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun skips them")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else "",
@@ -45,7 +46,8 @@ def main(argv):
   try:
     settings = generate_benchmark.Settings(patterns=tuple(FLAGS.patterns), **sizes,
                                            prefill_budget_s=FLAGS.prefill_budget_s,
-                                           memory_fraction=FLAGS.memory_fraction, check=FLAGS.check)
+                                           memory_fraction=FLAGS.memory_fraction, check=FLAGS.check,
+                                           profile=FLAGS.profile)
   except ValueError as e:
     raise app.UsageError(str(e))
   harness.enable_compilation_cache(FLAGS.compilation_cache)

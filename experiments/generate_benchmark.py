@@ -10,6 +10,8 @@ loop, compiled together in threads before anything is timed; per context:
   prefill runs ("run") and gives the cache decoding starts from; else the cache holds the context's length of
   arbitrary latents and states (decode speed does not depend on their values).
 - decode: `decode_loop` for `Settings.decode_steps` tokens per row, greedy, no stop (timed after one untimed loop).
+- profile (`Settings.profile`): at the first context, the decode loop traced once more, its device time per token by
+  kind of kernel and the slowest kernels (`k3jax/train/profile.py`).
 - cache: bytes of the KDA states and MLA latents at the context (per row: fixed + per-token), bytes per token;
   est. peak = parameters + the cache at this context + the compiled programs' largest working memory.
 - check: at the first context, B = 1, the chunked prefill's logits after the prompt held to the anchor's error: both
@@ -36,7 +38,7 @@ from flax import nnx
 from k3jax import generate_lib
 from k3jax.model import K3Model
 from k3jax.numerics import rel_err
-from k3jax.train import benchmark
+from k3jax.train import benchmark, profile
 
 CHECK_FACTOR, CHECK_FLOOR = 2.0, 1e-3   # the chunked prefill's error: <= factor x the full forward's + floor
 
@@ -45,7 +47,8 @@ CHECK_FACTOR, CHECK_FLOOR = 2.0, 1e-3   # the chunked prefill's error: <= factor
 class Settings:
   """One run: the layer patterns (`benchmark.PATTERNS`), prompt lengths and batch sizes, the prefill tokens per chunk
   step (all rows together: chunk = chunk_tokens / B), the tokens decoded per row, the budget under which the real
-  prefill runs (B = 1), the share of device memory a cache may take, and whether to check the chunked prefill."""
+  prefill runs (B = 1), the share of device memory a cache may take, whether to check the chunked prefill and
+  whether to profile the decode loop."""
   patterns: tuple[str, ...]
   contexts: tuple[int, ...]
   batches: tuple[int, ...]
@@ -54,6 +57,7 @@ class Settings:
   prefill_budget_s: float
   memory_fraction: float
   check: bool
+  profile: bool = False
 
   def __post_init__(self):
     if self.decode_steps < 2:
@@ -216,7 +220,22 @@ def time_decode(p: Programs, cache, L: int, steps: int):
   return seconds, cache
 
 
-def measure(p: Programs, steps: int, budget_s: float) -> list[dict]:
+def profile_decode(p: Programs, cache, L: int, steps: int):
+  """(the decode loop's device time per token by kind of kernel, `profile.breakdown` plus its slowest kernels; the
+  cache), traced over one loop of `steps` tokens from length L."""
+  logits = jnp.zeros((p.B, p.model.vocab_size), jnp.float32)
+  cache = jax.block_until_ready(at_length(cache, L))
+  result = {}
+
+  def run():
+    out, _, result["cache"] = generate_lib.decode_loop(p.model, logits, cache, jax.random.PRNGKey(0), max_new=steps,
+                                                       loop=p.loop)
+    return out
+  kernels = profile.trace_kernels(run, calls=steps - 1, hlo_text=p.loop.as_text())
+  return {**profile.breakdown(kernels), "kernels": [dataclasses.asdict(k) for k in kernels[:25]]}, result["cache"]
+
+
+def measure(p: Programs, steps: int, budget_s: float, trace: bool = False) -> list[dict]:
   """A row per context of `p` (see the module docstring), each printed as a table line as it comes; an error at
   one context (out of memory) is that row's "error"."""
   fixed, per_token = cache_line(p.model)
@@ -249,6 +268,11 @@ def measure(p: Programs, steps: int, budget_s: float) -> list[dict]:
       seconds, cache = time_decode(p, cache, L, steps)
       ms = 1e3 * seconds / (steps - 1)                           # the first token comes from the prefill's logits
       row.update(decode_ms_per_step=ms, decode_tok_s_per_seq=1e3 / ms, decode_tok_s=p.B * 1e3 / ms)
+      if trace and i == 0:
+        row["decode_profile"], cache = profile_decode(p, cache, L, steps)
+        kernels = [profile.Kernel(**k) for k in row["decode_profile"]["kernels"]]
+        print(f"decode profile of {p.pattern} B={p.B} at L={L}, per token:\n"
+              f"{profile.format_breakdown(row['decode_profile'], kernels)}", flush=True)
     except Exception as e:  # noqa: BLE001 (out of memory at one context is a row, not the end of the run)
       row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
       traceback.print_exc()
@@ -337,7 +361,7 @@ def run(config, settings: Settings, save: Callable[[list[dict]], None] | None = 
   compile_all(programs, settings.decode_steps, settings.check)
   print(f"compiled {len(programs)} (pattern, batch) pairs in {time.perf_counter() - start:.0f} s", flush=True)
   for p in programs:
-    rows += measure(p, settings.decode_steps, settings.prefill_budget_s)
+    rows += measure(p, settings.decode_steps, settings.prefill_budget_s, settings.profile)
     if save is not None:
       save(rows)
     p.model = p.step = p.loop = p.forward = None                 # free the device memory before the next

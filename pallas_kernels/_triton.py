@@ -1,5 +1,5 @@
-"""The single interface between k3jax kernels and Pallas's GPU lowerings: interpret mode, the Triton launch, and
-whether a Mosaic GPU kernel applies."""
+"""The single interface between k3jax kernels and Pallas's GPU lowerings: interpret mode, the Triton launch, the
+precision of fp32 products, and whether a Mosaic GPU kernel applies."""
 from __future__ import annotations
 
 import os
@@ -15,6 +15,13 @@ def interpret_mode() -> bool:
   the GPU anywhere (to export a GPU program from a CPU machine)."""
   forced = os.environ.get("K3JAX_PALLAS_INTERPRET")
   return forced == "1" if forced in ("0", "1") else jax.default_backend() != "gpu"
+
+
+def fp32_products():
+  """The `precision` of a kernel's fp32 products that are meant to be exact: 3xTF32 on the GPU (three tensor-core
+  products, about fp32's accuracy), fp32 in interpret mode. Triton's IEEE fp32 product is an unrolled loop of
+  CUDA-core FMAs, which made each fp32 KDA kernel set compile in about 40 s on the H200 (bf16: 2 s)."""
+  return jax.lax.Precision.HIGHEST if interpret_mode() else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def mosaic_gpu_reason(*, off_gpu: bool = False) -> str | None:

@@ -1,7 +1,8 @@
 """Test-wide set-up: 8 simulated CPU devices (expert/data-parallel tests) before JAX initialises; tests marked
 `gpu` (tests/gpu/, `make gpu-test`) skipped where JAX sees no GPU. `make gpu-test` sets K3JAX_GPU_TESTS=1, which
 keeps the CPU suite's compile flags off the GPU's programs; K3JAX_GPU_TESTS=cpu runs the gpu tests on the CPU
-(Pallas in interpret mode) to check the tests themselves, not the GPU."""
+(Pallas in interpret mode) to check the tests themselves, not the GPU. Compiled programs are shared through a
+persistent cache of the session's own."""
 import os
 
 GPU_RUN = os.environ.get("K3JAX_GPU_TESTS", "")
@@ -12,6 +13,17 @@ if GPU_RUN != "1":
   # CPU tests are dominated by compile time (Pallas interpret mode especially); LLVM's -O0 compiles ~3x faster.
   if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+# One persistent compilation cache for the session, its workers and the scripts they start (fresh each session, so
+# every run compiles as a clean clone does): a program compiled by one test is read back by another that builds it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="k3jax-tests-xla-cache-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402  (after the flags: JAX must see them when it first initialises)
 
@@ -25,9 +37,14 @@ def trained(tmp_path_factory):
     yield t
 
 
+# Run first: the longest tests (minutes each), so that no worker is left running one of them alone at the end.
+LONGEST_FIRST = ("test_notebooks.py",)
+
+
 def pytest_collection_modifyitems(config, items):
   _skip_gpu_tests_without_a_gpu(items)
   _group_for_loadgroup(config, items)
+  items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)   # stable: the rest keep their order
 
 
 def _skip_gpu_tests_without_a_gpu(items):

@@ -1,5 +1,5 @@
 """Helpers for the Pallas kernels' tests: a jitted function's program as lowered for a CUDA GPU, from this CPU; the
-Pallas kernels a traced program launches."""
+Pallas kernels a traced program launches, and the precisions of their products."""
 import jax
 import jax.extend
 
@@ -28,4 +28,19 @@ def pallas_kernels_in(closed_jaxpr) -> set[str]:
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         walk(sub)
   walk(closed_jaxpr.jaxpr)
+  return found
+
+
+def kernel_products(closed_jaxpr) -> set[tuple[str, str, object]]:
+  """(kernel name, operand dtype, precision) of every product inside the Pallas kernels of a traced program."""
+  found = set()
+
+  def walk(jaxpr, kernel):
+    for eqn in jaxpr.eqns:
+      name = eqn.params["name"] if eqn.primitive.name in ("pallas_call", "mpmd_map") else kernel
+      if kernel is not None and eqn.primitive.name == "dot_general":
+        found.add((kernel, str(eqn.invars[0].aval.dtype), eqn.params["precision"]))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub, name)
+  walk(closed_jaxpr.jaxpr, None)
   return found

@@ -173,7 +173,8 @@ def test_scanned_groups_give_the_unrolled_loss_gradients_stats_and_balancer_upda
   g1 = scanned_layout(g1, cfg)
   assert jax.tree.structure(g1) == jax.tree.structure(g2)
   flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
-  assert rel_err(flat(g2), flat(g1)) < 1e-5
+  # fp32 summation order: XLA:CPU's threaded reductions moved the whole gradient by 2.1e-5 in one of several runs.
+  assert rel_err(flat(g2), flat(g1)) < 5e-5
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
     # Leaf by leaf the fp32 summation order shows more in sums of many cancelling terms (AttnRes queries over the 13
     # sources of "full", a KDA dt_bias): in "full", remat alone moves the unrolled model's leaves by up to 1.5e-4.

@@ -77,13 +77,16 @@ def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:
 
 
 def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
-  """Instruction name -> (custom-call target or opcode, op_name), from a compiled program's HLO text."""
+  """Instruction name, and its GPU kernel's name (the same with '.' and '-' made '_'), -> (custom-call target or
+  opcode, op_name), from a compiled program's HLO text."""
   out = {}
   for line in hlo_text.splitlines():
     m = _HLO_LINE.match(line)
     if m:
       target, op_name = _TARGET.search(line), _OP_NAME.search(line)
-      out[m.group(1)] = (target.group(1) if target else m.group(2), op_name.group(1) if op_name else "")
+      found = (target.group(1) if target else m.group(2), op_name.group(1) if op_name else "")
+      out[m.group(1)] = found
+      out.setdefault(re.sub(r"[.\-]", "_", m.group(1)), found)
   return out
 
 
@@ -103,7 +106,8 @@ def trace_kernels(run: Callable[[], object], *, calls: int, hlo_text: str = "") 
   for name, hlo_op, duration_ns in events:
     launches[name] += 1
     ns[name] += duration_ns
-    ops.setdefault(name, instructions.get(hlo_op, ("", "")))
+    if name not in ops:   # by the event's HLO op, else by the kernel's own name (where the op is not found)
+      ops[name] = instructions.get(hlo_op) or instructions.get(name, ("", ""))
   kernels = [Kernel(name, kernel_kind(name, *ops[name]), launches[name] / calls, ns[name] / calls / 1e6,
                     ops[name][1]) for name in ns]
   return sorted(kernels, key=lambda k: -k.ms)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from k3jax.ops.kda.common import CHUNK, SUB
+from pallas_kernels import fp32_products
 
 NT = CHUNK // SUB
 F32 = jnp.float32
@@ -48,8 +49,9 @@ def store(ref, i, x):
 
 
 def _dot(a, b, dims, dtype, exact=True):
-  # fp32 operands: exact products unless `exact=False` (Triton's default for fp32 is tf32); bf16: tensor cores.
-  precision = jax.lax.Precision.HIGHEST if dtype == F32 and exact else None
+  # fp32 operands: exact products (`fp32_products`) unless `exact=False` (tf32, Triton's default for fp32); bf16:
+  # tensor cores.
+  precision = fp32_products() if dtype == F32 and exact else None
   return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())), precision=precision,
                              preferred_element_type=F32)
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import triton_call
+from pallas_kernels import fp32_products, triton_call
 
 F32 = jnp.float32
 MIN_ROWS = 16           # tl.dot's smallest M: a head block is padded to it
@@ -85,8 +85,9 @@ def _split_kernel(len_ref, q_ref, ckv_ref, acc_ref, m_ref, l_ref, *, scale, bloc
   end = jnp.minimum(begin + part, n)
   q = q_ref[...]
   dtype = ckv_ref.dtype
-  # fp32 operands: exact products (Triton's default for fp32 is tf32, 1e-3 off); bf16: tensor cores as they are.
-  precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
+  # fp32 operands: exact products (`fp32_products`; Triton's default for fp32, tf32, is 1e-3 off); bf16: tensor
+  # cores as they are.
+  precision = fp32_products() if dtype == F32 else None
 
   def step(i, carry):
     m, l, acc = carry

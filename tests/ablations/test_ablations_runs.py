@@ -2,6 +2,7 @@
 logged, reuse of finished runs and refusal of another config, the trained model as checkpointed, the AttnRes depth
 weights, forward throughput; the Study's configs and the summaries."""
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -235,7 +236,9 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
         runs.train_variants({{"a": c}}, {str(tmp_path / "runs")!r}, seeds=[0, 1], precompile=True)
         print(json.dumps({{k: events.count(k) for k in set(events) if "compilation_cache" in k}}))
       """)
-  out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900)
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}   # no cache but its own
+  out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env=env)
   assert out.returncode == 0, out.stderr[-4000:]
   counts = json.loads(out.stdout.strip().splitlines()[-1])
   # Nothing compiled here: two seeds' inits, both stages' train steps, the held-out evaluations at 32 and 64 and

@@ -74,6 +74,17 @@ def test_kernel_kind_classifies_gpu_and_cpu_kernels(name, target, op_name, kind)
   assert profile.kernel_kind(name, target, op_name) == kind
 
 
+def test_hlo_instructions_are_found_by_their_gpu_kernels_names_too():
+  instructions = profile.hlo_instructions(
+      '  %loop_reduce_fusion.10 = f32[8]{0} fusion(f32[8,4]{1,0} %p), kind=kLoop, calls=%fused, '
+      'metadata={op_name="jit(f)/while/body/layer_3/attnres/reduce_sum"}\n'
+      '  %all-reduce.3 = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%add\n')
+  reduce = ("fusion", "jit(f)/while/body/layer_3/attnres/reduce_sum")
+  assert instructions["loop_reduce_fusion.10"] == instructions["loop_reduce_fusion_10"] == reduce
+  assert instructions["all-reduce.3"] == instructions["all_reduce_3"] == ("all-reduce", "")
+  assert "memcpy32_post" not in instructions
+
+
 def test_trace_kernels_times_a_cpu_program_by_kind_with_its_op_names():
   @jax.jit
   def f(x, i):

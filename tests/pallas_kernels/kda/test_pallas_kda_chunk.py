@@ -9,7 +9,7 @@ from k3jax.numerics import rel_err
 from k3jax.ops import kda
 from k3jax.ops.kda.testing import kda_outputs_and_grads, random_inputs
 from pallas_kernels.kda import KDAKernelOptions, chunk
-from pallas_testing import cuda_module_text
+from pallas_testing import cuda_module_text, kernel_products
 
 # (B, T, H, K, V): T not a multiple of the 64-token chunk; K = V = 32 keeps interpret mode fast.
 SHAPE = (1, 100, 2, 32, 32)
@@ -174,6 +174,25 @@ def test_fused_entry_forward_matches_xla_with_padding_documents_and_states():
                                       segment_ids=seg)
   (o, S), (o_ref, S_ref) = run("pallas"), run("xla")
   assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5, (rel_err(o, o_ref), rel_err(S, S_ref))
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_fp32_products_are_three_tf32_products_on_the_gpu_and_fp32_interpreted(monkeypatch, on_gpu):
+  """Every product the fp32 kernels (forward and backward) mean to be exact is 3xTF32 as lowered for the GPU, never
+  Triton's IEEE fp32 product (CUDA-core FMAs, a slow compile), and fp32 in interpret mode; the rest are tf32."""
+  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0" if on_gpu else "1")
+  B, T, H, K, V = 1, 128, 2, 64, 64
+  shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H)]
+  args = [jnp.zeros(s, jnp.float32) for s in shapes]
+
+  def loss(q, k, v, g, beta):
+    return kda.chunk_kda(q, k, v, g, beta, lower_bound=-5.0, backend="pallas")[0].sum()
+  products = kernel_products(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args))
+  exact = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if on_gpu else (jax.lax.Precision.HIGHEST,) * 2
+  kernels = {name for name, _, _ in products}
+  assert {"kda_intra_fwd_solve", "kda_state_fwd", "kda_state_bwd", "kda_intra_bwd_v5_cols"} <= kernels, kernels
+  precisions = {precision for _, dtype, precision in products if dtype == "float32"}
+  assert exact in precisions and precisions <= {exact, None}, precisions
 
 
 def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):

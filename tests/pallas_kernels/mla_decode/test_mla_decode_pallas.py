@@ -7,7 +7,7 @@ import pytest
 
 from k3jax.numerics import rel_err
 from k3jax.ops.mla import decode_attention_xla
-from pallas_testing import cuda_module_text
+from pallas_testing import cuda_module_text, kernel_products
 from pallas_kernels.mla_decode import DecodeConfig, mla_decode, mla_decode_reference
 
 
@@ -71,3 +71,15 @@ def test_kernel_lowers_to_triton_for_the_gpu(monkeypatch):
           jax.ShapeDtypeStruct((2,), jnp.int32))
   text = cuda_module_text(monkeypatch, lambda q, c, n: mla_decode(q, c, n, scale=0.1), *args)
   assert 'name = "mla_decode_split"' in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp32_products_are_three_tf32_products_on_the_gpu(monkeypatch, dtype):
+  """As lowered for the GPU, fp32 scores and values are 3xTF32 products (not Triton's IEEE fp32 FMA loop, nor tf32's
+  1e-3); bf16 ones take the tensor cores as they are."""
+  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")
+  q, ckv = jnp.zeros((1, 16, 64), dtype), jnp.zeros((1, 100, 64), dtype)
+  products = kernel_products(jax.make_jaxpr(lambda q, c, n: mla_decode(q, c, n, scale=0.1))(q, ckv, jnp.ones((1,),
+                                                                                                     jnp.int32)))
+  exact = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if dtype == jnp.float32 else None
+  assert {precision for _, _, precision in products} == {exact}, products
