@@ -87,8 +87,9 @@ def test_bench_moe_small_runs_its_sections_and_checks(tmp_path):
 @pytest.mark.xdist_group("benchmarks")
 def test_bench_generate_small_runs_both_patterns_and_checks(tmp_path):
   """Both layer patterns, B = 1 and 2, a prompt that no chunk divides: every row has its prefill and decode
-  speeds and cache bytes, the chunked prefill matched the full forward, and the table and the bars are printed."""
-  done = run_script("experiments.bench_generate", "--small", out_dir=tmp_path)
+  speeds and cache bytes, the chunked prefill matched the full forward, the table and the bars are printed, and the
+  decode loop is profiled at the first context."""
+  done = run_script("experiments.bench_generate", "--small", "--profile", out_dir=tmp_path)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   rows = json.loads((tmp_path / "bench_generate.json").read_text())
   assert {(r["pattern"], r["B"], r["L"]) for r in rows} == {(p, b, n) for p in ("config", "mla") for b in (1, 2)
@@ -101,6 +102,10 @@ def test_bench_generate_small_runs_both_patterns_and_checks(tmp_path):
   slope = {p: (b[160] - b[64]) / 96 for p, b in per_row.items()}   # bytes per added token: the MLA layers' latents
   assert slope["config"] * 4 == pytest.approx(slope["mla"])       # tiny: 1 MLA layer of 4 against 4 of 4
   assert "cache bytes/token at the longest context" in done.stdout and "decode L=160 B=2" in done.stdout
+  profiled = [r for r in rows if "decode_profile" in r]
+  assert {(r["pattern"], r["B"], r["L"]) for r in profiled} == {(p, b, 64) for p in ("config", "mla") for b in (1, 2)}
+  assert all(r["decode_profile"]["launches"] > 0 and r["decode_profile"]["total_ms"] > 0 for r in profiled)
+  assert "decode profile of config B=1 at L=64, per token" in done.stdout
 
 
 @pytest.mark.xdist_group("benchmarks")
