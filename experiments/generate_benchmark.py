@@ -205,14 +205,23 @@ def time_chunk(p: Programs, cache, start: int):
   return time.perf_counter() - t0, cache
 
 
+def decode(p: Programs, logits_BV, cache, steps: int):
+  """`p`'s compiled decode loop, `steps` tokens per row from the cache as it is: (tokens, tokens per row, the
+  cache)."""
+  return generate_lib.decode_loop(p.model, logits_BV, cache, jax.random.PRNGKey(0), max_new=steps, loop=p.loop)
+
+
+def zero_logits(p: Programs):
+  return jnp.zeros((p.B, p.model.vocab_size), jnp.float32)
+
+
 def time_decode(p: Programs, cache, L: int, steps: int):
   """(seconds of a decode loop of `steps` tokens per row from length L, after an untimed one; the cache)."""
-  logits = jnp.zeros((p.B, p.model.vocab_size), jnp.float32)
+  logits = zero_logits(p)
   for _ in range(2):
     cache = jax.block_until_ready(at_length(cache, L))
     t0 = time.perf_counter()
-    out, got, cache = generate_lib.decode_loop(p.model, logits, cache, jax.random.PRNGKey(0), max_new=steps,
-                                               loop=p.loop)
+    out, got, cache = decode(p, logits, cache, steps)
     jax.block_until_ready(out)
     seconds = time.perf_counter() - t0
     if int(got.min()) != steps:
@@ -223,16 +232,14 @@ def time_decode(p: Programs, cache, L: int, steps: int):
 def profile_decode(p: Programs, cache, L: int, steps: int):
   """(the decode loop's device time per token by kind of kernel, `profile.breakdown` plus its slowest kernels; the
   cache), traced over one loop of `steps` tokens from length L."""
-  logits = jnp.zeros((p.B, p.model.vocab_size), jnp.float32)
-  cache = jax.block_until_ready(at_length(cache, L))
-  result = {}
+  logits, cache = zero_logits(p), jax.block_until_ready(at_length(cache, L))
+  outputs = []          # the cache is donated: the loop's new one is kept from inside the trace
 
   def run():
-    out, _, result["cache"] = generate_lib.decode_loop(p.model, logits, cache, jax.random.PRNGKey(0), max_new=steps,
-                                                       loop=p.loop)
-    return out
+    outputs.append(decode(p, logits, cache, steps))
+    return outputs[0]
   kernels = profile.trace_kernels(run, calls=steps - 1, hlo_text=p.loop.as_text())
-  return {**profile.breakdown(kernels), "kernels": [dataclasses.asdict(k) for k in kernels[:25]]}, result["cache"]
+  return {**profile.breakdown(kernels), "kernels": [dataclasses.asdict(k) for k in kernels[:25]]}, outputs[0][2]
 
 
 def measure(p: Programs, steps: int, budget_s: float, trace: bool = False) -> list[dict]:

@@ -16,31 +16,28 @@ def cuda_module_text(monkeypatch, fn, *args) -> str:
 
 
 
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")   # Triton's and Mosaic GPU's (`plgpu.kernel`) launches
+
+
+def _equations(closed_jaxpr):
+  """(the name of the Pallas kernel it sits inside, or None; the equation) of every equation of a traced program,
+  in nested programs too."""
+  def walk(jaxpr, kernel):
+    for eqn in jaxpr.eqns:
+      yield kernel, eqn
+      inside = eqn.params["name"] if eqn.primitive.name in KERNEL_PRIMITIVES else kernel
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from walk(sub, inside)
+  return walk(closed_jaxpr.jaxpr, None)
+
+
 def pallas_kernels_in(closed_jaxpr) -> set[str]:
   """The Pallas kernels a traced program launches, by name (nothing compiles): Triton's (`pallas_call`) and Mosaic
   GPU's (`plgpu.kernel`'s `mpmd_map`), in nested programs too."""
-  found = set()
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-        found.add(eqn.params["name"])
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(closed_jaxpr.jaxpr)
-  return found
+  return {eqn.params["name"] for _, eqn in _equations(closed_jaxpr) if eqn.primitive.name in KERNEL_PRIMITIVES}
 
 
 def kernel_products(closed_jaxpr) -> set[tuple[str, str, object]]:
   """(kernel name, operand dtype, precision) of every product inside the Pallas kernels of a traced program."""
-  found = set()
-
-  def walk(jaxpr, kernel):
-    for eqn in jaxpr.eqns:
-      name = eqn.params["name"] if eqn.primitive.name in ("pallas_call", "mpmd_map") else kernel
-      if kernel is not None and eqn.primitive.name == "dot_general":
-        found.add((kernel, str(eqn.invars[0].aval.dtype), eqn.params["precision"]))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub, name)
-  walk(closed_jaxpr.jaxpr, None)
-  return found
+  return {(kernel, str(eqn.invars[0].aval.dtype), eqn.params["precision"]) for kernel, eqn in _equations(closed_jaxpr)
+          if kernel is not None and eqn.primitive.name == "dot_general"}
