@@ -84,13 +84,13 @@ class GatedMLA(nnx.Module):
 
     Row b's first `lengths_B[b]` tokens (all T when None) take positions start_b, start_b + 1, …; their latents
     are written to the cache there and each attends to the row's positions up to its own
-    (`k3jax.ops.mla.chunk_attention`: up-projected, block by block). The other tokens are padding: they write
-    nothing and their outputs are arbitrary. Returns (y `[B, T, d]`, the cache)."""
+    (`k3jax.ops.mla.chunk_attention`, on cuDNN where the full forward's attention is). The other tokens are
+    padding: they write nothing and their outputs are arbitrary. Returns (y `[B, T, d]`, the cache)."""
     B, T, _ = x_BTD.shape
     start_B, lengths_B = _row_lengths(start_B, lengths_B, B, T, cache.ckv_BLR.shape[1])
     ckv = mla_ops.write_latents(cache.ckv_BLR, self._latents(x_BTD), start_B, lengths_B)
     o = mla_ops.chunk_attention(self._queries(x_BTD), ckv, start_B, self.w_uk[...], self.w_uv[...],
-                                scale=self.Dqk ** -0.5)
+                                scale=self.Dqk ** -0.5, impl=self._implementation())
     return self._output(o, x_BTD), MLACache(ckv)
 
   def decode_rows(self, x_B1D, cache: MLACache, pos_B):

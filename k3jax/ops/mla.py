@@ -5,10 +5,16 @@ The cache is `ckv_BLR`, the RMS-normed latents c_kv of every position of each ro
 Rows have their own lengths: the query of row b at position p attends to positions 0..p of row b.
 
 - `chunk_attention` (prefill) up-projects cached latents to keys and values (k = c W_uk, v = c W_uv, head dims
-  Dqk, Dv) one key block at a time and runs an online softmax over the blocks. The absorbed form would score
-  queries against latents directly, but its products are R wide instead of Dqk and Dv (256 or 512 against 128):
-  attention of a 4K–64K chunk against a long cache is bound by those products, and re-projecting a key block
-  costs R/Tq of them (Tq the query tile, ≥ 1024), so up-projecting does about half the work at R = 256.
+  Dqk, Dv). The absorbed form would score queries against latents directly, but its products are R wide instead
+  of Dqk and Dv (256 or 512 against 128): attention of a 4K–64K chunk against a long cache is bound by those
+  products, and up-projecting the keys costs R/Tq of them (Tq the chunk or query tile, ≥ 1024), so up-projecting
+  does about half the work at R = 256. Two implementations:
+  "xla" (`chunk_attention_blocked`): an online softmax over key blocks, up-projected one block at a time; its
+  scores pass through memory, so it runs at a fraction of the GPU's matrix rate.
+  "cudnn" (`chunk_attention_split`): fused attentions merged by their log-sum-exps, the chunk over itself (causal)
+  and over the cache's positions before the row's start, a block of keys at a time, each cut at the start by a key
+  length (cuDNN's work follows the length). cuDNN's causal mask is aligned at the first key, so one call cannot
+  hold "the prefix and my own past".
 - `decode_attention` (one token) is absorbed: q̃_h = W_uk,h q_h scores the latents (multi-query attention with
   one shared key/value head of width R) and the result is the attention-weighted latent; decoding is bound by
   reading the cache, which this reads once per step (the Pallas kernel) instead of materialising keys and values.
@@ -34,15 +40,32 @@ def write_latents(ckv_BLR, c_BTR, start_B, lengths_B):
   return ckv_BLR.at[rows_BT, pos_BT].set(c_BTR.astype(ckv_BLR.dtype), mode="drop")
 
 
+CHUNK_IMPLS = ("xla", "cudnn")
+
+
+def chunk_attention(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: float, impl: str = "xla"):
+  """Softmax attention of a chunk of queries over the latent cache, up-projected to keys and values.
+
+  Query t of row b sits at position start_b + t and attends to cached positions 0..start_b + t (its own latent
+  must already be in the cache: `write_latents`). q `[B, T, H, Dqk]`, ckv `[B, L, R]`, start `[B]` int32 with
+  start_b + T ≤ L for the rows' real tokens (later positions are padding: their outputs are arbitrary). `impl`:
+  "xla" (`chunk_attention_blocked`) or "cudnn" (`chunk_attention_split` on cuDNN's fused attention; bf16 or fp16,
+  a GPU). Returns o `[B, T, H, Dv]` in q's dtype."""
+  if impl == "xla":
+    return chunk_attention_blocked(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, scale=scale)
+  if impl == "cudnn":
+    return chunk_attention_split(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, scale=scale, attend=cudnn_attend)
+  raise ValueError(f"impl must be one of {CHUNK_IMPLS}, got {impl!r}")
+
+
 SCORE_BYTES = 1 << 29   # fp32 scores of one (query tile, key block) step, B·H·Tq·Bk·4: 512 MiB
 
 
-def chunk_attention(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: float, query_block: int = 4096,
-                    key_block: int | None = None):
-  """Softmax attention of a chunk of queries over the latent cache, up-projected block by block.
+def chunk_attention_blocked(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: float, query_block: int = 4096,
+                            key_block: int | None = None):
+  """`chunk_attention` as an online softmax over key blocks, each up-projected as it is read.
 
-  Query t of row b sits at position start_b + t and attends to cached positions 0..start_b + t (its own
-  latent must already be in the cache: `write_latents`). Queries are taken `query_block` at a time; for each,
+  Queries are taken `query_block` at a time; for each,
   key blocks of `key_block` positions up to the last one any row needs (a dynamic count: the cost follows the rows'
   positions, not L). `key_block` None: the largest power of two in [256, 4096] whose scores fit SCORE_BYTES (each
   step of the loop costs a launch and a host round trip, so blocks are long). Scores and the softmax in fp32,
@@ -94,6 +117,71 @@ def chunk_attention(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: floa
 
   o_NBHTV = jax.lax.map(query_tile, (jnp.arange(nq, dtype=jnp.int32), q_NBHTD))
   return o_NBHTV.transpose(1, 0, 3, 2, 4).reshape(B, nq * Tq, H, Dv)[:, :T]
+
+
+KEY_BLOCK_TOKENS = 1 << 16   # cached keys up-projected per step of the split's prefix loop, all rows together
+
+
+def chunk_attention_split(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: float, attend,
+                          key_block: int | None = None):
+  """`chunk_attention` as fused attentions merged by their log-sum-exps: the chunk over its own positions
+  start_b … start_b + T − 1 (causal), then over each block of `key_block` cached positions before the furthest
+  row's start (a dynamic count), each block up-projected as it is read and cut at the row's start by a key length.
+  `key_block` None: KEY_BLOCK_TOKENS / B (at least 256, at most L).
+
+  `attend(q, k, v, *, scale, kv_lengths_B)` is one attention (`cudnn_attend`): q `[B, T, H, D]`, k and v
+  `[B, S, H, ·]`; `kv_lengths_B` int32 `[B]` ≥ 1 attends to each row's first keys, unmasked, and None is causal
+  (S = T); it returns (o `[B, T, H, Dv]`, the log-sum-exp of the scaled scores `[B, H, T]` in fp32)."""
+  B, T, _, _ = q_BTHD.shape
+  L = ckv_BLR.shape[1]
+  Bk = min(L, key_block or max(256, KEY_BLOCK_TOKENS // B))
+  dtype = q_BTHD.dtype
+  w_uk, w_uv = w_uk_RHD.astype(dtype), w_uv_RHV.astype(dtype)
+  up = lambda c_BSR: (jnp.einsum("bsr,rhd->bshd", c_BSR, w_uk), jnp.einsum("bsr,rhv->bshv", c_BSR, w_uv))
+  start_B = start_B.astype(jnp.int32)
+  # The chunk's own latents, read back from the cache; positions past it (padding only) repeat its last one.
+  pos_BT = jnp.minimum(start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None], L - 1)
+  own_BTR = jnp.take_along_axis(ckv_BLR, pos_BT[..., None], axis=1).astype(dtype)
+  o_BTHV, lse_BHT = attend(q_BTHD, *up(own_BTR), scale=scale, kv_lengths_B=None)
+
+  def prefix_block(j, carry):
+    pos_K = jnp.minimum(j * Bk + jnp.arange(Bk, dtype=jnp.int32), L - 1)   # past L: beyond every start, cut
+    keys_B = jnp.clip(start_B - j * Bk, 0, Bk)
+    o_j, lse_j = attend(q_BTHD, *up(jnp.take(ckv_BLR, pos_K, axis=1).astype(dtype)), scale=scale,
+                        kv_lengths_B=jnp.maximum(keys_B, 1))
+    return _merge(*carry, o_j, jnp.where(keys_B[:, None, None] > 0, lse_j, -jnp.inf))   # no keys: no weight
+
+  num_blocks = -(-jnp.max(start_B) // Bk)
+  o_BTHV, _ = jax.lax.fori_loop(0, num_blocks, prefix_block, (o_BTHV.astype(jnp.float32), lse_BHT))
+  return o_BTHV.astype(dtype)
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+  """Two softmax attentions of the same queries over disjoint keys, (o `[B, T, H, V]`, lse `[B, H, T]`), as one;
+  `lse_a` finite."""
+  m = jnp.maximum(lse_a, lse_b)
+  w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+  to_o = lambda w_BHT: w_BHT.transpose(0, 2, 1)[..., None]
+  o = (to_o(w_a) * o_a + to_o(w_b) * o_b.astype(jnp.float32)) / to_o(w_a + w_b)
+  return o, m + jnp.log(w_a + w_b)
+
+
+def cudnn_attend(q_BTHD, k_BSHD, v_BSHV, *, scale: float, kv_lengths_B):
+  """One attention on cuDNN's fused kernel for `chunk_attention_split` (its contract). Head dims are zero-padded
+  to the larger of q's and v's (scores and outputs unchanged). Calls JAX's cuDNN entry below `jax.nn`, whose
+  public form returns the log-sum-exp in the output's dtype (bf16 would put ~3% errors in the merge)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  B, T, _, Dqk = q_BTHD.shape
+  Dv = v_BSHV.shape[-1]
+  D = max(Dqk, Dv)
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, D - a.shape[-1])))
+  if kv_lengths_B is None:
+    mask_type, lengths = cudnn.MaskType.CAUSAL, ()
+  else:                                           # (bias, mask, query lengths, key lengths)
+    mask_type, lengths = cudnn.MaskType.PADDING, (None, None, jnp.full((B,), T, jnp.int32), kv_lengths_B)
+  o, lse_BHT = cudnn.dot_product_attention(pad(q_BTHD), pad(k_BSHD), pad(v_BSHV), *lengths, scale=scale,
+                                           mask_type=mask_type, return_residual=True)
+  return o[..., :Dv], lse_BHT
 
 
 def decode_attention(q_BHR, ckv_BLR, lengths_B, *, scale: float, impl: str = "auto"):

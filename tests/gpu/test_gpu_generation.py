@@ -20,6 +20,7 @@ from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import GatedMLA
 from k3jax.model import K3Model
 from k3jax.numerics import rel_err
+from k3jax.ops import mla as mla_ops
 from model_testing import random_module, small_config
 
 pytestmark = pytest.mark.gpu
@@ -165,6 +166,31 @@ def test_each_mixers_bf16_chunked_prefill_is_held_to_its_full_forwards_error(kin
   for chunk in CHUNKS[1:]:
     ours = rel_err(np.asarray(_chunked(mixer, x.astype(jnp.bfloat16), lengths, chunk).astype(jnp.float32))[valid], ref)
     assert ours <= 2 * anchor + BF16_FLOOR, (chunk, ours, anchor)
+
+
+def test_cudnn_chunk_attention_is_held_to_the_xla_paths_bf16_error():
+  """The MLA chunk attention on cuDNN (the split: own chunk causal, then prefix blocks of 512 cut at each row's
+  start) against the fp32 blocked XLA path ("highest"), within twice the bf16 blocked XLA path's own error; rows at
+  start 0, mid-block, on a block boundary and near the cache's end, a chunk no block divides. (cuDNN only: not in
+  CPU mode, where tests/ops/test_ops_mla.py checks the split's merging with einsum attentions.)"""
+  if not ON_GPU:
+    pytest.skip("cuDNN attention needs a GPU")
+  Bq, Tq, L, H, D, R = 4, T, 4 * T + 96, 2, 128, 64
+  ks = jax.random.split(jax.random.PRNGKey(7), 4)
+  q = jax.random.normal(ks[0], (Bq, Tq, H, D), jnp.float32)
+  ckv = jax.random.normal(ks[1], (Bq, L, R), jnp.float32)
+  w_uk, w_uv = (jax.random.normal(k, (R, H, D), jnp.float32) * R ** -0.5 for k in ks[2:])
+  start = jnp.asarray([0, 700, 1024, L - Tq], jnp.int32)
+  bf16 = lambda *a: tuple(x.astype(jnp.bfloat16) for x in a)
+  blocked = jax.jit(lambda *a: mla_ops.chunk_attention_blocked(*a, scale=D ** -0.5))
+  split = jax.jit(lambda *a: mla_ops.chunk_attention_split(*a, scale=D ** -0.5, attend=mla_ops.cudnn_attend,
+                                                            key_block=512))
+  with jax.default_matmul_precision("highest"):
+    ref = blocked(q, ckv, start, w_uk, w_uv)
+  q16, c16, uk16, uv16 = bf16(q, ckv, w_uk, w_uv)
+  anchor = rel_err(blocked(q16, c16, start, uk16, uv16), ref)
+  ours = rel_err(split(q16, c16, start, uk16, uv16), ref)
+  assert ours <= 2 * anchor + BF16_FLOOR, (ours, anchor)
 
 
 def test_a_batch_32_cache_is_updated_in_place():

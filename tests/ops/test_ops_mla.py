@@ -1,5 +1,5 @@
-"""MLA attention over a latent cache: the blocked chunk attention and the absorbed decode against dense float64
-formulas, with per-row starts and lengths, blocks that do not divide the cache, and the cache writes."""
+"""MLA attention over a latent cache: the blocked and the split chunk attention and the absorbed decode against dense
+float64 formulas, with per-row starts and lengths, blocks that do not divide the cache, and the cache writes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,10 +38,46 @@ def test_chunk_attention_matches_dense_formula_with_per_row_starts(query_block, 
   T, L = 10, 23
   q, ckv, w_uk, w_uv = _draw(0, T, L)
   start = jnp.asarray([0, 7, 13], jnp.int32)
-  got = jax.jit(lambda *a: mla.chunk_attention(*a, scale=0.3, query_block=query_block, key_block=key_block))(
+  got = jax.jit(lambda *a: mla.chunk_attention_blocked(*a, scale=0.3, query_block=query_block,
+                                                      key_block=key_block))(
       q, ckv, start, w_uk, w_uv)
   assert got.shape == (B, T, H, DV)
   assert rel_err(got, _dense_chunk_reference(q, ckv, start, w_uk, w_uv, 0.3)) < 1e-5
+
+
+def _einsum_attend(q, k, v, *, scale, kv_lengths_B):
+  """`chunk_attention_split`'s `attend` as fp32 einsums (what `cudnn_attend` computes on the GPU)."""
+  T, S = q.shape[1], k.shape[1]
+  s = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") * scale
+  if kv_lengths_B is None:
+    allowed = jnp.tril(jnp.ones((T, S), bool))[None, None]
+  else:
+    allowed = (jnp.arange(S)[None] < kv_lengths_B[:, None])[:, None, None]
+  s = jnp.where(allowed, s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  return jnp.einsum("bhts,bshv->bthv", jnp.exp(s - lse[..., None]), v, precision="highest"), lse
+
+
+@pytest.mark.parametrize("key_block", [4, 7, 64])
+def test_split_chunk_attention_merges_its_parts_as_the_dense_formula(key_block):
+  """Rows at start 0 (no prefix), inside the cache, and at its end with padding past it (row 2: 7 real tokens of
+  10, positions 16..22 of L = 23); prefix blocks of 4 and 7 cut inside a row's prefix and reach past L, 64 is one
+  block; Dqk != Dv. Only the real tokens' outputs are compared."""
+  T, L = 10, 23
+  q, ckv, w_uk, w_uv = _draw(5, T, L)
+  start, lengths = jnp.asarray([0, 7, 16], jnp.int32), [10, 10, 7]
+  got = jax.jit(lambda *a: mla.chunk_attention_split(*a, scale=0.3, attend=_einsum_attend, key_block=key_block))(
+      q, ckv, start, w_uk, w_uv)
+  want = _dense_chunk_reference(q, ckv, start, w_uk, w_uv, 0.3)
+  assert got.shape == (B, T, H, DV)
+  for b, n in enumerate(lengths):
+    assert rel_err(got[b, :n], want[b, :n]) < 1e-5, b
+
+
+def test_chunk_attention_refuses_an_unknown_impl():
+  q, ckv, w_uk, w_uv = _draw(0, 4, 8)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    mla.chunk_attention(q, ckv, jnp.zeros((B,), jnp.int32), w_uk, w_uv, scale=1.0, impl="flash")
 
 
 def test_write_latents_writes_each_rows_valid_tokens_at_its_start_and_nothing_else():
