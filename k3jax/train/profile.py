@@ -3,7 +3,7 @@
 Kinds (first rule that matches a kernel's name, its HLO instruction's custom-call target or its op_name scope):
   kda           the KDA Pallas kernels (`kda_*`)
   grouped_gemm  the MoE grouped GEMMs (Mosaic kernels under the `grouped_gemm` scope, `*ragged_dot*`)
-  attention     cuDNN / flash attention
+  attention     cuDNN / flash attention, the MLA decode kernel (mla_decode_*)
   gemm          cuBLAS / cutlass / XLA-Triton matrix products (on a CPU: dot and YNNPACK fusions)
   collective    NCCL and XLA collectives
   dispatch      sorts, scatters and gathers (MoE dispatch under the `moe_dispatch` scope, embedding, top-k)
@@ -65,7 +65,7 @@ def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:
   # Without an op_name (a trace that names no HLO op), the model's only other Mosaic kernels are KDA's, named above.
   if "ragged_dot" in name or (mosaic and (in_scope(GROUPED_GEMM_SCOPE) or not op_name)):
     return "grouped_gemm"
-  if re.search(r"cudnn|fmha|flash|sdpa", f"{name} {target}", re.IGNORECASE):
+  if name.startswith("mla_decode") or re.search(r"cudnn|fmha|flash|sdpa", f"{name} {target}", re.IGNORECASE):
     return "attention"
   if _GEMM.search(name) or "cublas" in target:
     return "gemm"

@@ -54,6 +54,7 @@ def test_time_train_step_reports_finite_throughput_and_profiles_the_step_by_kind
     ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", "__cublas$lt$matmul", "", "gemm"),
     ("gemm_fusion_dot_12", "fusion", "jit(step)/dot_general", "gemm"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "__cudnn$fmhaSoftmax", "", "attention"),
+    ("mla_decode_split", "__gpu$xla.gpu.triton", "", "attention"),   # pallas_kernels/mla_decode
     ("kda_intra_fwd_key_tiles", "__gpu$xla.gpu.triton", "", "kda"),
     ("kda_state_fwd_mosaic_gpu_kernel", "mosaic_gpu_v2", "", "kda"),
     ("grouped_ragged_dot_mosaic_gpu_kernel", "mosaic_gpu_v2", "", "grouped_gemm"),
