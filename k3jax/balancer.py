@@ -4,6 +4,8 @@ The state is a per-expert bias used for selection only. `update` moves it after 
 scores of that step: "exact" sets each expert's bias to the quantile that would give it exactly T·k/E of the
 tokens; "histogram" does the same from per-expert histograms that sum across micro-batches and devices; "sign" is
 the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Pure functions, never differentiated.
+Token weights `weights_T` (1 for a real token, 0 for padding; None: all real) keep padding out of every statistic:
+the quantiles, histograms, loads and the auxiliary loss count the real tokens only.
 """
 from __future__ import annotations
 
@@ -50,9 +52,12 @@ def select(scores_TE, bias_E, *, top_k: int, routed_scaling: float = 1.0):
   return chosen_TK / jnp.sum(chosen_TK, axis=-1, keepdims=True) * routed_scaling, ids_TK.astype(jnp.int32)
 
 
-def expert_load(expert_ids_TK, num_experts: int):
-  """Token-slots routed to each expert, float32 `[E]`."""
-  return moe_dispatch.expert_counts(expert_ids_TK, num_experts, jnp.float32)
+def expert_load(expert_ids_TK, num_experts: int, weights_T=None):
+  """Token-slots routed to each expert, float32 `[E]` (each token's slots counted at its weight)."""
+  if weights_T is None:
+    return moe_dispatch.expert_counts(expert_ids_TK, num_experts, jnp.float32)
+  hits_TE = jnp.sum(expert_ids_TK[..., None] == jnp.arange(num_experts, dtype=expert_ids_TK.dtype), axis=1)
+  return jnp.sum(hits_TE * weights_T.astype(jnp.float32)[:, None], axis=0)
 
 
 def cutoff_residuals(scores_TE, bias_E, *, top_k: int):
@@ -61,20 +66,27 @@ def cutoff_residuals(scores_TE, bias_E, *, top_k: int):
   return alpha_T[:, None] - scores_TE
 
 
-def exact_quantile(residuals_TE, *, top_k: int):
-  """Per expert, the value b̂ with a fraction k/E of the residuals below it (T·k/E tokens won).
+def exact_quantile(residuals_TE, *, top_k: int, weights_T=None):
+  """Per expert, the value b̂ with a fraction k/E of the residuals below it (n·k/E tokens won, n the real tokens:
+  all T, or those of weight 1 in `weights_T`, 0/1; at least one).
 
-  Interpolates the sorted residuals at position T·k/E − 1/2 (the midpoint of the two around the cut when
-  T·k/E is whole), so `count(r < b̂) = round(T·k/E)` for distinct residuals.
+  Interpolates the sorted residuals at position n·k/E − 1/2 (the midpoint of the two around the cut when
+  n·k/E is whole), so `count(r < b̂) = round(n·k/E)` for distinct residuals.
   """
   t, e = residuals_TE.shape
-  pos = min(max(t * top_k / e - 0.5, 0.0), t - 1.0)
-  lo = int(pos)
+  if weights_T is None:
+    n = float(t)
+  else:   # padding sorts last, past every real residual
+    residuals_TE = jnp.where(weights_T[:, None] > 0, residuals_TE, jnp.inf)
+    n = jnp.maximum(jnp.sum(weights_T > 0), 1).astype(jnp.float32)
+  pos = jnp.clip(n * top_k / e - 0.5, 0.0, n - 1.0)
+  lo = jnp.floor(pos).astype(jnp.int32)
   frac = pos - lo
+  hi = jnp.minimum(lo + 1, (n - 1).astype(jnp.int32) if weights_T is not None else t - 1)
   # Each expert's residuals as one row, sorted along the minor axis: XLA's GPU compiler hands only minor-axis sorts to
   # CUB's radix sort (batched); along the major axis of [T, E] it emits its own sorting network, dozens of passes.
   r_sorted_ET = jnp.sort(residuals_TE.T, axis=-1)
-  return r_sorted_ET[:, lo] + frac * (r_sorted_ET[:, min(lo + 1, t - 1)] - r_sorted_ET[:, lo])
+  return r_sorted_ET[:, lo] + frac * (r_sorted_ET[:, hi] - r_sorted_ET[:, lo])
 
 
 def histogram_range(bias_E):
@@ -82,8 +94,9 @@ def histogram_range(bias_E):
   return jnp.min(bias_E) - 1.0, jnp.max(bias_E) + 1.0
 
 
-def histogram(scores_TE, bias_E, *, top_k: int, num_bins: int = NUM_BINS):
-  """Per-expert counts `[E, num_bins]` (float32) of the residuals over `histogram_range(bias)`.
+def histogram(scores_TE, bias_E, *, top_k: int, num_bins: int = NUM_BINS, weights_T=None):
+  """Per-expert counts `[E, num_bins]` (float32) of the residuals over `histogram_range(bias)`, each token counted
+  at its weight.
 
   The bins depend on the bias only, so histograms of micro-batches or devices under the same bias add up.
   """
@@ -92,14 +105,16 @@ def histogram(scores_TE, bias_E, *, top_k: int, num_bins: int = NUM_BINS):
   r_TE = cutoff_residuals(scores_TE, bias_E, top_k=top_k)
   bins_TE = jnp.clip(jnp.floor((r_TE - lo) / (hi - lo) * num_bins), 0, num_bins - 1).astype(jnp.int32)
   e = scores_TE.shape[1]
-  return jnp.zeros((e, num_bins), jnp.float32).at[jnp.arange(e)[None, :], bins_TE].add(1.0)
+  w_T1 = jnp.ones((scores_TE.shape[0], 1), jnp.float32) if weights_T is None else weights_T[:, None]
+  return jnp.zeros((e, num_bins), jnp.float32).at[jnp.arange(e)[None, :], bins_TE].add(
+      jnp.broadcast_to(w_T1.astype(jnp.float32), bins_TE.shape))
 
 
 def histogram_quantile(counts_EB, bias_E, *, top_k: int):
   """`exact_quantile` from summed histograms: the bin where the count reaches T·k/E, linearly interpolated."""
   e, num_bins = counts_EB.shape
   lo, hi = histogram_range(bias_E)
-  target = jnp.sum(counts_EB[0]) * top_k / e  # every expert's row counts all T tokens
+  target = jnp.sum(counts_EB[0]) * top_k / e  # every expert's row counts all (real) tokens
   cum_EB = jnp.cumsum(counts_EB, axis=1)
   bin_E = jnp.argmax(cum_EB >= target, axis=1)
   in_bin_E = jnp.take_along_axis(counts_EB, bin_E[:, None], axis=1)[:, 0]
@@ -108,9 +123,10 @@ def histogram_quantile(counts_EB, bias_E, *, top_k: int):
   return lo + (bin_E + frac_E) * (hi - lo) / num_bins
 
 
-def update(state: State, scores_TE, *, top_k: int, eta: float = 1.0, method: str = "exact",
+def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 1.0, method: str = "exact",
            num_bins: int = NUM_BINS, sign_rate: float = 1e-3, axis_name=None) -> State:
-  """The bias after a step whose router scores (all micro-batches) are `scores_TE`.
+  """The bias after a step whose router scores (all micro-batches) are `scores_TE`, of tokens weighted `weights_T`
+  (0/1; None: all real). A step without a real token leaves the bias as it is.
 
   exact / histogram: `b ← b + η((b̂ − mean b̂) − b)` with b̂ the per-expert quantile. sign (baseline):
   `b ← b + sign_rate · sign(mean load − load)`. With `axis_name` (inside shard_map / pmap, scores sharded
@@ -125,26 +141,37 @@ def update(state: State, scores_TE, *, top_k: int, eta: float = 1.0, method: str
   _check(scores_TE, bias_E, top_k)
   e = scores_TE.shape[1]
   psum = (lambda v: jax.lax.psum(v, axis_name)) if axis_name is not None else (lambda v: v)
+  if weights_T is not None:
+    weights_T = jax.lax.stop_gradient(weights_T.astype(jnp.float32))
+    if weights_T.shape != scores_TE.shape[:1]:
+      raise ValueError(f"weights_T must be [T={scores_TE.shape[0]}], got {weights_T.shape}")
+  any_real = jnp.asarray(True) if weights_T is None else psum(jnp.sum(weights_T)) > 0
   if method == "sign":
-    load_E = psum(expert_load(select(scores_TE, bias_E, top_k=top_k)[1], e))
-    return State(bias=bias_E + sign_rate * jnp.sign(jnp.mean(load_E) - load_E))
-  if top_k == e:  # every expert takes every token: nothing to balance
+    load_E = psum(expert_load(select(scores_TE, bias_E, top_k=top_k)[1], e, weights_T))
+    new_E = bias_E + sign_rate * jnp.sign(jnp.mean(load_E) - load_E)
+  elif top_k == e:  # every expert takes every token: nothing to balance
     return state
-  if method == "exact":
+  elif method == "exact":
     if axis_name is not None:
       scores_TE = jax.lax.all_gather(scores_TE, axis_name, tiled=True)
-    target_E = exact_quantile(cutoff_residuals(scores_TE, bias_E, top_k=top_k), top_k=top_k)
+      weights_T = None if weights_T is None else jax.lax.all_gather(weights_T, axis_name, tiled=True)
+    target_E = exact_quantile(cutoff_residuals(scores_TE, bias_E, top_k=top_k), top_k=top_k, weights_T=weights_T)
+    new_E = bias_E + eta * ((target_E - jnp.mean(target_E)) - bias_E)
   else:
-    target_E = histogram_quantile(psum(histogram(scores_TE, bias_E, top_k=top_k, num_bins=num_bins)), bias_E,
-                                  top_k=top_k)
-  return State(bias=bias_E + eta * ((target_E - jnp.mean(target_E)) - bias_E))
+    target_E = histogram_quantile(psum(histogram(scores_TE, bias_E, top_k=top_k, num_bins=num_bins,
+                                                 weights_T=weights_T)), bias_E, top_k=top_k)
+    new_E = bias_E + eta * ((target_E - jnp.mean(target_E)) - bias_E)
+  return State(bias=jnp.where(any_real, new_E, bias_E))
 
 
-def switch_aux_loss(scores_TE, expert_ids_TK):
-  """Switch-style `E · Σ_j f_j · P_j`: f = fraction of slots routed to j, P = mean normalised score of j."""
+def switch_aux_loss(scores_TE, expert_ids_TK, weights_T=None):
+  """Switch-style `E · Σ_j f_j · P_j`: f = fraction of slots routed to j, P = mean normalised score of j, over the
+  tokens at their weights."""
   t, e = scores_TE.shape
-  f_E = jax.lax.stop_gradient(expert_load(expert_ids_TK, e)) / expert_ids_TK.size
-  p_E = jnp.mean(scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True), axis=0)
+  w_T = jnp.ones((t,), jnp.float32) if weights_T is None else jax.lax.stop_gradient(weights_T.astype(jnp.float32))
+  n = jnp.maximum(jnp.sum(w_T), 1.0)
+  f_E = jax.lax.stop_gradient(expert_load(expert_ids_TK, e, w_T)) / (n * expert_ids_TK.shape[1])
+  p_E = jnp.sum(w_T[:, None] * scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True), axis=0) / n
   return e * jnp.sum(f_E * p_E)
 
 

@@ -85,7 +85,7 @@ class DecoderLayer(nnx.Module):
   def decode(self, stream, closes, cache, pos):
     return self._apply(stream, closes, lambda x: self.mixer.decode(x, cache, pos))
 
-  def _apply(self, stream, closes, mix):
+  def _apply(self, stream, closes, mix, valid_BT=None):
     with jax.named_scope("attnres"):
       x = attnres.read(stream, self.mixer_res)
     with jax.named_scope(self.kind):
@@ -95,7 +95,7 @@ class DecoderLayer(nnx.Module):
       h = attnres.read(stream, self.ffn_res)
     with jax.named_scope("moe" if self.uses_moe else "ffn"):
       h = self.ffn_norm(h).astype(self.dtype)
-      y, stats = self.ffn(h) if self.uses_moe else (self.ffn(h), None)
+      y, stats = self.ffn(h, valid_BT) if self.uses_moe else (self.ffn(h), None)
       stream = attnres.add(stream, y, close=closes[1])
     return stream, cache, stats
 
@@ -106,7 +106,8 @@ def _layer_forward(graphdef, static_closes, state, stream, traced_closes, segmen
   where the flag is the next of `traced_closes`."""
   layer, traced = nnx.merge(graphdef, state), iter(traced_closes)
   closes = tuple(next(traced) if c is None else c for c in static_closes)
-  return layer._apply(stream, closes, lambda x: (layer.mixer(x, segment_ids_BT=segment_ids_BT), None))
+  valid_BT = None if segment_ids_BT is None else segment_ids_BT != 0          # segment 0 is padding
+  return layer._apply(stream, closes, lambda x: (layer.mixer(x, segment_ids_BT=segment_ids_BT), None), valid_BT)
 
 
 def _layer_unit(layer, run, closes, remat: str):
@@ -148,7 +149,9 @@ class K3Model(nnx.Module):
     self.lm_head = None if model_cfg.tie_embeddings else normal_param(rngs, (d, V), d ** -0.5)
 
   def __call__(self, tokens_BT, *, segment_ids_BT=None):
-    """aux: {"moe": [MoEStats per MoE layer, in layer order], "z_loss": z_loss_coef · mean(logsumexp(logits)²)}."""
+    """aux: {"moe": [MoEStats per MoE layer, in layer order], "z_loss": z_loss_coef · mean(logsumexp(logits)²)}.
+    `segment_ids_BT`: documents 1, 2, … (attention and the KDA state do not cross them) and 0 for padding, which
+    no MoE statistic counts (`LatentMoE`: the balancer's update, the load, the auxiliary loss)."""
     _check_tokens(tokens_BT, segment_ids_BT)
     stream = attnres.start(self._embed(tokens_BT), self.mode)
     run = lambda layer, s, closes, _: layer(s, closes, segment_ids_BT=segment_ids_BT)

@@ -88,8 +88,8 @@ def normal(seed, shape, dtype=jnp.float32):
 
 
 def segments(B, lengths):
-  """Segment ids `[B, sum(lengths)]`: document i covers lengths[i] consecutive tokens."""
-  ids = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(lengths)])
+  """Segment ids `[B, sum(lengths)]`: document i (from 1: 0 is padding) covers lengths[i] consecutive tokens."""
+  ids = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(lengths, start=1)])
   return jnp.broadcast_to(ids, (B, ids.shape[0]))
 
 

@@ -149,3 +149,30 @@ def test_load_metrics():
 def test_bad_arguments_raise_value_errors(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+@pytest.mark.parametrize("method", balancer.METHODS)
+def test_padding_weighted_zero_moves_the_bias_as_the_real_tokens_alone(method):
+  """Padding rows with scores of their own (skewed the other way) at weight 0: the update equals the update on the
+  real rows only; with no real row the bias stays."""
+  real = skewed_scores(jax.random.key(20), t=1000)
+  pad = skewed_scores(jax.random.key(21), skew=-3.0, t=600)
+  scores = jnp.concatenate([real[:400], pad, real[400:]])
+  weights = jnp.concatenate([jnp.ones(400), jnp.zeros(600), jnp.ones(600)])
+  state = balancer.State(bias=0.1 * jax.random.normal(jax.random.key(22), (E,)))
+  kw = dict(top_k=K, method=method, sign_rate=1e-2)
+  want = balancer.update(state, real, **kw).bias
+  got = balancer.update(state, scores, weights, **kw).bias
+  assert float(jnp.abs(want - state.bias).max()) > 0
+  chex.assert_trees_all_close(got, want, atol=1e-6)
+  assert float(jnp.abs(balancer.update(state, scores, **kw).bias - want).max()) > 1e-3   # padding would move it
+  chex.assert_trees_all_equal(balancer.update(state, scores, jnp.zeros(1600), **kw).bias, state.bias)
+
+
+def test_load_and_aux_loss_count_only_weighted_tokens():
+  real, pad = skewed_scores(jax.random.key(23), t=300), skewed_scores(jax.random.key(24), skew=-3.0, t=200)
+  scores, weights = jnp.concatenate([real, pad]), jnp.concatenate([jnp.ones(300), jnp.zeros(200)])
+  ids = balancer.select(scores, jnp.zeros(E), top_k=K)[1]
+  chex.assert_trees_all_equal(balancer.expert_load(ids, E, weights), balancer.expert_load(ids[:300], E))
+  chex.assert_trees_all_close(balancer.switch_aux_loss(scores, ids, weights),
+                              balancer.switch_aux_loss(real, ids[:300]), rtol=1e-6)

@@ -27,7 +27,8 @@ from pallas_kernels.grouped_gemm import grouped_matmul
 class MoEStats:
   scores_TE: jax.Array  # fp32 router scores of every token, [B*T, E]
   aux_loss: jax.Array   # scalar; 0 unless balancer == "aux_loss" (already times aux_loss_coef)
-  load_E: jax.Array     # fp32 token-slots routed to each expert in this call, [E]
+  load_E: jax.Array     # fp32 token-slots routed to each expert in this call, [E] (real tokens only)
+  weights_T: jax.Array | None = None   # fp32 1 for a real token, 0 for padding, [B*T]; None: every token is real
 
 
 def check_config(d_model: int, cfg: ml_collections.ConfigDict, mesh=None) -> None:
@@ -77,7 +78,9 @@ class LatentMoE(nnx.Module):
     self.dtype, self.mesh, self.backend = dtype, mesh, grouped_gemm_backend
 
   @jax.named_scope("moe")
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, valid_BT=None):
+    """`valid_BT` (bool, None: all) marks the real tokens: padding is routed and computed like any token, but
+    counts in no statistic (the balancer's update, the load, the auxiliary loss)."""
     b, t, d = x_BTD.shape
     cfg = self.cfg
     x_TD = x_BTD.reshape(b * t, d)
@@ -99,9 +102,11 @@ class LatentMoE(nnx.Module):
     if self.shared is not None:
       with jax.named_scope("shared_experts"):
         y_BTD = y_BTD + self.shared(x_BTD)
-    aux = (cfg.aux_loss_coef * balancer.switch_aux_loss(scores_TE, ids_TK) if cfg.balancer == "aux_loss"
+    weights_T = None if valid_BT is None else valid_BT.reshape(b * t).astype(jnp.float32)
+    aux = (cfg.aux_loss_coef * balancer.switch_aux_loss(scores_TE, ids_TK, weights_T) if cfg.balancer == "aux_loss"
            else jnp.zeros((), jnp.float32))
-    stats = MoEStats(scores_TE=scores_TE, aux_loss=aux, load_E=balancer.expert_load(ids_TK, cfg.num_experts))
+    stats = MoEStats(scores_TE=scores_TE, aux_loss=aux,
+                     load_E=balancer.expert_load(ids_TK, cfg.num_experts, weights_T), weights_T=weights_T)
     return y_BTD, stats
 
   @jax.named_scope("balancer")
@@ -113,9 +118,13 @@ class LatentMoE(nnx.Module):
     if cfg.balancer in ("none", "aux_loss"):
       return
     scores_TE = jax.lax.stop_gradient(jnp.concatenate([s.scores_TE for s in stats_list], axis=-2))
+    weights_T = None
+    if any(s.weights_T is not None for s in stats_list):
+      ones = lambda s: jnp.ones(s.scores_TE.shape[:-1], jnp.float32)
+      weights_T = jnp.concatenate([ones(s) if s.weights_T is None else s.weights_T for s in stats_list], axis=-1)
     method = "sign" if cfg.balancer == "sign" else cfg.balancer_method
     update = functools.partial(balancer.update, top_k=cfg.top_k, eta=cfg.get("balancer_eta", 1.0), method=method,
                                sign_rate=cfg.get("sign_update_rate", 1e-3))
     for _ in range(self.balancer.get_value().bias.ndim - 1):
       update = jax.vmap(update)
-    self.balancer.set_value(update(self.balancer.get_value(), scores_TE))
+    self.balancer.set_value(update(self.balancer.get_value(), scores_TE, weights_T))

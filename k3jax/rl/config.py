@@ -27,7 +27,8 @@ def rl_config() -> ml_collections.ConfigDict:
   r.clip_eps = 0.2
   r.kl_coef = 0.04               # β of the k3 KL to the frozen reference (the SFT policy)
   r.format_weight = 0.0          # reward for an episode that answers without invalid calls
-  r.length_weight = 0.0          # weight of Kimi k1.5's length penalty
+  r.length_weight = 0.1          # Kimi k1.5's length penalty (the article's path efficiency): a shorter correct
+                                 # episode of a group earns up to +0.05, a longer one down to -0.05
   r.lr = 1e-4                    # peak learning rate (warmup, then constant); the optimizer is config.optimizer's
   r.warmup_fraction = 0.1
   r.minibatches = 2              # optimizer steps per iteration, each on a consecutive slice of the episodes

@@ -132,6 +132,26 @@ def test_update_balance_follows_the_configured_method(base, cfg, method):
     assert float(jnp.abs(new - old.bias).max()) > 0.0
 
 
+def test_padding_tokens_count_in_no_statistic(base):
+  """A batch with a padded tail (valid_BT false) gives the load, aux loss and balancer update of its real tokens."""
+  layer = variant(base, balancer="aux_loss")
+  x = tokens(jax.random.key(11))
+  B, T_ = x.shape[:2]
+  valid = jnp.arange(T_)[None] < jnp.asarray([T_, T_ // 3])[:B, None]
+  _, stats = layer(x, valid)
+  real = valid.reshape(-1)
+  ids = balancer.select(stats.scores_TE, layer.balancer.get_value().bias, top_k=2)[1]
+  chex.assert_trees_all_equal(stats.load_E, balancer.expert_load(ids[real], layer.cfg.num_experts))
+  chex.assert_trees_all_close(stats.aux_loss, 1e-2 * balancer.switch_aux_loss(stats.scores_TE[real], ids[real]),
+                              rtol=1e-6)
+  exact = variant(base, balancer_method="exact")
+  old = exact.balancer.get_value()
+  stats = exact(x, valid)[1]
+  exact.update_balance(stats)
+  want = balancer.update(old, stats.scores_TE[real], top_k=2).bias
+  chex.assert_trees_all_close(exact.balancer.get_value().bias, want, atol=1e-7)
+
+
 def test_bfloat16_layer_is_close_to_float32(base):
   x = tokens(jax.random.key(11))
   assert rel(forward(variant(base, dtype=jnp.bfloat16), x).astype(jnp.float32), forward(base, x)) <= 3e-2

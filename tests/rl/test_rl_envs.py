@@ -103,6 +103,14 @@ def test_kimi_length_penalty_by_hand():
   np.testing.assert_allclose(got, [1 + 0.2 + 0.25, 0 + 0.2 - 0.25, 1 + 0 + 0.0], rtol=1e-6)
 
 
+def test_by_default_a_shorter_correct_episode_earns_more_and_no_wrong_one_beats_a_correct_one():
+  r = rl_config.rl_config()
+  cfg = rewards.RewardConfig(r.format_weight, r.length_weight)
+  o = lambda correct: Outcome(correct, True, "answer", 2, 1, 0, 0)
+  short, long_, wrong_short = rewards.group_rewards([o(True), o(True), o(False)], [12, 40, 5], cfg)
+  assert short > long_ > wrong_short
+
+
 def test_demonstrations_as_a_data_source_weigh_only_the_model_turns():
   length = 512
   cfg = ml_collections.ConfigDict({"mix": {"lookup": 1.0, "calc": 1.0}, "task_length": length, "shards": "",

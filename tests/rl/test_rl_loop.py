@@ -165,6 +165,32 @@ def test_grpo_step_moves_the_policy_toward_the_rewarded_answer(finished, rl_run)
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(balancer), jax.tree.leaves(state.balancer)))
 
 
+def test_padding_feeds_neither_the_balancer_nor_max_vio(finished, rl_run):
+  """Episodes padded to the context length: replacing the padding's tokens by random ones changes neither the
+  balancer's update of a GRPO step nor its MaxVio (the padding routes through the MoE but counts in no statistic)."""
+  workdir, _ = finished
+  ep = envs.reset("lookup", 0, 1, LENGTH, max_turns=3)
+  demo = envs.demonstrate("lookup", ep)
+  rows = dict(rollout.episode_batch([demo, demo], LENGTH), advantages=np.array([1.0, -1.0], np.float32))
+  pad = rows["segment_ids"] == 0
+  assert 0.2 < pad.mean() < 1
+  noise = np.random.default_rng(0).integers(0, tok.VOCAB_SIZE, pad.shape).astype(rows["tokens"].dtype)
+  results = []
+  for r in (rows, dict(rows, tokens=np.where(pad, noise, rows["tokens"]))):
+    state = rl_run.start_state(rl_run.sft_state(workdir))
+    start = jax.tree.map(np.asarray, state.balancer)
+    batch = batches.to_device(r, batches.rows_sharding(rl_run.mesh))
+    logp = rl_run.logprobs(rl_step_lib.model_variables(state), batch)
+    batch.update(logp_old=logp, logp_ref=logp)
+    state, m = rl_run.rl_step(state, batch)
+    results.append((jax.tree.map(np.asarray, state.balancer), np.asarray(m["moe_max_vio"])))
+  (bal, vio), (bal_noisy, vio_noisy) = results
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(bal)))
+  for a, b in zip(jax.tree.leaves(bal), jax.tree.leaves(bal_noisy)):
+    np.testing.assert_allclose(b, a, atol=1e-6)
+  np.testing.assert_allclose(vio_noisy, vio, atol=1e-6)
+
+
 def test_a_mesh_of_several_devices_is_refused_before_anything_runs():
   c = make_config()
   c.mesh = "data:2,expert:1"
