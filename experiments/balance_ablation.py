@@ -1,7 +1,7 @@
 """Balance ablation: the tiny model trained briefly on skewed data once per MoE balancer; MaxVio and loss per step.
 
   python -m experiments.balance_ablation --workdir=runs/balance_ablation [--steps=100] [--seeds=0,1] \
-      [--methods=quantile,quantile_histogram,none,aux_loss,sign] [--data_seed=0]
+      [--methods=article,cutoff,cutoff_histogram,none,aux_loss,sign] [--data_seed=0]
 
 The ablation itself (the skewed data, the methods, the table) is `k3jax.ablations.balance`; each method trains in
 `workdir/<method>/seed_<s>/`. Writes `balance_ablation.json` and `balance_ablation.png` to `workdir` (`wall_s`: this
@@ -20,7 +20,7 @@ _CONFIG = config_flags.DEFINE_config_dict("config", balance.ablation_config(tiny
                                           "flags below", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory: one run per method and seed, the table, the plot")
 _STEPS = flags.DEFINE_integer("steps", 100, "training steps per run")
-_METHODS = flags.DEFINE_list("methods", ["quantile", "none", "aux_loss", "sign"],
+_METHODS = flags.DEFINE_list("methods", ["article", "cutoff", "none", "aux_loss", "sign"],
                              f"balancing methods, from {sorted(balance.METHODS)}")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "seeds of the model init and the batches (one run per method and seed)")
 _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "seed of the skewed data")

@@ -1,9 +1,11 @@
 """Loss-free quantile balancing of MoE routing (docs/design.md, quantile balancing), its baselines and load metrics.
 
-The state is a per-expert bias used for selection only. `update` moves it after each optimizer step from the router
-scores of that step: "exact" sets each expert's bias to the quantile that would give it exactly T·k/E of the
-tokens; "histogram" does the same from per-expert histograms that sum across micro-batches and devices; "sign" is
-the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Pure functions, never differentiated.
+The state is a per-expert bias used for selection only, and a decayed load per expert. `update` moves the bias after
+each optimizer step from the router scores of that step: "article" (the K3 article's §4.2: the selection counts of
+recent steps, the load's deviation judged against its median, P50, a smooth bounded correction) moves it by
+`article_correction`; "exact" sets each expert's bias to the cut-off quantile that would give it exactly T·k/E of
+the tokens (the project's own method); "histogram" does the same from per-expert histograms that sum across
+micro-batches and devices; "sign" is the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Pure functions, never differentiated.
 Token weights `weights_T` (1 for a real token, 0 for padding; None: all real) keep padding out of every statistic:
 the quantiles, histograms, loads and the auxiliary loss count the real tokens only.
 """
@@ -15,13 +17,15 @@ from flax import nnx, struct
 
 from k3jax.ops import moe_dispatch
 
-METHODS = ("exact", "histogram", "sign")
+METHODS = ("article", "exact", "histogram", "sign")
 NUM_BINS = 4096
+LOAD_UNIT = 1.0   # the article method's deviation unit, in even shares: twice the median's load is tanh(1) of a step
 
 
 @struct.dataclass
 class State:
-  bias: jax.Array  # [E] float32, added to the scores for selection only
+  bias: jax.Array                  # [E] float32, added to the scores for selection only
+  load_E: jax.Array | None = None  # [E] float32, each expert's decayed load ratio over recent steps (1 = even share)
 
 
 class BalancerState(nnx.Variable):
@@ -31,7 +35,7 @@ class BalancerState(nnx.Variable):
 def init(num_experts: int) -> State:
   if not isinstance(num_experts, int) or num_experts < 1:
     raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-  return State(bias=jnp.zeros((num_experts,), jnp.float32))
+  return State(bias=jnp.zeros((num_experts,), jnp.float32), load_E=jnp.ones((num_experts,), jnp.float32))
 
 
 def _check(scores_TE, bias_E, top_k):
@@ -124,9 +128,13 @@ def histogram_quantile(counts_EB, bias_E, *, top_k: int):
 
 
 def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 1.0, method: str = "exact",
-           num_bins: int = NUM_BINS, sign_rate: float = 1e-3, axis_name=None) -> State:
-  """The bias after a step whose router scores (all micro-batches) are `scores_TE`, of tokens weighted `weights_T`
-  (0/1; None: all real). A step without a real token leaves the bias as it is.
+           num_bins: int = NUM_BINS, sign_rate: float = 1e-3, rate: float = 0.05, decay: float = 0.5,
+           bound: float = 1.0, axis_name=None) -> State:
+  """The state after a step whose router scores (all micro-batches) are `scores_TE`, of tokens weighted `weights_T`
+  (0/1; None: all real). A step without a real token leaves the state as it is.
+
+  article: `L ← (1 − decay) L + decay · n/(T·k/E)` (this step's selection counts n), then
+  `b ← clip(b + Δ − mean Δ, ±bound)` with Δ = `article_correction(L, rate)`.
 
   exact / histogram: `b ← b + η((b̂ − mean b̂) − b)` with b̂ the per-expert quantile. sign (baseline):
   `b ← b + sign_rate · sign(mean load − load)`. With `axis_name` (inside shard_map / pmap, scores sharded
@@ -146,11 +154,22 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
     if weights_T.shape != scores_TE.shape[:1]:
       raise ValueError(f"weights_T must be [T={scores_TE.shape[0]}], got {weights_T.shape}")
   any_real = jnp.asarray(True) if weights_T is None else psum(jnp.sum(weights_T)) > 0
-  if method == "sign":
+  if method in ("sign", "article"):
     load_E = psum(expert_load(select(scores_TE, bias_E, top_k=top_k)[1], e, weights_T))
+  if method == "sign":
     new_E = bias_E + sign_rate * jnp.sign(jnp.mean(load_E) - load_E)
   elif top_k == e:  # every expert takes every token: nothing to balance
     return state
+  elif method == "article":
+    if not (0.0 < decay <= 1.0 and rate > 0.0 and bound > 0.0):
+      raise ValueError(f"need 0 < decay <= 1, rate > 0 and bound > 0, got {decay}, {rate}, {bound}")
+    n = psum(jnp.sum(weights_T) if weights_T is not None else jnp.asarray(scores_TE.shape[0], jnp.float32))
+    ratio_E = load_E / jnp.maximum(n * top_k / e, 1e-9)
+    old_load = jnp.ones_like(bias_E) if state.load_E is None else state.load_E
+    new_load = jnp.where(any_real, (1.0 - decay) * old_load + decay * ratio_E, old_load)
+    delta_E = article_correction(new_load, rate=rate)
+    return state.replace(bias=jnp.where(any_real, jnp.clip(bias_E + delta_E - jnp.mean(delta_E), -bound, bound),
+                                        bias_E), load_E=new_load)
   elif method == "exact":
     if axis_name is not None:
       scores_TE = jax.lax.all_gather(scores_TE, axis_name, tiled=True)
@@ -161,7 +180,15 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
     target_E = histogram_quantile(psum(histogram(scores_TE, bias_E, top_k=top_k, num_bins=num_bins,
                                                  weights_T=weights_T)), bias_E, top_k=top_k)
     new_E = bias_E + eta * ((target_E - jnp.mean(target_E)) - bias_E)
-  return State(bias=jnp.where(any_real, new_E, bias_E))
+  return state.replace(bias=jnp.where(any_real, new_E, bias_E))
+
+
+def article_correction(load_E, *, rate: float):
+  """The article method's change of the bias from the decayed load ratios L: `−rate · tanh((L − P50) / LOAD_UNIT)`,
+  the deviation from the median load: an expert above the median loses bias, one below gains; the change is smooth
+  in L (in proportion near balance) and never above `rate` a step. (Scaling the deviation by the load's spread,
+  P90 − P50, made the step full-size at any imbalance and the load oscillate: docs/design.md, quantile balancing.)"""
+  return -rate * jnp.tanh((load_E - jnp.percentile(load_E, 50.0)) / LOAD_UNIT)
 
 
 def switch_aux_loss(scores_TE, expert_ids_TK, weights_T=None):

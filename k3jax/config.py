@@ -18,7 +18,7 @@ KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
 BALANCERS = ("quantile", "none", "aux_loss", "sign")
-BALANCER_METHODS = ("exact", "histogram")
+BALANCER_METHODS = ("exact", "histogram", "article")
 DTYPES = ("float32", "bfloat16", "float16")
 # What each decoder layer keeps for its backward pass (the jax.checkpoint policy of an unrolled layer, by name):
 # "none" everything (no rematerialisation); "full" only its inputs (the rest is recomputed in the backward pass);
@@ -77,7 +77,10 @@ def model_config() -> ml_collections.ConfigDict:
   m.moe.routed_scaling = 1.0
   m.moe.balancer = "quantile"
   m.moe.balancer_eta = 1.0
-  m.moe.balancer_method = "exact"
+  m.moe.balancer_method = "exact"        # exact / histogram: the cut-off quantile; article: the K3 article's §4.2
+  m.moe.correction_rate = 0.05            # article: the largest bias change a step
+  m.moe.load_decay = 0.5                  # article: the newest step's weight in the decayed load
+  m.moe.correction_bound = 1.0            # article: |bias| at most this
   m.moe.aux_loss_coef = 1e-2
   m.moe.sign_update_rate = 1e-3
   m.moe.first_dense_layers = 1
@@ -154,6 +157,11 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
     _positive_int(moe, "shared_hidden", root=root)
   _one_of(moe, "balancer", BALANCERS, root=root)
   _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
+  for f, ok, what in (("correction_rate", lambda v: v > 0, "> 0"), ("load_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
+                      ("correction_bound", lambda v: v > 0, "> 0")):
+    v = moe.get(f, None)
+    if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v)):
+      raise ValueError(f"{root}.{f} must be a number {what}, got {v!r}")
 
 
 def saved_model_fields(d: dict) -> dict:

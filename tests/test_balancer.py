@@ -89,7 +89,7 @@ def test_histograms_of_two_halves_sum_to_the_whole():
   chex.assert_trees_all_equal(jnp.sum(whole, axis=1), jnp.full((E,), float(T)))
 
 
-@pytest.mark.parametrize("method", ["histogram", "exact", "sign"])
+@pytest.mark.parametrize("method", ["histogram", "exact", "sign", "article"])
 def test_update_over_a_sharded_axis_equals_the_whole_batch(method):
   """Inside shard_map with `axis_name`, every shard computes the update of the unsharded batch."""
   scores = skewed_scores(jax.random.key(10))
@@ -176,3 +176,48 @@ def test_load_and_aux_loss_count_only_weighted_tokens():
   chex.assert_trees_all_equal(balancer.expert_load(ids, E, weights), balancer.expert_load(ids[:300], E))
   chex.assert_trees_all_close(balancer.switch_aux_loss(scores, ids, weights),
                               balancer.switch_aux_loss(real, ids[:300]), rtol=1e-6)
+
+
+def _article_run(state, skews, seed):
+  """`state` after one article update per skew, each on a fresh skewed batch; MaxVio on another fresh batch after
+  each."""
+  update = jax.jit(lambda st, s: balancer.update(st, s, top_k=K, method="article"))
+  vios = []
+  for i, skew in enumerate(skews):
+    state = update(state, skewed_scores(jax.random.key(seed + i), skew=skew))
+    vios.append(max_vio(skewed_scores(jax.random.key(seed + 10_000 + i), skew=skew), state.bias))
+  return state, vios
+
+
+def test_article_method_balances_a_skewed_router_within_tens_of_steps_and_follows_a_shift():
+  """Fresh skewed batches each step (MaxVio ≈ 4.5 unbalanced): below 0.5 within 10 steps and 0.25 within 30; the
+  skew then reversed (MaxVio > 4 at the old bias): back below 0.5 within 30 steps."""
+  state, vios = _article_run(balancer.init(E), [3.0] * 30, seed=0)
+  assert max_vio(skewed_scores(jax.random.key(99)), jnp.zeros(E)) > 4.0
+  assert vios[9] < 0.5 and max(vios[20:]) < 0.25, vios
+  state, shifted = _article_run(state, [-3.0] * 30, seed=100)
+  assert shifted[0] > 4.0 and max(shifted[-5:]) < 0.5, shifted
+  assert float(jnp.abs(state.bias).max()) <= 1.0   # the bound
+
+
+def test_article_method_resumes_exactly_from_its_saved_state():
+  """The state (bias and decayed load) written out as NumPy and read back mid-run continues exactly as the run that
+  never stopped: the decayed load is state, not recomputed."""
+  whole, _ = _article_run(balancer.init(E), [3.0] * 12, seed=7)
+  half, _ = _article_run(balancer.init(E), [3.0] * 6, seed=7)
+  saved = jax.tree.map(np.asarray, half)
+  assert float(np.abs(saved.load_E - 1.0).max()) > 0.1
+  resumed, _ = _article_run(jax.tree.map(jnp.asarray, saved), [3.0] * 6, seed=13)
+  chex.assert_trees_all_equal(resumed, whole)
+  bias_only, _ = _article_run(balancer.State(bias=jnp.asarray(saved.bias), load_E=jnp.ones(E)), [3.0] * 6, seed=13)
+  assert float(jnp.abs(bias_only.bias - whole.bias).max()) > 1e-3   # without the load the run goes elsewhere
+
+
+def test_article_correction_is_smooth_bounded_and_pushes_toward_the_median():
+  load = jnp.array([0.2, 0.9, 1.0, 1.1, 3.0, 10.0])
+  delta = balancer.article_correction(load, rate=0.05)
+  assert float(jnp.abs(delta).max()) <= 0.05 + 1e-7 and float(delta[-1]) < float(delta[-2]) < 0
+  assert float(delta[0]) > float(delta[1]) > 0
+  chex.assert_trees_all_close(delta[2:4], -0.05 * jnp.tanh(load[2:4] - 1.05), atol=1e-7)   # P50 = 1.05: in proportion
+  with pytest.raises(ValueError, match="decay"):
+    balancer.update(balancer.init(E), skewed_scores(jax.random.key(0)), top_k=K, method="article", decay=0.0)

@@ -115,7 +115,7 @@ def _check_gate(out):
 
 def _check_balance(out):
   r = json.loads((out / "02_balance.json").read_text())
-  assert list(r["methods"]) == ["none", "aux_loss", "sign", "quantile", "quantile_histogram"]
+  assert list(r["methods"]) == ["none", "aux_loss", "sign", "article", "cutoff", "cutoff_histogram"]
   first = {name: (m["runs"][0]["loss"][0], m["runs"][0]["max_vio"][0]) for name, m in r["methods"].items()}
   assert len(set(first.values())) == 1   # step 1 runs before any balancer update: the same for every method
   for m in r["methods"].values():

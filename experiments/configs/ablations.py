@@ -88,8 +88,8 @@ def gate(scale: str) -> Study:
 
 
 def balance(scale: str) -> Study:
-  """MoE balancing on skewed data (k3jax.ablations.balance): none, Switch aux loss, DeepSeek sign, quantile exact
-  and histogram."""
+  """MoE balancing on skewed data (k3jax.ablations.balance): none, Switch aux loss, DeepSeek sign, the article's
+  quantile balancing, the cut-off quantile exact and histogram."""
   if scale == "cpu":
     c = model_and_training(scale, num_layers=1, pattern=(MLA,), last_layer=None)  # one MoE layer
     moe = dict(num_experts=8, top_k=2, latent_dim=32, expert_hidden=32, shared_hidden=64, first_dense_layers=0)

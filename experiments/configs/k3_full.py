@@ -44,6 +44,7 @@ def get_config():
   m.mla.kv_lora_rank = 512
   m.mla.q_lora_rank = 1536
   m.moe.enabled = True
+  m.moe.balancer_method = "article"      # the K3 article's quantile balancing (docs/design.md)
   m.moe.num_experts = 896
   m.moe.top_k = 16
   m.moe.num_shared_experts = 2

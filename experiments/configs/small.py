@@ -22,6 +22,7 @@ def get_config():
   m.mla.num_heads = 6                   # head dims 128
   m.mla.kv_lora_rank = 256
   m.moe.enabled = True
+  m.moe.balancer_method = "article"      # the K3 article's quantile balancing (docs/design.md)
   m.moe.num_experts = 64
   m.moe.top_k = 4
   m.moe.num_shared_experts = 1

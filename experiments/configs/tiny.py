@@ -19,6 +19,7 @@ def get_config():
   m.mla.num_heads = 2
   m.mla.kv_lora_rank = 32
   m.moe.enabled = True
+  m.moe.balancer_method = "article"      # the K3 article's quantile balancing (docs/design.md)
   m.moe.num_experts = 8
   m.moe.top_k = 2
   m.moe.num_shared_experts = 1

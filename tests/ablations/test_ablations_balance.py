@@ -17,7 +17,7 @@ from k3jax.train import workdir as workdir_lib
 pytestmark = pytest.mark.xdist_group("balance_ablation")  # one worker builds the module fixture (--dist loadgroup)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 4
-METHODS = ["quantile_histogram", "none"]
+METHODS = ["cutoff_histogram", "none"]
 
 
 def small_config():
@@ -51,13 +51,13 @@ def test_two_methods_give_the_table_from_the_same_start(ablation):
     assert m["summary"]["final_loss"]["mean"] == r["loss"][-1] and m["summary"]["final_loss"]["std"] is None
     saved = json.loads((workdir / name / "seed_3" / "config.json").read_text())
     assert saved["model"]["moe"]["balancer"] == balance.METHODS[name]["model.moe.balancer"]
-  assert json.loads((workdir / "quantile_histogram" / "seed_3" / "config.json").read_text()
+  assert json.loads((workdir / "cutoff_histogram" / "seed_3" / "config.json").read_text()
                     )["model"]["moe"]["balancer_method"] == "histogram"
-  quantile, none = (table["methods"][m]["runs"][0] for m in METHODS)
+  cutoff, none = (table["methods"][m]["runs"][0] for m in METHODS)
   # Step 1 runs before any balancer update: the same model, batch and routing for both methods.
-  assert quantile["loss"][0] == none["loss"][0] and quantile["max_vio"][0] == none["max_vio"][0]
+  assert cutoff["loss"][0] == none["loss"][0] and cutoff["max_vio"][0] == none["max_vio"][0]
   text = balance.format_table(table)
-  assert "quantile_histogram" in text and "none" in text
+  assert "cutoff_histogram" in text and "none" in text
 
 
 def test_rerun_reuses_finished_runs_and_refuses_another_config(ablation):

@@ -36,12 +36,19 @@ def test_gate_rules():
   assert verdicts(rt.gate_rows(gate(bounded=(2.20, 2.21))))[1] == "not reproduced"
   assert verdicts(rt.gate_rows(gate(bounded=(2.04, 2.05))))[1] == "inconclusive"
   one_seed = rt.gate_rows(gate(bounded=(2.0,), softplus=(2.0,)))[1]
-  assert one_seed["verdict"] == "inconclusive" and one_seed["why"] == rt.ONE_SEED
+  assert one_seed["verdict"] == "inconclusive" and one_seed["why"].startswith(rt.ONE_SEED)
   on_cpu = rt.gate_rows(gate(scale="cpu"))   # the XLA path only: the speed claim is about the kernels
   assert verdicts(on_cpu) == ["inconclusive", "reproduced", "reproduced"] and "not timed" in on_cpu[0]["why"]
   broken = gate()
   broken["finiteness"][0]["finite_grads"] = {"q": False}
   assert verdicts(rt.gate_rows(broken))[2] == "not reproduced"
+  both_fail = gate()   # the bounded gate fails as the unbounded one does: not reproduced, not a contrast
+  both_fail["finiteness"][0]["finite_o"] = False
+  assert verdicts(rt.gate_rows(both_fail))[2] == "not reproduced"
+  no_contrast = gate()   # the unbounded gate through the same tiles stays finite: nothing shown
+  no_contrast["finiteness"][1]["finite_o"] = True
+  row = rt.gate_rows(no_contrast)[2]
+  assert row["verdict"] == "inconclusive" and "no contrast" in row["why"]
 
 
 def test_balance_residual_context_and_hybrid_rules():
@@ -51,8 +58,16 @@ def test_balance_residual_context_and_hybrid_rules():
       "none": method((2.9, 2.95), (1.50, 1.51)), "sign": method((0.5, 0.6), (1.50, 1.52)),
       "quantile": method((0.05, 0.06), (1.50, 1.51)), "quantile_histogram": method((0.07, 0.08), (1.50, 1.515))}}
   assert verdicts(rt.balance_rows(balance)) == ["reproduced"]
+  costly = {**balance, "methods": {**balance["methods"], "quantile": method((0.05, 0.06), (1.60, 1.61))}}
+  assert verdicts(rt.balance_rows(costly)) == ["not reproduced"]   # balanced, at a loss beyond twice the noise
+  one_seed = {**balance, "methods": {k: method((v["summary"]["mean_max_vio_last_half"]["mean"],),
+                                               (v["summary"]["heldout_loss"]["mean"],))
+                                     for k, v in balance["methods"].items()}}
+  assert verdicts(rt.balance_rows(one_seed)) == ["inconclusive"]
   balance["methods"]["sign"] = method((0.01, 0.02), (1.50, 1.52))
   assert verdicts(rt.balance_rows(balance)) == ["not reproduced"]
+  one_seed["methods"]["sign"] = method((0.01,), (1.50,))
+  assert verdicts(rt.balance_rows(one_seed)) == ["not reproduced"]   # worse balanced: no noise needed
 
   residual = {"scale": "gpu", "run": "r", "training": {"block": {"heldout_loss": spread(1.70, 1.71)},
                                                        "full": {"heldout_loss": spread(1.69, 1.70)},
@@ -60,24 +75,41 @@ def test_balance_residual_context_and_hybrid_rules():
   assert verdicts(rt.residual_rows(residual)) == ["reproduced"]
   residual["training"]["prenorm"] = {"heldout_loss": spread(1.69, 1.70)}
   assert verdicts(rt.residual_rows(residual)) == ["not reproduced"]
+  one_seed = {k: {"heldout_loss": spread(v["heldout_loss"]["mean"])} for k, v in residual["training"].items()}
+  assert verdicts(rt.residual_rows({**residual, "training": one_seed})) == ["not reproduced"]   # not below
 
-  def variant(loss, acc, stages):
-    return {"heldout_loss": spread(*loss), "accuracy": {"mqar@16384": spread(*acc), "mqar@32768": spread(*acc)},
-            "stage_evals": [[{"seq_len": t} for t in stages]]}
+  def variant(loss, acc, stages, acc_2x=None):
+    accuracy = {"mqar@16384": spread(*acc), "mqar@32768": spread(*(acc_2x or acc))}
+    return {"heldout_loss": spread(*loss), "accuracy": accuracy,
+            "stage_evals": [[{"seq_len": t} for t in stages]], "chance": {"mqar": 0.1}}
   context = {"scale": "gpu", "run": "r", "summary": {"staged": variant((1.0, 1.01), (0.9, 0.92), (1024, 16384)),
                                                      "direct": variant((1.0, 1.02), (0.9, 0.91), (16384,))}}
   assert verdicts(rt.context_rows(context)) == ["reproduced"]
   context["summary"]["staged"] = variant((1.2, 1.21), (0.5, 0.51), (1024, 16384))
   assert verdicts(rt.context_rows(context)) == ["not reproduced"]
+  # As good at the final length, far worse at 2x it: the longer length decides.
+  context["summary"]["staged"] = variant((1.0, 1.01), (0.9, 0.92), (1024, 16384), acc_2x=(0.3, 0.31))
+  assert verdicts(rt.context_rows(context)) == ["not reproduced"]
+  # Both at chance (as the CPU runs are): equal losses, equal accuracies, and still no pass.
+  chance = {"staged": variant((1.0, 1.01), (0.02, 0.03), (1024, 16384)),
+            "direct": variant((1.0, 1.02), (0.02, 0.03), (16384,))}
+  row = rt.context_rows({**context, "summary": chance})[0]
+  assert row["verdict"] == "inconclusive" and "chance" in row["why"]
 
   def speed(short, long):
     return [{"seq_len": 2048, "tokens_per_s": short}, {"seq_len": 32768, "tokens_per_s": long}]
   hybrid = {"scale": "gpu", "run": "r",
             "forward_tokens_per_s": {"3to1": speed(9, 8), "all_mla": speed(10, 4), "all_kda": speed(8, 8)},
-            "recall": {"3to1": {"accuracy": {"mqar@4096": spread(0.9, 0.92)}},
+            "recall": {"3to1": {"accuracy": {"mqar@4096": spread(0.93, 0.95)}},
                        "all_mla": {"accuracy": {"mqar@4096": spread(0.95, 0.96)}},
                        "all_kda": {"accuracy": {"mqar@4096": spread(0.3, 0.32)}}}}
   assert verdicts(rt.hybrid_rows(hybrid)) == ["reproduced"]
+  below_attention = {**hybrid, "recall": {**hybrid["recall"], "3to1": {"accuracy": {"mqar@4096": spread(0.6, 0.61)}}}}
+  assert verdicts(rt.hybrid_rows(below_attention)) == ["not reproduced"]   # beats all-KDA, far below all-MLA
+  one_seed = {**hybrid, "recall": {k: {"accuracy": {"mqar@4096": spread(v["accuracy"]["mqar@4096"]["mean"])}}
+                                   for k, v in hybrid["recall"].items()},
+              "forward_tokens_per_s": {**hybrid["forward_tokens_per_s"], "3to1": speed(5, 3)}}
+  assert verdicts(rt.hybrid_rows(one_seed)) == ["not reproduced"]   # slower than all-MLA: no noise needed
   hybrid["forward_tokens_per_s"]["all_mla"] = speed(10, 9)
   assert verdicts(rt.hybrid_rows(hybrid)) == ["not reproduced"]
 

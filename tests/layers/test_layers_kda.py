@@ -42,7 +42,7 @@ def test_short_conv_matches_formula_with_state_and_documents():
   seg = segments(B, (4, T - 4))
   y, new_state = jax.jit(short_conv)(x, w, state, seg)
   xp = np.concatenate([np.asarray(state), np.asarray(x)], axis=1)      # xp[t + W - 1] is token t
-  segp = np.concatenate([np.zeros((B, W - 1), int), np.asarray(seg)], axis=1)
+  segp = np.concatenate([np.repeat(np.asarray(seg)[:, :1], W - 1, axis=1), np.asarray(seg)], axis=1)  # the state: doc 1
   ref = np.zeros((B, T, C))
   for t in range(T):
     for j in range(W):

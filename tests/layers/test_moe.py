@@ -117,6 +117,7 @@ def test_balancer_state_is_not_a_param_and_update_balance_runs_in_jit(base):
 @pytest.mark.parametrize("cfg, method", [
     (dict(balancer="none"), None), (dict(balancer="aux_loss"), None), (dict(balancer="sign"), "sign"),
     (dict(balancer_method="exact"), "exact"), (dict(balancer_method="histogram"), "histogram"),
+    (dict(balancer_method="article"), "article"),
 ])
 def test_update_balance_follows_the_configured_method(base, cfg, method):
   layer = variant(base, **cfg)
