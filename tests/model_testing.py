@@ -50,7 +50,7 @@ def small_config(**changes):
 
 def random_module(factory, seed=0):
   """`factory(rngs)` with every Param redrawn by NumPy: N(0, 1/n), n its largest leading dim, and 1 + N(0, 0.2²)
-  for vectors (norm weights, pseudo-queries, A_log). Other state (the balancer bias) stays zero."""
+  for vectors (norm weights, pseudo-queries, A_log). Other state (the balancer's bias and load) stays zero."""
   graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
   rng = np.random.default_rng(seed)
 
