@@ -5,7 +5,8 @@ each optimizer step from the router scores of that step: "article" (the K3 artic
 recent steps, the load's deviation judged against its median, P50, a smooth bounded correction) moves it by
 `article_correction`; "exact" sets each expert's bias to the cut-off quantile that would give it exactly T·k/E of
 the tokens (the project's own method); "histogram" does the same from per-expert histograms that sum across
-micro-batches and devices; "sign" is the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other baseline. Pure functions, never differentiated.
+micro-batches and devices; "sign" is the DeepSeek-V3 baseline. The Switch-style auxiliary loss is the other
+baseline. Pure functions, never differentiated.
 Token weights `weights_T` (1 for a real token, 0 for padding; None: all real) keep padding out of every statistic:
 the quantiles, histograms, loads and the auxiliary loss count the real tokens only.
 """
@@ -58,10 +59,7 @@ def select(scores_TE, bias_E, *, top_k: int, routed_scaling: float = 1.0):
 
 def expert_load(expert_ids_TK, num_experts: int, weights_T=None):
   """Token-slots routed to each expert, float32 `[E]` (each token's slots counted at its weight)."""
-  if weights_T is None:
-    return moe_dispatch.expert_counts(expert_ids_TK, num_experts, jnp.float32)
-  hits_TE = jnp.sum(expert_ids_TK[..., None] == jnp.arange(num_experts, dtype=expert_ids_TK.dtype), axis=1)
-  return jnp.sum(hits_TE * weights_T.astype(jnp.float32)[:, None], axis=0)
+  return moe_dispatch.expert_counts(expert_ids_TK, num_experts, jnp.float32, weights=weights_T)
 
 
 def cutoff_residuals(scores_TE, bias_E, *, top_k: int):
@@ -86,7 +84,7 @@ def exact_quantile(residuals_TE, *, top_k: int, weights_T=None):
   pos = jnp.clip(n * top_k / e - 0.5, 0.0, n - 1.0)
   lo = jnp.floor(pos).astype(jnp.int32)
   frac = pos - lo
-  hi = jnp.minimum(lo + 1, (n - 1).astype(jnp.int32) if weights_T is not None else t - 1)
+  hi = jnp.minimum(lo + 1, jnp.asarray(n - 1).astype(jnp.int32))
   # Each expert's residuals as one row, sorted along the minor axis: XLA's GPU compiler hands only minor-axis sorts to
   # CUB's radix sort (batched); along the major axis of [T, E] it emits its own sorting network, dozens of passes.
   r_sorted_ET = jnp.sort(residuals_TE.T, axis=-1)
@@ -153,7 +151,8 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
     weights_T = jax.lax.stop_gradient(weights_T.astype(jnp.float32))
     if weights_T.shape != scores_TE.shape[:1]:
       raise ValueError(f"weights_T must be [T={scores_TE.shape[0]}], got {weights_T.shape}")
-  any_real = jnp.asarray(True) if weights_T is None else psum(jnp.sum(weights_T)) > 0
+  n_real = psum(jnp.asarray(scores_TE.shape[0], jnp.float32) if weights_T is None else jnp.sum(weights_T))
+  any_real = n_real > 0
   if method in ("sign", "article"):
     load_E = psum(expert_load(select(scores_TE, bias_E, top_k=top_k)[1], e, weights_T))
   if method == "sign":
@@ -163,8 +162,7 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
   elif method == "article":
     if not (0.0 < decay <= 1.0 and rate > 0.0 and bound > 0.0):
       raise ValueError(f"need 0 < decay <= 1, rate > 0 and bound > 0, got {decay}, {rate}, {bound}")
-    n = psum(jnp.sum(weights_T) if weights_T is not None else jnp.asarray(scores_TE.shape[0], jnp.float32))
-    ratio_E = load_E / jnp.maximum(n * top_k / e, 1e-9)
+    ratio_E = load_E / jnp.maximum(n_real * top_k / e, 1e-9)
     old_load = jnp.ones_like(bias_E) if state.load_E is None else state.load_E
     new_load = jnp.where(any_real, (1.0 - decay) * old_load + decay * ratio_E, old_load)
     delta_E = article_correction(new_load, rate=rate)
@@ -195,10 +193,14 @@ def switch_aux_loss(scores_TE, expert_ids_TK, weights_T=None):
   """Switch-style `E · Σ_j f_j · P_j`: f = fraction of slots routed to j, P = mean normalised score of j, over the
   tokens at their weights."""
   t, e = scores_TE.shape
-  w_T = jnp.ones((t,), jnp.float32) if weights_T is None else jax.lax.stop_gradient(weights_T.astype(jnp.float32))
-  n = jnp.maximum(jnp.sum(w_T), 1.0)
-  f_E = jax.lax.stop_gradient(expert_load(expert_ids_TK, e, w_T)) / (n * expert_ids_TK.shape[1])
-  p_E = jnp.sum(w_T[:, None] * scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True), axis=0) / n
+  p_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+  if weights_T is None:
+    n, p_E = t, jnp.mean(p_TE, axis=0)
+  else:
+    w_T = jax.lax.stop_gradient(weights_T.astype(jnp.float32))
+    n = jnp.maximum(jnp.sum(w_T), 1.0)
+    p_E = jnp.sum(w_T[:, None] * p_TE, axis=0) / n
+  f_E = jax.lax.stop_gradient(expert_load(expert_ids_TK, e, weights_T)) / (n * expert_ids_TK.shape[1])
   return e * jnp.sum(f_E * p_E)
 
 

@@ -31,7 +31,6 @@ TRAIN_TOKENS, HELDOUT_TOKENS = 2 ** 18, 2 ** 14
 # Each method sets the balancer and its method (model.moe.balancer, model.moe.balancer_method): the baselines, the
 # K3 article's quantile balancing, and the project's cut-off quantile (exact, and its histogram form). The sign
 # update at DeepSeek-V3's γ = 1e-3 moves a bias by at most 0.1 in 100 steps; the study's γ moves it by up to 1.
-BASELINES = ("none", "aux_loss", "sign")
 METHODS = {
     "none": {"model.moe.balancer": "none"},
     "aux_loss": {"model.moe.balancer": "aux_loss"},

@@ -57,6 +57,7 @@ VERDICT_RULES = {
                    "of the change where that is larger",
 }
 ONE_SEED = "one seed: no noise estimate"
+BALANCE_BASELINES = ("none", "aux_loss", "sign")   # the balancing study's methods that are not quantile balancing
 MARKERS = "<!-- results:{scale}:begin -->", "<!-- results:{scale}:end -->"
 SETTINGS_MARKERS = "<!-- settings:{scale}:begin -->", "<!-- settings:{scale}:end -->"
 RULES_MARKERS = "<!-- rules:begin -->", "<!-- rules:end -->"
@@ -146,7 +147,7 @@ def balance_rows(r: dict) -> list[dict]:
   m = r["methods"]
   vio = {k: v["summary"]["mean_max_vio_last_half"] for k, v in m.items()}
   loss = {k: v["summary"]["heldout_loss"] for k, v in m.items()}
-  baselines = [k for k in m if k in ("none", "aux_loss", "sign")]
+  baselines = [k for k in m if k in BALANCE_BASELINES]
   quantile = ["article"] if "article" in m else [k for k in m if k not in baselines]   # older runs: every other
   n = noise(*loss.values())
   good = None

@@ -31,11 +31,15 @@ class Plan:
   group_sizes_E: jax.Array  # int32 [E]: slots per expert (expert e's rows follow expert e−1's)
 
 
-def expert_counts(expert_ids, num_experts: int, dtype=jnp.int32):
+def expert_counts(expert_ids, num_experts: int, dtype=jnp.int32, weights=None):
   """How many entries of `expert_ids` (any shape) name each expert, `[E]`: a compare-and-sum that XLA fuses into
-  one reduction (an `.at[ids].add(1)` would be a scatter with every slot colliding on E addresses)."""
-  flat = expert_ids.reshape(-1, 1)
-  return jnp.sum(flat == jnp.arange(num_experts, dtype=flat.dtype), axis=0, dtype=dtype)
+  one reduction (an `.at[ids].add(1)` would be a scatter with every slot colliding on E addresses). `weights`
+  (broadcast against `expert_ids` from the left, e.g. `[T]` for ids `[T, k]`): each entry counted at its weight."""
+  hits = expert_ids.reshape(-1, 1) == jnp.arange(num_experts, dtype=expert_ids.dtype)
+  if weights is None:
+    return jnp.sum(hits, axis=0, dtype=dtype)
+  w = jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (expert_ids.ndim - weights.ndim)), expert_ids.shape)
+  return jnp.sum(hits * w.reshape(-1, 1).astype(dtype), axis=0, dtype=dtype)
 
 
 def plan(expert_ids_TK, num_experts: int) -> Plan:

@@ -57,7 +57,7 @@ def make_rl_step(graphdef, tx: optax.GradientTransformation, lr_schedule, model_
     new_state = step_lib.update_balancers(graphdef, state.replace(step=state.step + 1, params=params,
                                                                   opt_state=opt_state), stats)
     metrics = {**metrics, "loss": objective, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step),
-               **step_lib.moe_metrics(stats, model_cfg.moe.top_k, jnp.sum(batch["segment_ids"] != 0))}
+               **step_lib.moe_metrics(stats, model_cfg.moe.top_k)}
     return new_state, metrics
 
   return rl_step

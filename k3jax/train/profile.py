@@ -65,7 +65,7 @@ def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:
   # Without an op_name (a trace that names no HLO op), the model's only other Mosaic kernels are KDA's, named above.
   if "ragged_dot" in name or (mosaic and (in_scope(GROUPED_GEMM_SCOPE) or not op_name)):
     return "grouped_gemm"
-  if name.startswith("mla_decode") or re.search(r"cudnn|fmha|flash|sdpa", f"{name} {target}", re.IGNORECASE):
+  if re.search(r"cudnn|fmha|flash|sdpa|mla_decode", f"{name} {target}", re.IGNORECASE):
     return "attention"
   if _GEMM.search(name) or "cublas" in target:
     return "gemm"

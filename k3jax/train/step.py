@@ -56,7 +56,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mod
     metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
                "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.tree.norm(grads),
                "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"]),
-               **moe_metrics(stats, moe.top_k, jnp.sum(batch["segment_ids"] != 0))}
+               **moe_metrics(stats, moe.top_k)}
     return new_state, metrics
 
   return train_step
@@ -72,12 +72,13 @@ def update_balancers(graphdef, state: state_lib.TrainState, stats) -> state_lib.
   return state.replace(params=params, balancer=balancer, other=other)
 
 
-def moe_metrics(stats, top_k: int, num_tokens: int) -> dict:
-  """Per MoE layer, the load's MaxVio and P90 over the step (stats stacked as for `update_balancers`; `num_tokens`
-  the real tokens, padding counting in no load); {} without MoE."""
+def moe_metrics(stats, top_k: int) -> dict:
+  """Per MoE layer, the load's MaxVio and P90 over the step (stats stacked as for `update_balancers`), over the
+  real tokens (padding counts in no load); {} without MoE."""
   if not stats:
     return {}
-  per_layer = [balancer_lib.load_metrics(jnp.sum(s.load_E, axis=0), top_k, num_tokens) for s in stats]
+  real = lambda s: s.scores_TE[..., 0].size if s.weights_T is None else jnp.sum(s.weights_T)
+  per_layer = [balancer_lib.load_metrics(jnp.sum(s.load_E, axis=0), top_k, real(s)) for s in stats]
   return {"moe_max_vio": jnp.stack([m["max_vio"] for m in per_layer]),
           "moe_load_p90": jnp.stack([m["p90"] for m in per_layer])}
 
