@@ -3,6 +3,7 @@ with every layer MLA, at several contexts and batch sizes, in one run.
 
   python -m experiments.bench_generate --config=experiments/configs/small.py     # H200: 8K … 1M, B = 1 and 32
   python -m experiments.bench_generate --small                                   # CPU: tiny config, checks it runs
+  python -m experiments.bench_generate --prefill=false --check=false --contexts=262144   # decode alone
 
 Weights are random, matrices in bf16; per context the prefill's speed (estimated from its first and last chunk, and
 run for real at B = 1 where the estimate fits --prefill_budget_s), the decode loop's, the cache's bytes and the
@@ -27,6 +28,8 @@ flags.DEFINE_integer("decode_steps", 64, "tokens decoded per row")
 flags.DEFINE_float("prefill_budget_s", 120.0, "run the real prefill (B = 1) only where its estimate is below this")
 flags.DEFINE_float("memory_fraction", 0.8, "skip contexts whose cache exceeds this share of device memory")
 flags.DEFINE_bool("check", True, "check the chunked prefill against the full forward at the first context")
+flags.DEFINE_bool("prefill", True, "compile and time the chunked prefill (off: the decode loop alone, from a cache "
+                  "of arbitrary contents at each context; needs --check=false)")
 flags.DEFINE_bool("profile", False, "trace the decode loop at the first context: device time per token by kind")
 flags.DEFINE_bool("small", False, "tiny config and sizes for a CPU run")
 flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun skips them")
@@ -47,7 +50,7 @@ def main(argv):
     settings = generate_benchmark.Settings(patterns=tuple(FLAGS.patterns), **sizes,
                                            prefill_budget_s=FLAGS.prefill_budget_s,
                                            memory_fraction=FLAGS.memory_fraction, check=FLAGS.check,
-                                           profile=FLAGS.profile)
+                                           profile=FLAGS.profile, prefill=FLAGS.prefill)
   except ValueError as e:
     raise app.UsageError(str(e))
   harness.enable_compilation_cache(FLAGS.compilation_cache)

@@ -4,12 +4,14 @@ batched decode of a config with its own layer pattern and with every layer MLA, 
 Weights are random (speed does not depend on them), matrices in bf16 for inference. Per (pattern, batch) one cache
 of the largest context that fits plus the decode steps, one compiled prefill chunk step and one compiled decode
 loop, compiled together in threads before anything is timed; per context:
-- prefill: the chunk step timed at the first chunk and at the last (start L − chunk); a chunk's time is affine in
+- prefill (`Settings.prefill`; off: the decode loop alone is compiled and timed): the chunk step timed at the first chunk and at the last (start L − chunk); a chunk's time is affine in
   its start (the MLA attention over the prefix grows linearly, the rest is constant), so the whole prefill takes
   n·(t_first + t_last)/2 ("est"). Where that estimate fits `Settings.prefill_budget_s` (and B = 1), the real chunked
   prefill runs ("run") and gives the cache decoding starts from; else the cache holds the context's length of
   arbitrary latents and states (decode speed does not depend on their values).
-- decode: `decode_loop` for `Settings.decode_steps` tokens per row, greedy, no stop (timed after one untimed loop).
+- decode: `decode_loop` for `Settings.decode_steps` tokens per row, greedy, no stop (timed after one untimed loop),
+  each row from logits of its own (`first_logits`): rows that fed the same tokens would route to the same experts,
+  and the MoE would read a few experts' weights where a real batch reads nearly all.
 - profile (`Settings.profile`): at the first context, the decode loop traced once more, its device time per token by
   kind of kernel and the slowest kernels (`k3jax/train/profile.py`).
 - cache: bytes of the KDA states and MLA latents at the context (per row: fixed + per-token), bytes per token;
@@ -58,8 +60,11 @@ class Settings:
   memory_fraction: float
   check: bool
   profile: bool = False
+  prefill: bool = True
 
   def __post_init__(self):
+    if self.check and not self.prefill:
+      raise ValueError("the check compares the chunked prefill with the full forward: it needs prefill on")
     if self.decode_steps < 2:
       raise ValueError(f"decode_steps must be >= 2 (the first token comes from the prefill), got {self.decode_steps}")
     bad = [p for p in self.patterns if p not in benchmark.PATTERNS]
@@ -74,7 +79,7 @@ SMALL = dict(contexts=(64, 160), batches=(1, 2), chunk_tokens=64, decode_steps=4
 @dataclasses.dataclass
 class Programs:
   """One (pattern, batch): the model (bf16 matrices), the contexts it runs, its cache length, chunk and compiled
-  calls."""
+  calls (`step` None: decode only)."""
   pattern: str
   model_cfg: object
   B: int
@@ -147,12 +152,13 @@ def plan(model, model_cfg, pattern, B, contexts, chunk_tokens, steps, memory_fra
   return Programs(pattern, model_cfg, B, chunk, max(fits, default=0) + steps, fits, model), skipped
 
 
-def compile_all(programs: list[Programs], steps: int, check: bool) -> None:
-  """Lowers every program (tracing is Python: one after another), then compiles them in threads."""
+def compile_all(programs: list[Programs], steps: int, check: bool, prefill: bool = True) -> None:
+  """Lowers every program (tracing is Python: one after another), then compiles them in threads; without
+  `prefill` the decode loops alone."""
   lowered = []
   for p in programs:
     start = time.perf_counter()
-    calls = generate_lib.lower(p.model, p.B, p.max_len, chunk=p.chunk, max_new=steps)
+    calls = generate_lib.lower(p.model, p.B, p.max_len, chunk=p.chunk if prefill else None, max_new=steps)
     forward = reference = None
     if check and p.B == 1:
       tokens = jax.ShapeDtypeStruct((1, p.contexts[0]), jnp.int32)
@@ -164,10 +170,10 @@ def compile_all(programs: list[Programs], steps: int, check: bool) -> None:
   def compile_one(item):
     p, (step, loop, forward, reference), trace_s = item
     start = time.perf_counter()
-    p.step, p.loop = step.compile(), loop.compile()
+    p.step, p.loop = step and step.compile(), loop.compile()
     p.forward, p.reference = forward and forward.compile(), reference and reference.compile()
     p.compile_s = trace_s + time.perf_counter() - start
-    p.work_bytes = max(_temp_bytes(p.step), _temp_bytes(p.loop))
+    p.work_bytes = max(_temp_bytes(p.step) if p.step else 0, _temp_bytes(p.loop))
     print(f"compiled {p.pattern} B={p.B} in {p.compile_s:.0f} s", flush=True)
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
@@ -211,13 +217,14 @@ def decode(p: Programs, logits_BV, cache, steps: int):
   return generate_lib.decode_loop(p.model, logits_BV, cache, jax.random.PRNGKey(0), max_new=steps, loop=p.loop)
 
 
-def zero_logits(p: Programs):
-  return jnp.zeros((p.B, p.model.vocab_size), jnp.float32)
+def first_logits(p: Programs):
+  """Random logits, a row of its own for each row: the rows then sample different first tokens, and differ after."""
+  return jax.random.normal(jax.random.PRNGKey(1), (p.B, p.model.vocab_size), jnp.float32)
 
 
 def time_decode(p: Programs, cache, L: int, steps: int):
   """(seconds of a decode loop of `steps` tokens per row from length L, after an untimed one; the cache)."""
-  logits = zero_logits(p)
+  logits = first_logits(p)
   for _ in range(2):
     cache = jax.block_until_ready(at_length(cache, L))
     t0 = time.perf_counter()
@@ -232,7 +239,7 @@ def time_decode(p: Programs, cache, L: int, steps: int):
 def profile_decode(p: Programs, cache, L: int, steps: int):
   """(the decode loop's device time per token by kind of kernel, `profile.breakdown` plus its slowest kernels; the
   cache), traced over one loop of `steps` tokens from length L."""
-  logits, cache = zero_logits(p), jax.block_until_ready(at_length(cache, L))
+  logits, cache = first_logits(p), jax.block_until_ready(at_length(cache, L))
   outputs = []          # the cache is donated: the loop's new one is kept from inside the trace
 
   def run():
@@ -252,26 +259,8 @@ def measure(p: Programs, steps: int, budget_s: float, trace: bool = False) -> li
   for i, L in enumerate(p.contexts):
     row = {"pattern": p.pattern, "B": p.B, "L": L, "chunk": p.chunk, "compile_s": p.compile_s}
     try:
-      _, cache = time_chunk(p, cache, 0)                         # warm
-      t_first, cache = time_chunk(p, cache, 0)
-      t_last, cache = time_chunk(p, cache, max(0, L - p.chunk))
-      estimate = -(-L // p.chunk) * (t_first + t_last) / 2
-      row.update(prefill_est_s=estimate, prefill_est_tok_s=p.B * L / estimate, chunk_first_ms=1e3 * t_first,
-                 chunk_last_ms=1e3 * t_last)
-      if p.B == 1 and estimate <= budget_s:
-        del cache
-        tokens = tokens_for(p.B, L, seed=L)
-        say = lambda done, total: (done == total or done % (8 * p.chunk) == 0) and print(
-            f"  prefill {p.pattern} B={p.B}: {done}/{total} dispatched", flush=True)
-        t0 = time.perf_counter()
-        logits, cache = generate_lib.prefill_chunked(p.model, tokens, chunk=p.chunk, max_len=p.max_len,
-                                                     progress=say, step=p.step)
-        jax.block_until_ready(logits)
-        seconds = time.perf_counter() - t0
-        row.update(prefill_s=seconds, prefill_tok_s=p.B * L / seconds)
-        if p.forward is not None and i == 0:
-          row.update(check(logits, p.forward(nnx.state(p.model), tokens),
-                           p.reference(nnx.state(fp32_twin(p.model, p.model_cfg)), tokens)))
+      if p.step is not None:
+        cache = measure_prefill(p, cache, L, budget_s, row, check_here=i == 0)
       seconds, cache = time_decode(p, cache, L, steps)
       ms = 1e3 * seconds / (steps - 1)                           # the first token comes from the prefill's logits
       row.update(decode_ms_per_step=ms, decode_tok_s_per_seq=1e3 / ms, decode_tok_s=p.B * 1e3 / ms)
@@ -291,6 +280,33 @@ def measure(p: Programs, steps: int, budget_s: float, trace: bool = False) -> li
     rows.append(row)
     print(format_table(rows[-1:]).splitlines()[-1], flush=True)
   return rows
+
+
+def measure_prefill(p: Programs, cache, L: int, budget_s: float, row: dict, check_here: bool):
+  """The prefill's fields of `row` at context L (the estimate; the real prefill at B = 1 within `budget_s`, checked
+  when `check_here` and compiled for it); returns the cache to decode from."""
+  _, cache = time_chunk(p, cache, 0)                         # warm
+  t_first, cache = time_chunk(p, cache, 0)
+  t_last, cache = time_chunk(p, cache, max(0, L - p.chunk))
+  estimate = -(-L // p.chunk) * (t_first + t_last) / 2
+  row.update(prefill_est_s=estimate, prefill_est_tok_s=p.B * L / estimate, chunk_first_ms=1e3 * t_first,
+             chunk_last_ms=1e3 * t_last)
+  if p.B != 1 or estimate > budget_s:
+    return cache
+  del cache
+  tokens = tokens_for(p.B, L, seed=L)
+  say = lambda done, total: (done == total or done % (8 * p.chunk) == 0) and print(
+      f"  prefill {p.pattern} B={p.B}: {done}/{total} dispatched", flush=True)
+  t0 = time.perf_counter()
+  logits, cache = generate_lib.prefill_chunked(p.model, tokens, chunk=p.chunk, max_len=p.max_len, progress=say,
+                                               step=p.step)
+  jax.block_until_ready(logits)
+  seconds = time.perf_counter() - t0
+  row.update(prefill_s=seconds, prefill_tok_s=p.B * L / seconds)
+  if p.forward is not None and check_here:
+    row.update(check(logits, p.forward(nnx.state(p.model), tokens),
+                     p.reference(nnx.state(fp32_twin(p.model, p.model_cfg)), tokens)))
+  return cache
 
 
 def check(chunked_BV, full_BV, reference_BV) -> dict:
@@ -314,7 +330,8 @@ def format_table(rows) -> str:
       continue
     run = "prefill_tok_s" in r
     tok_s = r["prefill_tok_s"] if run else r.get("prefill_est_tok_s", float("nan"))
-    lines.append(f"{r['pattern']:<7} {r['L']:>8} {r['B']:>3} {tok_s:>14,.0f} {'run' if run else 'est':>4} "
+    how = "run" if run else "est" if "prefill_est_tok_s" in r else "-"
+    lines.append(f"{r['pattern']:<7} {r['L']:>8} {r['B']:>3} {tok_s:>14,.0f} {how:>4} "
                  f"{r['decode_ms_per_step']:>9.3f} {r['decode_tok_s_per_seq']:>9.1f} {r['cache_gib']:>9.3f} "
                  f"{r['cache_bytes_per_token']:>8.0f} {r['est_peak_gib']:>8.1f}")
   return "\n".join(lines)
@@ -365,7 +382,7 @@ def run(config, settings: Settings, save: Callable[[list[dict]], None] | None = 
       if p.contexts:
         programs.append(p)
   start = time.perf_counter()
-  compile_all(programs, settings.decode_steps, settings.check)
+  compile_all(programs, settings.decode_steps, settings.check, settings.prefill)
   print(f"compiled {len(programs)} (pattern, batch) pairs in {time.perf_counter() - start:.0f} s", flush=True)
   for p in programs:
     rows += measure(p, settings.decode_steps, settings.prefill_budget_s, settings.profile)

@@ -19,6 +19,9 @@ ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
 BALANCERS = ("quantile", "none", "aux_loss", "sign")
 BALANCER_METHODS = ("exact", "histogram", "article")
+# How the routed experts run: "sorted" (the token-slots sorted by expert, grouped GEMMs), "dense" (every expert on
+# every token, the unchosen weighted 0), "auto" (dense for a call of few tokens, T <= E <= T·k, else sorted).
+MOE_ROUTINGS = ("auto", "sorted", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 # What each decoder layer keeps for its backward pass (the jax.checkpoint policy of an unrolled layer, by name):
 # "none" everything (no rematerialisation); "full" only its inputs (the rest is recomputed in the backward pass);
@@ -84,6 +87,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.moe.aux_loss_coef = 1e-2
   m.moe.sign_update_rate = 1e-3
   m.moe.first_dense_layers = 1
+  m.moe.routing = "auto"                  # one of MOE_ROUTINGS (docs/design.md, LatentMoE: the decode path)
 
   m.residual = ml_collections.ConfigDict()
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
@@ -157,6 +161,8 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
     _positive_int(moe, "shared_hidden", root=root)
   _one_of(moe, "balancer", BALANCERS, root=root)
   _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
+  if moe.get("routing", "auto") not in MOE_ROUTINGS:
+    raise ValueError(f"{root}.routing must be one of {MOE_ROUTINGS}, got {moe.routing!r}")
   for f, ok, what in (("correction_rate", lambda v: v > 0, "> 0"), ("load_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
                       ("correction_bound", lambda v: v > 0, "> 0")):
     v = moe.get(f, None)

@@ -194,16 +194,17 @@ def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_n
   return loop(state, cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))
 
 
-def lower(model, batch: int, max_len: int, *, chunk: int, max_new: int,
+def lower(model, batch: int, max_len: int, *, chunk: int | None, max_new: int,
           options: sampling.SamplingOptions = sampling.SamplingOptions()):
   """(prefill chunk step, decode loop) lowered for `batch` rows, a cache of `max_len`, chunks of `chunk` tokens and
   `max_new` decoded tokens: `.compile()` them (in threads: XLA compiles outside the GIL) and pass them to
-  `prefill_chunked(step=…)` and `decode_loop(loop=…)`."""
+  `prefill_chunked(step=…)` and `decode_loop(loop=…)`. `chunk` None: no prefill step (None in its place)."""
   graphdef, state = nnx.split(model)
   cache = jax.eval_shape(lambda: init_cache(model, batch, max_len))
   rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
   logits = jax.ShapeDtypeStruct((batch, model.vocab_size), jnp.float32)
-  step = _prefill_step.lower(graphdef, state, cache, jax.ShapeDtypeStruct((batch, chunk), jnp.int32), rows, logits)
+  step = None if chunk is None else _prefill_step.lower(
+      graphdef, state, cache, jax.ShapeDtypeStruct((batch, chunk), jnp.int32), rows, logits)
   loop = _decode_loop.lower(graphdef, state, cache, logits, jax.random.PRNGKey(0), rows, max_new=max_new,
                             options=options)
   return step, loop

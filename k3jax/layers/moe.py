@@ -5,7 +5,9 @@
 
 Dropless: token-slots are sorted by expert once (`k3jax.ops.moe_dispatch`), run through grouped GEMMs
 (`pallas_kernels.grouped_gemm`) and combined per token in fp32, returned in the compute dtype; with a mesh, experts
-are sharded over its `expert` axis (`k3jax.parallel`). The shared experts are one SiTU-GLU of
+are sharded over its `expert` axis (`k3jax.parallel`). A call of few tokens (a decode step: T <= E <= T·k, so
+nearly every expert has a token anyway) runs every expert on every token instead (`dense_routed_outputs`): the same
+weights read, no sort, no dispatch, two batched GEMMs (`moe.routing` chooses). The shared experts are one SiTU-GLU of
 width `num_shared_experts · shared_hidden`: a sum of GLUs on the same input is one GLU over their concatenated
 hidden units.
 """
@@ -40,6 +42,9 @@ def check_config(d_model: int, cfg: ml_collections.ConfigDict, mesh=None) -> Non
   if mesh is not None and cfg.num_experts % parallel.expert_parallel_size(mesh):
     raise ValueError(f"moe.num_experts={cfg.num_experts} is not divisible by the expert-parallel size "
                      f"{parallel.expert_parallel_size(mesh)}")
+  if mesh is not None and cfg.get("routing", "auto") == "dense" and parallel.expert_parallel_size(mesh) > 1:
+    raise ValueError("moe.routing='dense' runs every expert on one device; with experts sharded over the mesh's "
+                     "expert axis use 'sorted' or 'auto'")
 
 
 def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, backend: str = "auto"):
@@ -53,6 +58,33 @@ def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, backend: str =
   valid_M1 = (jnp.arange(x_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None]
   ab_MF = jnp.where(valid_M1, ab_MF, 0)
   return grouped_matmul(situ_glu(ab_MF[:, :h], ab_MF[:, h:]), w_down_GHL, group_sizes_G, backend=backend)
+
+
+def dense_routed_outputs(z_TL, expert_ids_TK, weights_TK, w_gate_up_ELF, w_down_EHL):
+  """`u[t] = Σ_j w[t, j] · E_{ids[t, j]}(z[t])`, `[T, L]`, with every expert run on every token and the unchosen
+  weighted 0: two GEMMs batched over the experts, no sort, no dispatch, no grouped GEMM. It reads every expert's
+  weights once (as the sorted path does when every expert has a token) and spends E/k times the expert FLOPs: the
+  path for a handful of tokens. Products in z's dtype with fp32 accumulation, rounded to z's dtype as the grouped
+  GEMMs' are; the combine in fp32, returned in z's dtype."""
+  E, h = w_down_EHL.shape[:2]
+  ab_ETF = jnp.einsum("tl,elf->etf", z_TL, w_gate_up_ELF, preferred_element_type=jnp.float32).astype(z_TL.dtype)
+  y_ETL = jnp.einsum("eth,ehl->etl", situ_glu(ab_ETF[..., :h], ab_ETF[..., h:]), w_down_EHL,
+                     preferred_element_type=jnp.float32)
+  chosen_TKE = expert_ids_TK[..., None] == jnp.arange(E)
+  w_ET = jnp.sum(jnp.where(chosen_TKE, weights_TK[..., None].astype(jnp.float32), 0.0), axis=1).T
+  # An unchosen expert's output is masked, not multiplied by 0: 0·inf would be NaN. Elementwise and summed over E
+  # (one fusion), not an fp32 dot, which a GPU may run in TF32.
+  y_ETL = jnp.where(w_ET[..., None] != 0, y_ETL.astype(z_TL.dtype).astype(jnp.float32), 0.0)
+  return jnp.sum(w_ET[..., None] * y_ETL, axis=0).astype(z_TL.dtype)
+
+
+def dense_routing(routing: str, tokens: int, num_experts: int, top_k: int, mesh=None) -> bool:
+  """Whether a call of `tokens` tokens runs every expert on every token (`dense_routed_outputs`): "dense" always,
+  "sorted" never, "auto" when T <= E <= T·k on one device (a decode step: nearly every expert has a token, so the
+  dense path reads no more weights, and its E/k times the FLOPs on at most E tokens are cheaper than the sort)."""
+  if routing != "auto":
+    return routing == "dense"
+  return mesh is None and tokens <= num_experts <= tokens * top_k
 
 
 class LatentMoE(nnx.Module):
@@ -93,7 +125,9 @@ class LatentMoE(nnx.Module):
     experts = (self.w_gate_up[...].reshape(e, l, 2 * h).astype(self.dtype), self.w_down[...].astype(self.dtype))
     expert_fn = functools.partial(expert_ffn, backend=self.backend)
     with jax.named_scope("routed_experts"):
-      if self.mesh is None:
+      if dense_routing(cfg.get("routing", "auto"), b * t, e, cfg.top_k, self.mesh):
+        u_TL = dense_routed_outputs(z_TL, ids_TK, weights_TK, *experts)
+      elif self.mesh is None:
         u_TL = parallel.local_routed_outputs(z_TL, ids_TK, weights_TK, experts, num_experts=e, expert_fn=expert_fn)
       else:
         u_TL = parallel.expert_parallel_routed_outputs(z_TL, ids_TK, weights_TK, experts, mesh=self.mesh,

@@ -36,10 +36,24 @@ def test_bf16_matrices_keep_vectors_and_the_kda_gate_in_fp32():
 
 
 @pytest.mark.parametrize("change, says", [(dict(decode_steps=1), "decode_steps must be >= 2"),
-                                          (dict(patterns=("config", "gdn")), "patterns ['gdn']")])
+                                          (dict(patterns=("config", "gdn")), "patterns ['gdn']"),
+                                          (dict(prefill=False), "needs prefill on")])
 def test_settings_refuse_what_the_run_cannot_measure(change, says):
   with pytest.raises(ValueError, match=says.replace("[", r"\[").replace("]", r"\]")):
     dataclasses.replace(SETTINGS, **change)
+
+
+def test_decode_alone_times_the_decode_loop_of_rows_that_differ():
+  """Without the prefill only the decode loops are compiled and timed; the rows start from logits of their own, so
+  they feed different tokens (a batch of identical rows would route every row to the same experts)."""
+  settings = dataclasses.replace(SETTINGS, patterns=("config",), contexts=(64,), batches=(4,), check=False,
+                                 prefill=False)
+  rows = generate_benchmark.run(tiny.get_config(), settings)
+  assert len(rows) == 1 and rows[0]["decode_ms_per_step"] > 0
+  assert not any(k.startswith("prefill") or k.startswith("chunk_") for k in rows[0])
+  p = generate_benchmark.Programs("config", None, 4, 1, 64, [64], generate_benchmark.inference_model(
+      tiny.get_config().model))
+  assert len({int(t) for t in generate_benchmark.first_logits(p).argmax(-1)}) == 4
 
 
 def row(pattern, L, B, **extra):

@@ -7,7 +7,7 @@ from flax import nnx
 
 from k3jax import balancer, parallel
 from k3jax.layers.ffn import SiTUGLU, situ_glu
-from k3jax.layers.moe import LatentMoE, MoEStats
+from k3jax.layers.moe import LatentMoE, MoEStats, dense_routed_outputs
 from k3jax.ops import moe_dispatch
 from moe_testing import (D, base, base_output_and_grads, forward, moe_config, output_and_grads,  # noqa: F401
                          rel, tokens, variant)
@@ -166,7 +166,41 @@ def test_bfloat16_layer_is_close_to_float32(base):
     (dict(num_shared_experts=1, shared_hidden=0), "shared_hidden"),
     (dict(balancer="loss_free"), "moe.balancer must be one of"),
     (dict(balancer_method="median"), "balancer_method"),
+    (dict(routing="gathered"), "moe.routing must be one of"),
 ])
 def test_bad_configs_raise_value_errors(overrides, match):
   with pytest.raises(ValueError, match=match):
     nnx.eval_shape(lambda: LatentMoE(D, moe_config(**overrides), rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_dense_routing_equals_the_sorted_path_outputs_and_gradients(base, t):
+  """Every expert on every token, the unchosen weighted 0, is the dropless sorted path's function, gradients too (a
+  skewed bias sends several of a token's slots' neighbours to one expert)."""
+  x = tokens(jax.random.key(12), b=1, t=t)
+  y, (dp, dx) = output_and_grads(variant(base, routing="sorted"), x, lambda m, x: m(x)[0])
+  y_dense, (dp_dense, dx_dense) = output_and_grads(variant(base, routing="dense"), x, lambda m, x: m(x)[0])
+  assert rel(y_dense, y) <= 1e-6 and rel(dx_dense, dx) <= 1e-6
+  for g, g_dense in zip(jax.tree.leaves(dp), jax.tree.leaves(dp_dense)):
+    assert rel(g_dense, g) <= 1e-6
+
+
+def test_dense_routing_ignores_non_finite_outputs_of_unchosen_experts():
+  """An expert no token chose may produce anything (here inf): the combine masks it rather than weighting it by 0."""
+  z = jax.random.normal(jax.random.key(0), (2, 4))
+  ids, w = jnp.array([[0], [0]]), jnp.ones((2, 1))
+  w_gate_up = jax.random.normal(jax.random.key(1), (2, 4, 6)).at[1].set(jnp.inf)
+  u = dense_routed_outputs(z, ids, w, w_gate_up, jax.random.normal(jax.random.key(2), (2, 3, 4)))
+  assert bool(jnp.all(jnp.isfinite(u)))
+
+
+@pytest.mark.parametrize("routing, t, dense", [("auto", 1, False), ("auto", 4, True), ("auto", 8, True),
+                                               ("auto", 9, False), ("dense", 16, True), ("sorted", 4, False)])
+def test_routing_runs_dense_as_configured(base, routing, t, dense):
+  """"auto" (E = 8, top-2): dense for T <= E <= T·k, i.e. 4..8 tokens; the sorted path (the dispatch's sort of
+  the slots in the program) otherwise. "dense" and "sorted" whatever the tokens."""
+  layer = variant(base, routing=routing)
+  graph, state = nnx.split(layer)
+  jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graph, s)(x)[0])(state, tokens(jax.random.key(0), b=1, t=t))
+  sorts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sort"]
+  assert (not sorts) == dense
