@@ -4,11 +4,12 @@ batched decode of a config with its own layer pattern and with every layer MLA, 
 Weights are random (speed does not depend on them), matrices in bf16 for inference. Per (pattern, batch) one cache
 of the largest context that fits plus the decode steps, one compiled prefill chunk step and one compiled decode
 loop, compiled together in threads before anything is timed; per context:
-- prefill (`Settings.prefill`; off: the decode loop alone is compiled and timed): the chunk step timed at the first chunk and at the last (start L − chunk); a chunk's time is affine in
-  its start (the MLA attention over the prefix grows linearly, the rest is constant), so the whole prefill takes
-  n·(t_first + t_last)/2 ("est"). Where that estimate fits `Settings.prefill_budget_s` (and B = 1), the real chunked
-  prefill runs ("run") and gives the cache decoding starts from; else the cache holds the context's length of
-  arbitrary latents and states (decode speed does not depend on their values).
+- prefill (`Settings.prefill`; off: the decode loop alone is compiled and timed): the chunk step timed at the
+  first chunk and at the last (start L − chunk); a chunk's time is affine in its start (the MLA attention over the
+  prefix grows linearly, the rest is constant), so the whole prefill takes n·(t_first + t_last)/2 ("est"). Where
+  that estimate fits `Settings.prefill_budget_s` (and B = 1), the real chunked prefill runs ("run") and gives the
+  cache decoding starts from; else the cache holds the context's length of arbitrary latents and states (decode
+  speed does not depend on their values).
 - decode: `decode_loop` for `Settings.decode_steps` tokens per row, greedy, no stop (timed after one untimed loop),
   each row from logits of its own (`first_logits`): rows that fed the same tokens would route to the same experts,
   and the MoE would read a few experts' weights where a real batch reads nearly all.

@@ -102,11 +102,19 @@ def jax_temp_bytes(compiled):
   return None if stats is None else stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
-def fla_runner(x, do):
+# FLA's two gates on its own kernels: the bounded one (`safe_gate`: 16-token diagonal tiles on the tensor cores) and
+# the softplus one (`-e^{A_log} softplus(·)`, unbounded: the diagonal tiles computed position by position).
+FLA_GATES = {"bounded": dict(safe_gate=True, lower_bound=LOWER_BOUND), "softplus": dict(safe_gate=False)}
+
+
+def fla_runner(x, do, gate: str = "bounded"):
   """FLA's chunk_kda with the gate, L2 norm and β sigmoid fused, as ANCHORS.md runs it, on `raw_inputs` `x` and
-  output cotangent `do`: a dict of timers ("fwd", "fwdbwd"), peak memory ("fwdbwd_mem"), kernel profiles
-  ("kernels") and "outputs_and_grads" (S0 -> as `testing.kda_outputs_and_grads`, by our names: the anchor of
-  `testing.check_case`); None if FLA is not importable."""
+  output cotangent `do`, with `gate` (FLA_GATES): a dict of timers ("fwd", "fwdbwd": median ms by
+  `triton.testing.do_bench`), peak memory ("fwdbwd_mem"), kernel profiles ("kernels") and "outputs_and_grads" (S0 ->
+  as `testing.kda_outputs_and_grads`, by our names: the anchor of `testing.check_case`); None if FLA is not
+  importable."""
+  if gate not in FLA_GATES:
+    raise ValueError(f"gate must be one of {sorted(FLA_GATES)}, got {gate!r}")
   try:
     import torch
     import triton
@@ -122,7 +130,7 @@ def fla_runner(x, do):
   dt_bias = torch.from_numpy(np.asarray(x["dt_bias"]).reshape(H * D)).cuda().requires_grad_()
   do_t = to_t(do, grad=False)
   fused = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-               safe_gate=True, lower_bound=LOWER_BOUND)
+               **FLA_GATES[gate])
 
   def fwd():
     return fla_chunk_kda(t["q"], t["k"], t["v"], t["g_raw"], t["beta_logits"], A_log=A_log, dt_bias=dt_bias,

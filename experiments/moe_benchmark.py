@@ -30,7 +30,7 @@ from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, expert_ffn
 from k3jax.numerics import rel_err
 from k3jax.ops import moe_dispatch
-from pallas_kernels.grouped_gemm import Configs, TileConfig, mosaic, ops
+from pallas_kernels.grouped_gemm import Configs, GroupedGemmOptions, TileConfig, mosaic, ops
 
 SECTIONS = ("gemm", "layer", "dispatch")
 MAX_REL_ERR = 1e-2
@@ -150,13 +150,15 @@ def activated_flops_per_token(shapes: Shapes, experts: int) -> int:
   return 2 * (d * experts + 2 * d * l + shapes.top_k * 3 * l * h + 3 * d * shapes.num_shared * shapes.shared_hidden)
 
 
-def layer_times(shapes: Shapes, experts: int, key) -> dict:
-  """Forward+backward seconds of LatentMoE and of the dense SiTU-GLU FFN with its activated FLOPs (bf16)."""
+def layer_times(shapes: Shapes, experts: int, key, options: GroupedGemmOptions = GroupedGemmOptions()) -> dict:
+  """Forward+backward seconds of LatentMoE (its grouped GEMMs as `options` says) and of the dense SiTU-GLU FFN with
+  its activated FLOPs (bf16)."""
   dense_hidden = max(128, round(activated_flops_per_token(shapes, experts) / (6 * shapes.d_model) / 128) * 128)
   x = jax.random.normal(key, (8, shapes.tokens // 8, shapes.d_model), jnp.bfloat16)
   cot = jax.random.normal(jax.random.fold_in(key, 1), x.shape, jnp.bfloat16)
   out = {"dense_hidden": dense_hidden}
-  builders = {"moe": lambda: LatentMoE(shapes.d_model, moe_config(shapes, experts), rngs=nnx.Rngs(0)),
+  builders = {"moe": lambda: LatentMoE(shapes.d_model, moe_config(shapes, experts), rngs=nnx.Rngs(0),
+                                       grouped_gemm=options),
               "dense": lambda: SiTUGLU(shapes.d_model, dense_hidden, rngs=nnx.Rngs(0))}
   for name, build in builders.items():
     graph, params, rest = nnx.split(nnx.jit(build)(), nnx.Param, ...)
@@ -171,20 +173,24 @@ def layer_times(shapes: Shapes, experts: int, key) -> dict:
   return out
 
 
-def layer_check(shapes: Shapes, experts: int, key, tokens: int = 1024) -> dict:
-  """LatentMoE output and gradients (bf16) with the auto grouped GEMM against the same layer on XLA's ragged dots."""
-  layer = nnx.jit(lambda: LatentMoE(shapes.d_model, moe_config(shapes, experts), rngs=nnx.Rngs(1)))()
+def layer_check(shapes: Shapes, experts: int, key, options: GroupedGemmOptions = GroupedGemmOptions(),
+                tokens: int = 1024) -> dict:
+  """LatentMoE output and gradients (bf16) with its grouped GEMMs as `options` says against the same weights on XLA's
+  ragged dots."""
+  build = lambda o: LatentMoE(shapes.d_model, moe_config(shapes, experts), rngs=nnx.Rngs(1), grouped_gemm=o)
+  state = nnx.state(nnx.jit(lambda: build(options))())
   x = jax.random.normal(key, (2, tokens // 2, shapes.d_model), jnp.bfloat16)
   cot = jax.random.normal(jax.random.fold_in(key, 2), x.shape, jnp.float32)
   outputs = {}
-  for backend in ("auto", "xla"):
-    layer.backend = backend
+  for name, o in (("auto", options), ("xla", GroupedGemmOptions("xla"))):
+    layer = nnx.eval_shape(lambda: build(o))
+    nnx.update(layer, state)
     graph, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def loss(params, x, graph=graph, rest=rest):
       y = nnx.merge(graph, params, rest)(x)[0]
       return jnp.sum(y.astype(jnp.float32) * cot), y
-    outputs[backend] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    outputs[name] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
   (_, y), grads = outputs["auto"]
   (_, y_ref), grads_ref = outputs["xla"]
   leaves = list(zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)))
@@ -304,9 +310,9 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
     print(f"tile sweep, both GEMMs at E={shapes.experts[0]}:", flush=True)
     results["sweep"] = sweep(shapes, shapes.experts[0], key)
     configs = best_configs(results["sweep"], configs)
-    mosaic.DEFAULT_CONFIGS = (configs,) + mosaic.DEFAULT_CONFIGS  # the layer below uses them too
     results["tile_configs"] = dataclasses.asdict(configs)
     print(f"the sections below use the sweep's best tiles: {configs}", flush=True)
+  layer_options = GroupedGemmOptions(tiles=(configs,))   # the layer sections use the sweep's tiles where they fit
   for experts in shapes.experts:
     results.setdefault(f"E{experts}", {})
     for name, (k, n) in gemm_shapes(shapes).items() if "gemm" in shapes.sections else ():
@@ -358,7 +364,7 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
     if "layer" not in shapes.sections:
       continue
     try:
-      results[f"E{experts}"]["layer_check"] = check = layer_check(shapes, experts, key)
+      results[f"E{experts}"]["layer_check"] = check = layer_check(shapes, experts, key, layer_options)
       bad = not (check["output"] <= LAYER_MAX_REL_ERR and check["grads"] <= LAYER_MAX_REL_ERR and check["finite"])
       ok &= not bad
       print(f"E={experts} layer, auto grouped GEMM vs XLA ragged dots (bf16): output {check['output']:.2e} "
@@ -369,7 +375,7 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
       results["errors"][f"E{experts}/layer_check"] = traceback.format_exc()
       print(f"E={experts} layer check FAILED:\n{traceback.format_exc()}", flush=True)
     try:
-      results[f"E{experts}"]["layer"] = times = layer_times(shapes, experts, key)
+      results[f"E{experts}"]["layer"] = times = layer_times(shapes, experts, key, layer_options)
       flop = 3 * activated_flops_per_token(shapes, experts) * shapes.tokens
       print(f"E={experts} layer fwd+bwd: LatentMoE {times['moe'] * 1e3:.2f} ms ({flop / times['moe'] / 1e12:.3g} "
             f"activated TFLOP/s), dense SiTU-GLU (hidden {times['dense_hidden']}) {times['dense'] * 1e3:.2f} ms "

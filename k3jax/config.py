@@ -55,9 +55,9 @@ def model_config() -> ml_collections.ConfigDict:
   m.kda.num_heads = 2
   m.kda.head_dim = None                   # K = V; None: d_model // num_heads
   m.kda.conv_size = 4
-  m.kda.gate = "bounded"                  # bounded: γ_min·σ(·) (K3); softplus: Kimi Linear (ablation)
+  m.kda.gate = "bounded"                  # bounded: γ_min·σ(·) (the K3 article); softplus: Kimi Linear (ablation)
   m.kda.lower_bound = -5.0                # γ_min of the bounded gate
-  m.kda.gate_rank = None                  # None: full-rank decay and output gates (K3); int: d -> rank -> H·K
+  m.kda.gate_rank = None                  # None: full-rank decay and output gates (assumed); int: d -> rank -> H·K
   m.kda.backend = "auto"                  # chunk_kda backend
 
   m.mla = ml_collections.ConfigDict()

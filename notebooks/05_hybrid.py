@@ -1,9 +1,10 @@
 # %% [markdown]
 # # 5. Hybrid ratio: 3:1 KDA:MLA vs all-MLA, all-KDA and 7:1
 #
-# **Claim (K3).** Mixing three KDA layers per gated MLA layer keeps most of linear attention's speed at long
-# context (KDA's cost per token does not grow with the length; MLA's attention does) while the few global-attention
-# layers keep exact recall, which a pure linear-attention model loses.
+# **Claim (the K3 article pairs KDA with gated MLA; the 3:1 ratio is Kimi Linear's).** Mixing three KDA layers per
+# gated MLA layer keeps most of linear attention's speed at long context (KDA's cost per token does not grow with
+# the length; MLA's attention does) while the few global-attention layers keep exact recall, which a pure
+# linear-attention model loses.
 #
 # Four 8-layer models that differ only in `model.layer_pattern` (`3to1` = KKKM KKKM, `7to1` = KKKKKKKM, all KDA, all
 # MLA): forward (prefill) tokens/s against the sequence length at a constant number of tokens per call, the training

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax import parallel
 from k3jax.layers.moe import expert_ffn
-from pallas_kernels.grouped_gemm import Configs, ops
+from pallas_kernels.grouped_gemm import Configs, GroupedGemmOptions, ops
 from moe_testing import base, base_output_and_grads, forward, output_and_grads, rel, tokens, variant  # noqa: F401
 
 
@@ -72,7 +72,7 @@ def test_expert_parallel_ignores_what_the_experts_leave_in_rows_past_the_groups(
   ids = jnp.stack([jax.random.permutation(key, e)[:k] for key in jax.random.split(keys[0], t)])
   args = (jax.random.normal(keys[1], (t, l)), jax.random.uniform(keys[2], (t, k), minval=0.1, maxval=1.0),
           jax.random.normal(keys[3], (e, l, 2 * h)), jax.random.normal(keys[4], (e, h, l)))
-  clean = functools.partial(expert_ffn, backend="xla")
+  clean = functools.partial(expert_ffn, options=GroupedGemmOptions("xla"))
 
   def poisoned(x_ML, group_sizes_G, *weights):
     y_ML = clean(x_ML, group_sizes_G, *weights)

@@ -57,7 +57,7 @@ def model_and_training(scale: str, *, num_layers: int | None = None, pattern=(KD
     m.d_model, m.num_layers = 512, num_layers or 4
     m.dtype = "bfloat16"
     m.ffn_hidden = 1536
-    m.kda.num_heads = m.mla.num_heads = 4   # head dims 128, as in K3
+    m.kda.num_heads = m.mla.num_heads = 4   # head dims 128, Kimi Linear's
     m.mla.kv_lora_rank = 128
     c.seq_len, c.batch_size, c.steps = 1024, 16, 150
     c.log_every = 5
@@ -71,8 +71,8 @@ def model_and_training(scale: str, *, num_layers: int | None = None, pattern=(KD
 
 
 def gate(scale: str) -> Study:
-  """Bounded (K3) vs softplus (Kimi Linear) decay gate: training loss at equal steps; the op's speed; finiteness at
-  long T with saturated gates."""
+  """Bounded (the article's) vs softplus (Kimi Linear) decay gate: training loss at equal steps; the op's speed;
+  finiteness at long T with saturated gates."""
   if scale == "cpu":
     c = model_and_training(scale, num_layers=1, pattern=(KDA,), last_layer=None)   # the gate acts in KDA layers
     settings = {"timed_shapes": [(1, 256, 2, 32)], "timed_dtype": "float32", "repeats": 3,
@@ -153,8 +153,8 @@ def context(scale: str) -> Study:
 
 
 def hybrid(scale: str) -> Study:
-  """KDA:MLA ratio: 3:1 (K3) vs all-MLA, all-KDA and 7:1 over 8 layers: forward tokens/s against length, and MQAR
-  recall after the same training."""
+  """KDA:MLA ratio: 3:1 (Kimi Linear's; the article pairs KDA with gated MLA) vs all-MLA, all-KDA and 7:1 over 8
+  layers: forward tokens/s against length, and MQAR recall after the same training."""
   c = model_and_training(scale, num_layers=8)
   c.data.mix = {"mqar": 1.0}
   c.eval.tasks = ("mqar",)

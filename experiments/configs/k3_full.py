@@ -1,13 +1,16 @@
-"""k3_full: the published Kimi K3 shape, for parameter counting and memory planning (experiments/plan.py).
+"""k3_full: a Kimi K3 shape, for parameter counting and memory planning (experiments/plan.py).
 
-Published: 2.78T parameters, 104.2B activated per token; 93 layers (69 KDA, 24 gated MLA: KDA, KDA, KDA, MLA
-repeated, the last layer MLA), d = 7168, 896 routed experts top-16 plus 2 shared, latent ℓ = 3584, layer 0 dense.
+Sources (docs/design.md, where the numbers come from). From the article: about 2.8T parameters, 104B activated per
+token, 896 routed experts, the bounded gate with γ_min = −5, KDA combined with gated MLA, SiTU-GLU experts, context
+stages 8K -> 64K -> 256K -> 1M. From Kimi Linear: KDA, KDA, KDA, MLA repeated (3 : 1) with NoPE MLA, the last
+layer MLA. From the Attention Residuals paper: Block AttnRes. Assumed: 93 layers (69 KDA, 24 MLA), d = 7168, top-16
+of the routed experts plus 2 shared, latent ℓ = d/2 = 3584, layer 0 dense, 8 AttnRes blocks of 12 layers.
 
-Unpublished sizes, chosen by convention (K2 / Kimi Linear / DeepSeek-V3), then the two FFN widths solved from the
-two published totals:
+The rest by convention (K2 / Kimi Linear / DeepSeek-V3), then the two FFN widths solved from the article's two
+totals (taken as 2.78T and 104.2B):
 - vocab 163,840 (the Kimi tokenizer of K2); untied LM head (as K2).
 - KDA: 64 heads of K = V = 128 (Kimi Linear's head size; H·K = 8192 ≈ 1.14 d), full-rank decay and output gates
-  (K3's "full rank" gate).
+  (assumed).
 - MLA: 64 heads (K2), q-LoRA rank 1536 and r_kv = 512 (K2 / DeepSeek-V3); NoPE, so q·k uses 128 dims per head
   (K2's 128 non-positional dims; its 64 RoPE dims are dropped) and v 128.
 - layer 0 dense SiTU-GLU of width 18,432 (K2's dense layer).
@@ -51,14 +54,15 @@ def get_config():
   m.moe.latent_dim = 3584
   m.moe.expert_hidden = 3072
   m.moe.shared_hidden = 4864
-  m.moe.routed_scaling = 2.827          # K2's
+  m.moe.routed_scaling = 2.827          # K2's (assumed for K3)
   m.moe.first_dense_layers = 1
   m.residual.mode = "block"
-  m.residual.block_size = 12            # 8 blocks (the last one of 9 layers)
+  m.residual.block_size = 12            # 8 blocks (the last one of 9 layers); assumed
   c.model = m
   c.mesh = "data:64,expert:16"
   c.seq_len = 8192
-  # K3's context stages 8K -> 64K -> 256K -> 1M at 16.8M tokens per step. Step counts are not published: ours put
-  # ~14T tokens in the first stage (K2 trained on 15.5T) and shrink 4x per stage after the next.
+  # The article's context stages 8K -> 64K -> 256K -> 1M, at 16.8M tokens per step (assumed). Step counts are not
+  # in the article: ours put ~14T tokens in the first stage (K2 trained on 15.5T) and shrink 4x per stage after the
+  # next.
   set_stages(c, [(8192, 830_000, 2048), (65536, 40_000, 256), (262144, 10_000, 64), (1048576, 2_500, 16)])
   return c.lock()   # unknown fields are errors, as on the command line

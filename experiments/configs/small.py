@@ -18,7 +18,7 @@ def get_config():
   m.dtype = "bfloat16"
   m.remat = "save_kda_out"               # keep the KDA kernels' output; recompute the rest
   m.ffn_hidden = 2048                   # layer 0's dense FFN
-  m.kda.num_heads = 6                   # head dim 128, as in K3
+  m.kda.num_heads = 6                   # head dim 128, Kimi Linear's
   m.mla.num_heads = 6                   # head dims 128
   m.mla.kv_lora_rank = 256
   m.moe.enabled = True

@@ -23,7 +23,7 @@ def get_config():
   m.moe.num_experts = 8
   m.moe.top_k = 2
   m.moe.num_shared_experts = 1
-  m.moe.latent_dim = 32                 # ℓ = d/2 as in K3
+  m.moe.latent_dim = 32                 # ℓ = d/2 (assumed for K3)
   m.moe.expert_hidden = 32
   m.moe.shared_hidden = 64
   m.residual.block_size = 2             # two AttnRes blocks

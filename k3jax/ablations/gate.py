@@ -21,6 +21,8 @@ from k3jax.ops import kda
 GATES = {"bounded": -5.0, "softplus": None}   # the lower bound each gate lets the ops assume
 SATURATED_Z = 30.0                            # gate pre-activation of a saturated gate: σ(·) ≈ 1, softplus(·) ≈ 30
 ARG_NAMES = ("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias")
+# FLA's kernels with each gate (`experiments.kda_benchmark.FLA_GATES`), the like-with-like comparison of the claim.
+FLA_PATHS = {"bounded": "FLA kernels, safe_gate (GEMM tiles)", "softplus": "FLA kernels, position-wise diagonal"}
 
 
 def raw_inputs(B: int, T: int, H: int, D: int, *, dtype=jnp.bfloat16, seed: int = 0, saturated: bool = False):

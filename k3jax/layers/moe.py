@@ -23,7 +23,7 @@ from flax import nnx, struct
 from k3jax import balancer, config as config_lib, parallel
 from k3jax.layers.common import Linear, RMSNorm
 from k3jax.layers.ffn import SiTUGLU, situ_glu
-from pallas_kernels.grouped_gemm import grouped_matmul
+from pallas_kernels.grouped_gemm import GroupedGemmOptions
 
 @struct.dataclass
 class MoEStats:
@@ -47,17 +47,18 @@ def check_config(d_model: int, cfg: ml_collections.ConfigDict, mesh=None) -> Non
                      "expert axis use 'sorted' or 'auto'")
 
 
-def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, backend: str = "auto"):
-  """Routed SiTU-GLU experts on rows sorted by expert: `[M, ℓ] -> [M, ℓ]` (rows past the groups: unspecified).
+def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, options: GroupedGemmOptions = GroupedGemmOptions()):
+  """Routed SiTU-GLU experts on rows sorted by expert: `[M, ℓ] -> [M, ℓ]` (rows past the groups: unspecified), the
+  grouped GEMMs run as `options` says.
 
   `w_gate_up_GLF` is `[G, ℓ, 2h]`: the gate units, then the up units.
   """
   h = w_down_GHL.shape[1]
-  ab_MF = grouped_matmul(x_ML, w_gate_up_GLF, group_sizes_G, backend=backend)
+  ab_MF = options.matmul(x_ML, w_gate_up_GLF, group_sizes_G)
   # The GPU kernels leave rows past the groups unwritten; zero them so nothing non-finite reaches dW.
   valid_M1 = (jnp.arange(x_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None]
   ab_MF = jnp.where(valid_M1, ab_MF, 0)
-  return grouped_matmul(situ_glu(ab_MF[:, :h], ab_MF[:, h:]), w_down_GHL, group_sizes_G, backend=backend)
+  return options.matmul(situ_glu(ab_MF[:, :h], ab_MF[:, h:]), w_down_GHL, group_sizes_G)
 
 
 def dense_routed_outputs(z_TL, expert_ids_TK, weights_TK, w_gate_up_ELF, w_down_EHL):
@@ -91,7 +92,7 @@ class LatentMoE(nnx.Module):
   """The MoE FFN: `(x_BTD) -> (y_BTD, MoEStats)`. The balancer bias is a `BalancerState`, never a Param."""
 
   def __init__(self, d_model: int, moe_cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
-               mesh=None, grouped_gemm_backend: str = "auto"):
+               mesh=None, grouped_gemm: GroupedGemmOptions = GroupedGemmOptions()):
     check_config(d_model, moe_cfg, mesh)
     e, l, h = moe_cfg.num_experts, moe_cfg.latent_dim, moe_cfg.expert_hidden
     on_experts = lambda ndim: {} if mesh is None else {"out_sharding": (parallel.EXPERT,) + (None,) * (ndim - 1),
@@ -107,7 +108,7 @@ class LatentMoE(nnx.Module):
                    if moe_cfg.num_shared_experts else None)
     self.balancer = balancer.BalancerState(balancer.init(e))
     self.cfg = ml_collections.FrozenConfigDict(moe_cfg)  # hashable: it is static module data
-    self.dtype, self.mesh, self.backend = dtype, mesh, grouped_gemm_backend
+    self.dtype, self.mesh, self.grouped_gemm = dtype, mesh, grouped_gemm
 
   @jax.named_scope("moe")
   def __call__(self, x_BTD, valid_BT=None):
@@ -123,7 +124,7 @@ class LatentMoE(nnx.Module):
     z_TL = self.latent_down(x_TD)
     e, l, _, h = self.w_gate_up.shape
     experts = (self.w_gate_up[...].reshape(e, l, 2 * h).astype(self.dtype), self.w_down[...].astype(self.dtype))
-    expert_fn = functools.partial(expert_ffn, backend=self.backend)
+    expert_fn = functools.partial(expert_ffn, options=self.grouped_gemm)
     with jax.named_scope("routed_experts"):
       if dense_routing(cfg.get("routing", "auto"), b * t, e, cfg.top_k, self.mesh):
         u_TL = dense_routed_outputs(z_TL, ids_TK, weights_TK, *experts)

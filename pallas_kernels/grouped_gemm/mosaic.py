@@ -54,9 +54,11 @@ DEFAULT_CONFIGS = (
     Configs())
 
 
-def default_configs(k: int, n: int, dtype) -> Configs:
-  """The first of `DEFAULT_CONFIGS` that fits `[M, k] x [G, k, n]` (the last one when none does)."""
-  return next((c for c in DEFAULT_CONFIGS if shape_reason(k, n, dtype, c) is None), DEFAULT_CONFIGS[-1])
+def default_configs(k: int, n: int, dtype, preferred: tuple[Configs, ...] = ()) -> Configs:
+  """The first of `preferred`, then of `DEFAULT_CONFIGS`, that fits `[M, k] x [G, k, n]` (the last default when
+  none does)."""
+  candidates = tuple(preferred) + DEFAULT_CONFIGS
+  return next((c for c in candidates if shape_reason(k, n, dtype, c) is None), DEFAULT_CONFIGS[-1])
 
 
 def row_multiple(configs: Configs) -> int:

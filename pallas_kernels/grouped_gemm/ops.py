@@ -20,6 +20,25 @@ import jax.numpy as jnp
 from pallas_kernels.grouped_gemm import mosaic
 
 BACKENDS = ("auto", "mosaic", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmOptions:
+  """How a layer's grouped GEMMs run: the backend (BACKENDS) and the Mosaic tilings to try first for each product's
+  shape (`tiles`, in order; then `mosaic.DEFAULT_CONFIGS`)."""
+  backend: str = "auto"
+  tiles: tuple[mosaic.Configs, ...] = ()
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+    if not isinstance(self.tiles, tuple) or not all(isinstance(c, mosaic.Configs) for c in self.tiles):
+      raise ValueError(f"tiles must be a tuple of Configs, got {self.tiles!r}")
+
+  def matmul(self, x_MK, w_GKN, group_sizes_G):
+    """`grouped_matmul` under these options, the tiles chosen for this product's shape."""
+    configs = mosaic.default_configs(x_MK.shape[1], w_GKN.shape[2], x_MK.dtype, self.tiles)
+    return grouped_matmul(x_MK, w_GKN, group_sizes_G, backend=self.backend, configs=configs)
 _DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 

@@ -10,6 +10,7 @@ import pytest
 from k3jax import parallel
 from k3jax.layers.moe import expert_ffn
 from k3jax.ops import moe_dispatch
+from pallas_kernels.grouped_gemm import GroupedGemmOptions
 from model_testing import primitives
 
 T, K, E, L = 13, 3, 7, 5
@@ -90,7 +91,7 @@ def test_bfloat16_combine_accumulates_in_float32_and_rounds_once():
 def routed(dispatch, combine, z, w, w_gate_up, w_down, ids):
   """The routed part of the MoE layer with the given dispatch and combine (fp32, XLA grouped GEMMs)."""
   p = moe_dispatch.plan(ids, E)
-  y = expert_ffn(dispatch(z, p), p.group_sizes_E, w_gate_up, w_down, backend="xla")
+  y = expert_ffn(dispatch(z, p), p.group_sizes_E, w_gate_up, w_down, options=GroupedGemmOptions("xla"))
   return combine(y, w, p)
 
 
@@ -107,7 +108,7 @@ def test_routed_experts_equal_the_old_scatter_path_outputs_and_gradients():
   ids = routed_ids(5, experts=[0, 1, 2, 4, 6])
   args = routed_inputs(jax.random.key(6))
   new = lambda z, w, wg, wd: parallel.local_routed_outputs(
-      z, ids, w, (wg, wd), num_experts=E, expert_fn=functools.partial(expert_ffn, backend="xla"))
+      z, ids, w, (wg, wd), num_experts=E, expert_fn=functools.partial(expert_ffn, options=GroupedGemmOptions("xla")))
   old = lambda z, w, wg, wd: routed(moe_dispatch.dispatch_reference, moe_dispatch.combine_reference, z, w, wg, wd,
                                     ids)
   cot = jax.random.normal(jax.random.key(7), (T, L))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_gemm import Configs, TileConfig, grouped_matmul, mosaic, ops
+from pallas_kernels.grouped_gemm import Configs, GroupedGemmOptions, TileConfig, grouped_matmul, mosaic, ops
 
 
 def rel(a, b):
@@ -145,3 +145,25 @@ def test_default_tiles_are_two_warpgroups_where_they_fit_and_one_elsewhere():
   assert mosaic.default_configs(1024, 2048, jnp.bfloat16).fwd.compute_wgs == 2
   narrow = mosaic.default_configs(1024, 384, jnp.bfloat16)  # 384 columns: not a multiple of 2 x 128
   assert narrow.fwd.compute_wgs == 1 and mosaic.shape_reason(1024, 384, jnp.bfloat16, narrow) is None
+
+
+def test_options_try_their_tiles_first_where_they_fit(monkeypatch):
+  """A layer's `GroupedGemmOptions.tiles` come before the defaults for each product's shape, and a tiling that does
+  not fit a shape is passed over (a sweep's best for one GEMM of the MoE, say, and not the other)."""
+  wide = Configs(fwd=TileConfig(128, 256, 64), dx=TileConfig(128, 128, 64), dw=TileConfig(128, 128, 64))
+  assert mosaic.default_configs(1024, 2048, jnp.bfloat16, (wide,)) == wide
+  assert mosaic.default_configs(1024, 384, jnp.bfloat16, (wide,)) == mosaic.default_configs(1024, 384, jnp.bfloat16)
+  seen = []
+  monkeypatch.setattr(ops, "grouped_matmul", lambda x, w, gs, *, backend, configs: seen.append((backend, configs)))
+  x, sizes = jnp.ones((8, 1024), jnp.bfloat16), jnp.array([8, 0], jnp.int32)
+  options = GroupedGemmOptions("xla", tiles=(wide,))
+  options.matmul(x, jnp.ones((2, 1024, 2048), jnp.bfloat16), sizes)
+  options.matmul(x, jnp.ones((2, 1024, 384), jnp.bfloat16), sizes)
+  assert seen == [("xla", wide), ("xla", mosaic.default_configs(1024, 384, jnp.bfloat16))]
+
+
+@pytest.mark.parametrize("kwargs, says", [(dict(backend="triton"), "backend must be one of"),
+                                          (dict(tiles=[Configs()]), "tiles must be a tuple of Configs")])
+def test_options_refuse_an_unknown_backend_and_loose_tiles(kwargs, says):
+  with pytest.raises(ValueError, match=says):
+    GroupedGemmOptions(**kwargs)
