@@ -12,8 +12,8 @@ import zlib
 
 import numpy as np
 
+from k3jax import envs
 from k3jax.data import tokenizer as tok
-from k3jax.rl import envs
 
 LOWER = np.arange(ord("a"), ord("z") + 1)
 UPPER = np.arange(ord("A"), ord("Z") + 1)
@@ -116,7 +116,7 @@ class Stack:
 
 @dataclasses.dataclass(frozen=True)
 class Demonstration:
-  """A scripted solver's episode in RL environment `env` (`k3jax.rl.envs`), then `<eos>`: the prompt and the tool
+  """A scripted solver's episode in RL environment `env` (`k3jax.envs`), then `<eos>`: the prompt and the tool
   results are context, the solver's own turns are the answer tokens (the tokens a policy writes)."""
   env: str
   chance: float = 1 / 256

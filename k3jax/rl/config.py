@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from k3jax.rl import envs
+from k3jax import envs
 from k3jax.train import optimizer, stages as stages_lib, workdir
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from k3jax.rl import envs, rollout
-from k3jax.rl.episode import Episode
-from k3jax.rl.trajectory import Trajectory
+from k3jax import envs
+from k3jax.envs.episode import Episode
+from k3jax.envs.trajectory import Trajectory
+from k3jax.rl import rollout
 
 
 def episode_stats(episodes: list[Episode], trajectories: list[Trajectory]) -> dict[str, float]:

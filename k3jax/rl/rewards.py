@@ -29,7 +29,7 @@ def length_penalty(lengths_G, correct_G) -> np.ndarray:
 
 
 def group_rewards(outcomes, response_tokens, cfg: RewardConfig) -> np.ndarray:
-  """float32 rewards `[G]` of one group's outcomes (`k3jax.rl.episode.Outcome`) and response lengths."""
+  """float32 rewards `[G]` of one group's outcomes (`k3jax.envs.episode.Outcome`) and response lengths."""
   correct = np.array([o.correct for o in outcomes], bool)
   formatted = np.array([o.well_formed for o in outcomes], np.float64)
   r = correct.astype(np.float64) + cfg.format_weight * formatted

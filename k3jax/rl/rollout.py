@@ -14,8 +14,8 @@ import numpy as np
 
 from k3jax.data import pipeline, tasks
 from k3jax.data import tokenizer as tok
-from k3jax.rl.episode import Episode
-from k3jax.rl.trajectory import Trajectory
+from k3jax.envs.episode import Episode
+from k3jax.envs.trajectory import Trajectory
 
 
 @dataclasses.dataclass(frozen=True)

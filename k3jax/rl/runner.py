@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k3jax import envs
 from k3jax.data import pipeline, tokenizer as tok
+from k3jax.envs.trajectory import Trajectory
 from k3jax.rl import config as rl_config_lib
-from k3jax.rl import envs, evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
-from k3jax.rl.trajectory import Trajectory
+from k3jax.rl import evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
 from k3jax.train import batches, checkpoint, interrupt, metrics as metrics_lib, optimizer, stages as stages_lib
 from k3jax.train import state as state_lib, trainer, workdir as workdir_lib
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from k3jax import generate_lib, sampling
 from k3jax.data import tokenizer as tok
-from k3jax.rl import protocol
+from k3jax.envs import protocol
 
 
 class Session(Protocol):

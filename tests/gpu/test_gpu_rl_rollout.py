@@ -32,9 +32,10 @@ from flax import nnx
 
 from k3jax import sampling
 from k3jax.data import tokenizer as tok
+from k3jax.envs import protocol
 from k3jax.model import K3Model
 from k3jax.numerics import rel_err
-from k3jax.rl import protocol, sampler as sampler_lib
+from k3jax.rl import sampler as sampler_lib
 from model_testing import small_config
 
 pytestmark = [pytest.mark.gpu,

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from experiments.configs import tiny
+from k3jax import envs
 from k3jax.data import tokenizer as tok
-from k3jax.rl import envs, rollout, runner, step as rl_step_lib
+from k3jax.envs.trajectory import Trajectory
+from k3jax.rl import rollout, runner, step as rl_step_lib
 from k3jax.rl import config as rl_config_lib
 from k3jax.rl.config import rl_config
-from k3jax.rl.trajectory import Trajectory
 from k3jax.train import batches, interrupt, workdir as workdir_lib
 
 pytestmark = pytest.mark.xdist_group("rl_loop")

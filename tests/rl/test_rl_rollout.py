@@ -4,8 +4,10 @@ its trajectory; episode batches weigh exactly the model's own tokens."""
 import jax
 import numpy as np
 
+from k3jax import envs
 from k3jax.data import tokenizer as tok
-from k3jax.rl import envs, protocol, rollout
+from k3jax.envs import protocol
+from k3jax.rl import rollout
 
 
 class ScriptedSession:

@@ -10,8 +10,9 @@ from flax import nnx
 
 from k3jax import sampling
 from k3jax.data import tokenizer as tok
-from k3jax.rl import protocol, rollout, sampler as sampler_lib
-from k3jax.rl.episode import Episode, Problem
+from k3jax.envs import protocol
+from k3jax.envs.episode import Episode, Problem
+from k3jax.rl import rollout, sampler as sampler_lib
 from model_testing import MODEL, shared_model
 
 MAX_LEN, TURN = 192, 12

@@ -1,17 +1,17 @@
-"""Environments: problems are a function of (name, seed, index, length); the scripted solvers succeed on every
-problem and their episodes fit the length; the episode API (tool results, errors, budgets, outcomes); the
-Kimi length penalty by hand; demonstrations as a data source whose weights lie on the model's turns only."""
+"""The environments by name (k3jax/envs/registry.py): problems are a function of (name, seed, index, length); the
+scripted solvers succeed on every problem and their episodes fit the length; the episode API (tool results, errors,
+budgets, outcomes); demonstrations as a data source whose weights lie on the model's turns only."""
 import re
 
 import ml_collections
 import numpy as np
 import pytest
 
-from experiments import configs
+from k3jax import envs
 from k3jax.data import pipeline, tasks
 from k3jax.data import tokenizer as tok
-from k3jax.rl import config as rl_config, envs, protocol, rewards
-from k3jax.rl.episode import Outcome
+from k3jax.envs import protocol
+from k3jax.envs.episode import Outcome
 
 
 @pytest.mark.parametrize("name", sorted(envs.ENVS))
@@ -91,26 +91,6 @@ def test_turn_and_token_budgets_end_an_episode():
     envs.reset("lookup", 0, 0, 100, max_turns=6)
 
 
-def test_kimi_length_penalty_by_hand():
-  lengths, correct = [10, 20, 30, 40, 50], [True, True, False, False, True]
-  # λ = 0.5 − (len − 10) / 40: 0.5, 0.25, 0, −0.25, −0.5; wrong episodes keep min(0, λ).
-  np.testing.assert_allclose(rewards.length_penalty(lengths, correct), [0.5, 0.25, 0.0, -0.25, -0.5])
-  np.testing.assert_allclose(rewards.length_penalty([7, 7], [True, False]), [0.0, 0.0])
-  o = lambda correct, invalid: Outcome(correct, True, "answer", 2, 1, invalid, 0)
-  got = rewards.group_rewards([o(True, 0), o(False, 0), o(True, 1)], [10, 30, 20],
-                              rewards.RewardConfig(format_weight=0.2, length_weight=0.5))
-  # correct + 0.2 · well-formed + 0.5 · λ' with λ = 0.5, −0.5, 0 (the wrong one keeps −0.5).
-  np.testing.assert_allclose(got, [1 + 0.2 + 0.25, 0 + 0.2 - 0.25, 1 + 0 + 0.0], rtol=1e-6)
-
-
-def test_by_default_a_shorter_correct_episode_earns_more_and_no_wrong_one_beats_a_correct_one():
-  r = rl_config.rl_config()
-  cfg = rewards.RewardConfig(r.format_weight, r.length_weight)
-  o = lambda correct: Outcome(correct, True, "answer", 2, 1, 0, 0)
-  short, long_, wrong_short = rewards.group_rewards([o(True), o(True), o(False)], [12, 40, 5], cfg)
-  assert short > long_ > wrong_short
-
-
 def test_demonstrations_as_a_data_source_weigh_only_the_model_turns():
   length = 512
   cfg = ml_collections.ConfigDict({"mix": {"lookup": 1.0, "calc": 1.0}, "task_length": length, "shards": "",
@@ -126,28 +106,3 @@ def test_demonstrations_as_a_data_source_weigh_only_the_model_turns():
     calls = re.findall(r"<(?:search|calc|answer)>[^<>]*</(?:search|calc|answer)>", tok.decode(ex_tokens))
     assert calls and tok.decode(weighted) == "".join(calls)
   assert tasks.TASKS["lookup"].min_length == envs.get("lookup").min_length + 1
-
-
-
-@pytest.mark.parametrize("module", ["rl_tiny", "rl_small"])
-def test_rl_configs_validate(module):
-  c = configs.load(module)
-  rl_config.validate(c.rl)
-  sft = rl_config.sft_config(c)
-  assert "rl" not in sft and sft.is_locked and set(sft.data.mix) == set(c.rl.envs)
-  pipeline.Mixture(sft.data, sft.seq_len, 0, vocab_size=sft.model.vocab_size)  # the demonstrations fit the SFT rows
-  assert ("lookup", 4 * c.rl.length) in rl_config.eval_points(c.rl)
-  with pytest.raises(AttributeError):
-    c.rl.kl_coeff = 0.1   # locked: a misspelled field is an error
-
-
-@pytest.mark.parametrize("field,value,match", [
-    ("envs", {"maze": 1.0}, "config.rl.envs"), ("group_size", 1, "group_size"), ("minibatches", 3, "minibatches"),
-    ("length", 100, "needs lengths >="), ("max_turns", 2, "max_turns"), ("eval_at", ("lookup:9",), "eval_at"),
-    ("eval_examples", 10, "eval_batch"), ("clip_eps", 0.0, "clip_eps"),
-])
-def test_rl_config_names_the_bad_field(field, value, match):
-  r = rl_config.rl_config()
-  r[field] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
-  with pytest.raises(ValueError, match=match):
-    rl_config.validate(r)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from k3jax.data import tokenizer as tok
-from k3jax.rl import calculator, protocol
-from k3jax.rl.protocol import Call, Malformed
+from k3jax.envs import calculator, protocol
+from k3jax.envs.protocol import Call, Malformed
 
 
 @pytest.mark.parametrize("text,want", [

@@ -17,8 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from k3jax.rl import protocol
-from k3jax.rl.episode import Problem
+from k3jax.envs import protocol
+from k3jax.envs.episode import Problem
 
 HEADER = "records:\n"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

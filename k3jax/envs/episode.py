@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from k3jax.data import tokenizer as tok
-from k3jax.rl import protocol
+from k3jax.envs import protocol
 
 END_REASONS = ("answer", "turns", "tokens")
 

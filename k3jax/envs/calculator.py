@@ -14,7 +14,7 @@ from __future__ import annotations
 import fractions
 import operator
 
-from k3jax.rl.protocol import ToolError
+from k3jax.envs.protocol import ToolError
 
 MAX_CHARS = 128
 MAX_DEPTH = 32            # nested parentheses and unary signs

@@ -11,10 +11,10 @@ import zlib
 import numpy as np
 
 from k3jax.data import tokenizer as tok
-from k3jax.rl.arithmetic import Arithmetic
-from k3jax.rl.episode import Episode
-from k3jax.rl.lookup import Lookup
-from k3jax.rl.trajectory import Trajectory
+from k3jax.envs.arithmetic import Arithmetic
+from k3jax.envs.episode import Episode
+from k3jax.envs.lookup import Lookup
+from k3jax.envs.trajectory import Trajectory
 
 ENVS = {"lookup": Lookup(), "calc": Arithmetic()}
 
@@ -33,7 +33,7 @@ def problem_rng(name: str, seed: int, index: int) -> np.random.Generator:
   return np.random.default_rng([seed, zlib.crc32(name.encode()), index])
 
 
-def episode(name: str, rng: np.random.Generator, length: int, *, max_turns: int) -> Episode:
+def new_episode(name: str, rng: np.random.Generator, length: int, *, max_turns: int) -> Episode:
   """A new episode of environment `name` whose problem fits a context of `length` tokens."""
   env = get(name)
   if max_turns < env.max_solver_turns:
@@ -45,7 +45,7 @@ def episode(name: str, rng: np.random.Generator, length: int, *, max_turns: int)
 
 def reset(name: str, seed: int, index: int, length: int, *, max_turns: int) -> Episode:
   """Episode `index` of environment `name` under `seed`."""
-  return episode(name, problem_rng(name, seed, index), length, max_turns=max_turns)
+  return new_episode(name, problem_rng(name, seed, index), length, max_turns=max_turns)
 
 
 def demonstrate(name: str, ep: Episode) -> Trajectory:
@@ -65,7 +65,7 @@ def demonstrate(name: str, ep: Episode) -> Trajectory:
 def demonstration(name: str, rng: np.random.Generator, length: int) -> Trajectory:
   """The solver's episode of the problem `rng` draws, at most `length` tokens (checked)."""
   env = get(name)
-  ep = episode(name, rng, length, max_turns=env.max_solver_turns)
+  ep = new_episode(name, rng, length, max_turns=env.max_solver_turns)
   traj = demonstrate(name, ep)
   if not ep.outcome().correct or len(traj) > length:
     raise AssertionError(f"{name}: the solver's episode is wrong or longer than {length} tokens: "

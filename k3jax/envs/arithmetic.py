@@ -12,8 +12,8 @@ import dataclasses
 
 import numpy as np
 
-from k3jax.rl import calculator, protocol
-from k3jax.rl.episode import Problem
+from k3jax.envs import calculator, protocol
+from k3jax.envs.episode import Problem
 
 NAMES = ("Ann", "Bob", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal")
 ITEMS = ("apples", "pens", "cards", "coins", "shells", "stamps")

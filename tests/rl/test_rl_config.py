@@ -1,0 +1,32 @@
+"""The RL config (k3jax/rl/config.py): the shipped configs validate and derive their SFT config; a bad field is named."""
+import ml_collections
+import pytest
+
+from experiments import configs
+from k3jax.data import pipeline
+from k3jax.rl import config as rl_config
+
+
+@pytest.mark.parametrize("module", ["rl_tiny", "rl_small"])
+def test_rl_configs_validate(module):
+  c = configs.load(module)
+  rl_config.validate(c.rl)
+  sft = rl_config.sft_config(c)
+  assert "rl" not in sft and sft.is_locked and set(sft.data.mix) == set(c.rl.envs)
+  pipeline.Mixture(sft.data, sft.seq_len, 0, vocab_size=sft.model.vocab_size)  # the demonstrations fit the SFT rows
+  assert ("lookup", 4 * c.rl.length) in rl_config.eval_points(c.rl)
+  with pytest.raises(AttributeError):
+    c.rl.kl_coeff = 0.1   # locked: a misspelled field is an error
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("envs", {"maze": 1.0}, "config.rl.envs"), ("group_size", 1, "group_size"), ("minibatches", 3, "minibatches"),
+    ("length", 100, "needs lengths >="), ("max_turns", 2, "max_turns"), ("eval_at", ("lookup:9",), "eval_at"),
+    ("eval_examples", 10, "eval_batch"), ("clip_eps", 0.0, "clip_eps"),
+])
+def test_rl_config_names_the_bad_field(field, value, match):
+  r = rl_config.rl_config()
+  r[field] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+  with pytest.raises(ValueError, match=match):
+    rl_config.validate(r)
+
