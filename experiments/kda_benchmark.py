@@ -20,7 +20,7 @@ import numpy as np
 
 from experiments import harness
 from k3jax.ops.kda import testing
-from k3jax.ops.kda.api import fused_kda
+from k3jax.ops.kda.api import FUSED_INPUTS, fused_kda
 from k3jax.ops.kda.gate import fused_inputs, kda_gate, l2_normalize
 from k3jax.ops.kda.naive import naive_recurrent_kda
 from pallas_kernels import triton_launches
@@ -85,7 +85,7 @@ def jax_fns(impl, options=None):
       return naive_recurrent_kda(l2_normalize(x["q"]), l2_normalize(x["k"]), x["v"], g, beta)[0]
   else:
     def run(x):
-      return fused_kda(*(x[n] for n in testing.FUSED_ARGS), lower_bound=LOWER_BOUND, backend=impl,
+      return fused_kda(**{n: x[n] for n in FUSED_INPUTS}, lower_bound=LOWER_BOUND, backend=impl,
                        kernel_options=options if impl == "pallas" else None)[0]
 
   def forward_backward(x, do):
@@ -333,8 +333,8 @@ def per_kernel_times(x, do, shape, settings):
   rows = [run_case(shape, *case, settings) for case in cases if not settings.kernels or case[0] in settings.kernels]
   if settings.kernels and not set(settings.kernels) - {"prepass", "prepare", "intra_fwd"}:
     return rows
-  w, u, qs, kd, aqk, decay, kk, minv = jax.jit(
-      lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(*intra_args)
+  intra = jax.jit(lambda *a: fwd.intra_forward(*a, None, scale=scale, lower_bound=lb))(*intra_args)
+  w, u, qs, kd, aqk, decay = intra.w, intra.u, intra.qs, intra.kd, intra.aqk, intra.decay
   _, _, h, v_new = jax.jit(lambda *a: fwd.state_forward(*a, block_v=bv, save=True))(w, u, qs, kd, aqk, decay, S0)
   dv_new, dh, _ = jax.jit(lambda *a: bwd.state_backward(*a, block_v=bv))(do, aqk, kd, qs, w, decay, S0)
   dw, dqs, dkd, dd = jax.jit(bwd.state_grad_products)(h, dh, v_new, dv_new, do)
@@ -368,15 +368,16 @@ def per_kernel_times(x, do, shape, settings):
   cases.append(("state_fwd_save", dict(block_v=bv, mosaic=mosaic(bv)),
                 lambda *a: fwd.state_forward(*a, block_v=bv, save=True), state_args))
   cases.append(("state_grads", {}, bwd.state_grad_products, (h, dh, v_new, dv_new, do)))
-  intra_bwd_args = (p.q, p.k, v, p.loc, p.beta, None, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd)
+  intra_bwd_inputs = dict(q=p.q, k=p.k, v=v, loc=p.loc, beta=p.beta, reset=None, u=u, w=w, kk=intra.kk,
+                          minv=intra.minv, v_new=v_new, dv_new=dv_new, do=do, dw=dw, dqs=dqs, dkd=dkd, dd=dd)
   for form in COLS_FORMS if sweep else (None,):
     for nw in (4, 8, 16) if sweep else (None,):
       for bk in (32, 64) if sweep else (None,):
         params = {} if form is None else dict(cols_form=form, num_warps=nw, block_k=bk)
-        o = opts(**({} if form is None else dict(cols_form=form, bwd_block_k=bk, intra_bwd_v5_rows=Launch(nw, 1),
-                                                 intra_bwd_v5_cols=Launch(nw, 1))))
-        cases.append(("intra_bwd", params, lambda *a, o=o: bwd.intra_backward(*a, scale=scale, lower_bound=lb,
-                                                                              options=o), intra_bwd_args))
+        o = opts(**({} if form is None else dict(cols_form=form, bwd_block_k=bk, intra_bwd_rows=Launch(nw, 1),
+                                                 intra_bwd_cols=Launch(nw, 1))))
+        cases.append(("intra_bwd", params, lambda kw, o=o: bwd.intra_backward(**kw, scale=scale, lower_bound=lb,
+                                                                               options=o), (intra_bwd_inputs,)))
   return rows + [run_case(shape, *case, settings) for case in cases
                  if not settings.kernels or case[0] in settings.kernels]
 

@@ -20,7 +20,6 @@ from k3jax.ops import kda
 
 GATES = {"bounded": -5.0, "softplus": None}   # the lower bound each gate lets the ops assume
 SATURATED_Z = 30.0                            # gate pre-activation of a saturated gate: σ(·) ≈ 1, softplus(·) ≈ 30
-ARG_NAMES = ("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias")
 # FLA's kernels with each gate (`experiments.kda_benchmark.FLA_GATES`), the like-with-like comparison of the claim.
 FLA_PATHS = {"bounded": "FLA kernels, safe_gate (GEMM tiles)", "softplus": "FLA kernels, position-wise diagonal"}
 
@@ -46,7 +45,7 @@ def fused_fwd_bwd(gate: str, backend: str = "auto"):
   lower_bound = _lower_bound(gate)
 
   def run(x):
-    return kda.fused_kda(*(x[n] for n in ARG_NAMES), lower_bound=lower_bound, backend=backend)[0]
+    return kda.fused_kda(**{n: x[n] for n in kda.FUSED_INPUTS}, lower_bound=lower_bound, backend=backend)[0]
 
   def forward_backward(x, do):
     o, pullback = jax.vjp(run, x)

@@ -188,7 +188,7 @@ def _dg_suffix_kernel(k_ref, loc_ref, dkd_ref, dd_ref, dG_ref, *refs, lower_boun
   store(dg_ref, None, jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + base)
 
 
-def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, *, scale,
+def intra_backward(*, q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do, dw, dqs, dkd, dd, scale,
                    lower_bound, options=DEFAULT):
   """Per chunk: dq, dk, dv, dg (fp32), dβ (fp32), from the intra pass's cumulative gates `loc`, U, W, B and M, the
   state pass's v_new and its gradient, dO, and the state-gradient products (dW, dQs, dKd, d decay). Three launches,
@@ -215,7 +215,7 @@ def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do,
       in_specs=[row(K), row(V), row(K), tok, row(V), row(K), row(CHUNK), row(CHUNK), row(V), row(V), row(V), row(K)]
       + res, out_specs=[out(V), out_tok, out(CHUNK), out(CHUNK), out(K)],
       out_shape=[shape(V, v.dtype), jax.ShapeDtypeStruct((B, T, H), F32), shape(CHUNK, q.dtype), shape(CHUNK, q.dtype),
-                 shape(K, F32)], name="kda_intra_bwd_v5_rows", **options.launch("intra_bwd_v5_rows")._asdict())(
+                 shape(K, F32)], name="kda_intra_bwd_rows", **options.launch("intra_bwd_rows")._asdict())(
                      k, v, loc, beta, u, w, kk, minv, v_new, dv_new, do, dw, *opt)
   col = pl.BlockSpec((None, CHUNK, None, block_k), lambda n, bh, kb, *_: (bh // H, n, bh % H, kb))
   full = pl.BlockSpec((None, CHUNK, None, CHUNK), lambda n, bh, *_: (bh // H, n, bh % H, 0))
@@ -224,11 +224,11 @@ def intra_backward(q, k, v, loc, beta, reset, u, w, kk, minv, v_new, dv_new, do,
   dq, dk, dG = triton_call(
       functools.partial(_intra_bwd_cols_kernel, **flags, form=options.cols_form), grid=(N, B * H, K // block_k, NT),
       in_specs=[col, col, col, full, full, col, col, col] + res, out_specs=[tile_col] * 3,
-      out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_v5_cols",
-      **options.launch("intra_bwd_v5_cols")._asdict())(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
+      out_shape=[shape(K, q.dtype), shape(K, k.dtype), shape(K, F32)], name="kda_intra_bwd_cols",
+      **options.launch("intra_bwd_cols")._asdict())(q, k, loc, dAqk, dB, dkw, dqs, dkd, *opt)
   dg = triton_call(
       functools.partial(_dg_suffix_kernel, lower_bound=lower_bound, has_reset=reset is not None),
       grid=(N, B * H, K // block_k), in_specs=[col, col, col, dd_spec, col] + res, out_specs=col,
-      out_shape=shape(K, F32), name="kda_intra_bwd_v5_dg", **options.launch("intra_bwd_v5_dg")._asdict())(
+      out_shape=shape(K, F32), name="kda_intra_bwd_dg", **options.launch("intra_bwd_dg")._asdict())(
           k, loc, dkd, dd, dG, *opt)
   return dq, dk, dv, dg, dbeta

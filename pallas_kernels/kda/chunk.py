@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda.common import CHUNK, reset_mask
+from k3jax.ops.kda.common import CHUNK, IntraOutputs, reset_mask
 from k3jax.ops.kda.gate import fused_inputs
 from pallas_kernels.kda import bwd, fwd
 from pallas_kernels.kda.options import KDAKernelOptions
@@ -67,14 +67,7 @@ class Residuals(NamedTuple):
   beta: jax.Array
   reset: jax.Array | None
   loc: jax.Array
-  w: jax.Array
-  u: jax.Array
-  qs: jax.Array
-  kd: jax.Array
-  aqk: jax.Array
-  decay: jax.Array
-  kk: jax.Array
-  minv: jax.Array
+  intra: IntraOutputs
   h: jax.Array
   v_new: jax.Array
 
@@ -127,16 +120,15 @@ def _forward(plan, q, k, v, g, beta, gate, S0, reset, *, save):
   p = fwd.prepare(q, k, g, beta, gate, reset, lower_bound=plan.lower_bound, valid_len=plan.valid_len, save=save,
                   options=opts)
   invert = inverts_diagonal(opts, q.dtype, q.shape[-1], v.shape[-1], save=save)
-  w, u, qs, kd, aqk, decay, kk, minv = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=plan.scale,
-                                                         lower_bound=plan.lower_bound, save=save,
-                                                         invert_diagonal=invert, options=opts)
-  o, S, *saved = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=plan.block_v_fwd, save=save,
-                                   segments=plan.segments, options=opts)
+  intra = fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, v, p.beta, reset, scale=plan.scale, lower_bound=plan.lower_bound,
+                            save=save, invert_diagonal=invert, options=opts)
+  o, S, *saved = fwd.state_forward(intra.w, intra.u, intra.qs, intra.kd, intra.aqk, intra.decay, S0,
+                                   block_v=plan.block_v_fwd, save=save, segments=plan.segments, options=opts)
   if not save:
     return (o, S), None
   h, v_new = saved
   raw = None if gate is None else (q, k, g, beta, gate)
-  return (o, S), Residuals(raw, p.q, p.k, v, p.beta, reset, p.loc, w, u, qs, kd, aqk, decay, kk, minv, h, v_new)
+  return (o, S), Residuals(raw, p.q, p.k, v, p.beta, reset, p.loc, intra, h, v_new)
 
 
 def _kda_fwd(plan, q, k, v, g, beta, gate, S0, reset):
@@ -147,12 +139,14 @@ def _kda_bwd(plan, res: Residuals, cotangents):
   opts = plan.options
   do, dS_T = cotangents
   do = do.astype(res.q.dtype)
-  dv_new, dh, dS0 = bwd.state_backward(do, res.aqk, res.kd, res.qs, res.w, res.decay, dS_T.astype(jnp.float32),
-                                       block_v=plan.block_v_bwd, options=opts)
+  intra = res.intra
+  dv_new, dh, dS0 = bwd.state_backward(do, intra.aqk, intra.kd, intra.qs, intra.w, intra.decay,
+                                       dS_T.astype(jnp.float32), block_v=plan.block_v_bwd, options=opts)
   dw, dqs, dkd, dd = bwd.state_grad_products(res.h, dh, res.v_new, dv_new, do, options=opts)
-  dq, dk, dv, dg, dbeta = bwd.intra_backward(res.q, res.k, res.v, res.loc, res.beta, res.reset, res.u, res.w, res.kk,
-                                             res.minv, res.v_new, dv_new, do, dw, dqs, dkd, dd,
-                                             scale=plan.scale, lower_bound=plan.lower_bound, options=opts)
+  dq, dk, dv, dg, dbeta = bwd.intra_backward(
+      q=res.q, k=res.k, v=res.v, loc=res.loc, beta=res.beta, reset=res.reset, u=intra.u, w=intra.w, kk=intra.kk,
+      minv=intra.minv, v_new=res.v_new, dv_new=dv_new, do=do, dw=dw, dqs=dqs, dkd=dkd, dd=dd, scale=plan.scale,
+      lower_bound=plan.lower_bound, options=opts)
   dS0 = dS0 if plan.has_state else None
   if res.raw is None:
     return dq, dk, dv, dg, dbeta, None, dS0, None

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from k3jax.ops.kda.common import L2_EPS
+from k3jax.ops.kda.common import L2_EPS, IntraOutputs
 from pallas_kernels import barrier, triton_call
 from pallas_kernels.kda import solve_mosaic, state_mosaic
 from pallas_kernels.kda.options import KDAKernelOptions
@@ -176,11 +176,11 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
                   options=DEFAULT):
   """The intra pass on `prepare`'s outputs: the key-tile launch (`_key_tile_kernel`),
   then the solve (Mosaic GPU's on Hopper for bf16, else `_solve_kernel`). qe, kq, ke `[B,T,H,K]`, tot, β from
-  `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns W, U, the scaled decayed
-  queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), the chunks' state decay (fp32
-  `[B,N,H,K]`: e^{G_C}, zero where a document starts inside the chunk), B = A_kk/β (fp32) and, with
-  `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix; None
-  otherwise). `options.solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None
+  `prepare`, v `[B,T,H,V]`, reset `[B,T]` int32 or None, T a multiple of 64. Returns the `IntraOutputs`: W, U, the
+  scaled decayed queries Qs, the keys decayed to the chunk end Kd (input dtype), A_qk (input dtype), the chunks'
+  state decay (fp32 `[B,N,H,K]`: e^{G_C}, zero where a document starts inside the chunk), B = A_kk/β (fp32) and,
+  with `save` (for the backward), M = (I + A_kk)⁻¹ (fp32 `[B,T,H,64]`, row i holds row i of its chunk's matrix;
+  None otherwise). `options.solve`: "triton" (`_solve_kernel`), "mosaic" (`solve_mosaic.solve`, bf16 on Hopper) or None
   (the Mosaic solve where `solve_mosaic.available`); `options.key_tiles_block_k`, `solve_block_cols` and the two
   launches as there. `invert_diagonal` (the Mosaic solve without `save` only): the key tiles invert B's 16x16
   diagonal blocks and the solve starts from them (two doubling steps instead of six steps); the B returned then
@@ -217,7 +217,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
       **options.launch("intra_fwd_key_tiles")._asdict())(qe, kq, ke, tot, beta, *resets)
   if mosaic:
     w, u, minv = solve_mosaic.solve(beta_t[0], kk, kgb, v, save=save, diagonal_inverted=invert_diagonal)
-    return w, u, qs, kd, aqk, decay, kk, minv
+    return IntraOutputs(w, u, qs, kd, aqk, decay, kk, minv)
   bc = options.solve_block_cols
   bc = bc if K % bc == 0 and V % bc == 0 else min(K, V)
   row2 = lambda d: pl.BlockSpec((None, CHUNK, None, d), lambda bh, n: (bh // H, n, bh % H, 0))
@@ -230,7 +230,7 @@ def intra_forward(qe, kq, ke, tot, v, beta, reset, *, scale, lower_bound, save=T
                 row2(V)],
       out_specs=out_specs, out_shape=out_shape, name="kda_intra_fwd_solve",
       **options.launch("intra_fwd_solve")._asdict())(beta, kk, kgb, v)
-  return w, u, qs, kd, aqk, decay, kk, (minv[0] if save else None)
+  return IntraOutputs(w, u, qs, kd, aqk, decay, kk, minv[0] if save else None)
 
 
 def solve_used(options, dtype, K, V):

@@ -31,9 +31,9 @@ DEFAULT_LAUNCHES = {
     "state_segment_maps": Launch(4, 2),
     "state_bwd": None,
     "state_grads": Launch(4, 1),
-    "intra_bwd_v5_rows": Launch(4, 1),
-    "intra_bwd_v5_cols": Launch(4, 3),    # 3 stages prefetch the next tile's keys and queries in the pair loops
-    "intra_bwd_v5_dg": Launch(4, 1),
+    "intra_bwd_rows": Launch(4, 1),
+    "intra_bwd_cols": Launch(4, 3),       # 3 stages prefetch the next tile's keys and queries in the pair loops
+    "intra_bwd_dg": Launch(4, 1),
 }
 FORWARD_LAUNCHES = ("prepare", "intra_fwd_key_tiles", "intra_fwd_solve", "state_fwd", "state_segment_maps")
 
@@ -73,9 +73,9 @@ class KDAKernelOptions:
   state_segment_maps: Launch | None = None
   state_bwd: Launch | None = None
   state_grads: Launch | None = None
-  intra_bwd_v5_rows: Launch | None = None
-  intra_bwd_v5_cols: Launch | None = None
-  intra_bwd_v5_dg: Launch | None = None
+  intra_bwd_rows: Launch | None = None
+  intra_bwd_cols: Launch | None = None
+  intra_bwd_dg: Launch | None = None
 
   def __post_init__(self):
     for name, value, allowed in (("state_pass", self.state_pass, STATE_PASSES), ("solve", self.solve, SOLVES),

@@ -25,12 +25,12 @@ def test_timed_function_is_the_fused_ops_forward_and_backward():
   x, do = gate.raw_inputs(1, 40, 2, 16, dtype=jnp.float32, seed=1)
   for name, lower_bound in gate.GATES.items():
     o, grads = gate.fused_fwd_bwd(name, "xla")(x, do)
-    run = lambda x: kda.fused_kda(*(x[n] for n in gate.ARG_NAMES), lower_bound=lower_bound, backend="xla")[0]
+    run = lambda x: kda.fused_kda(**{n: x[n] for n in kda.FUSED_INPUTS}, lower_bound=lower_bound, backend="xla")[0]
     want_o, pullback = jax.vjp(run, x)
     want = pullback(do)[0]
     np.testing.assert_allclose(o, want_o, rtol=1e-6, atol=1e-6)
-    assert set(grads) == set(gate.ARG_NAMES)
-    for n in gate.ARG_NAMES:
+    assert set(grads) == set(kda.FUSED_INPUTS)
+    for n in kda.FUSED_INPUTS:
       np.testing.assert_allclose(grads[n], want[n], rtol=1e-5, atol=1e-6, err_msg=n)
   with pytest.raises(ValueError, match="gate must be"):
     gate.fused_fwd_bwd("sigmoid")

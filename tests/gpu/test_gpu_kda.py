@@ -149,7 +149,7 @@ def test_the_kernels_compared_are_the_ones_meant():
     return pallas_kernels_in(jax.make_jaxpr(jax.grad(run) if grad else run)(x, seg))
 
   forward = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mosaic"}
-  backward = {"kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols", "kda_intra_bwd_v5_dg"}
+  backward = {"kda_state_grads", "kda_intra_bwd_rows", "kda_intra_bwd_cols", "kda_intra_bwd_dg"}
   assert kernels(MAIN) == forward | backward | {"kda_state_fwd", "kda_state_bwd"}
   assert kernels(MAIN, grad=False) == forward | {"kda_state_fwd"}
   assert kernels(LONG, LONG_OPTIONS) == (forward | backward |

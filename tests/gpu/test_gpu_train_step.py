@@ -56,8 +56,8 @@ SCALAR_FLOOR = 2e-3
 # the GPU the grouped GEMM's: ours for the forward and dX, JAX's `transposed_ragged_dot` (its kernel is "body") for
 # dW.
 KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mosaic", "kda_state_fwd",
-               "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols",
-               "kda_intra_bwd_v5_dg"}
+               "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_rows", "kda_intra_bwd_cols",
+               "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "body"}
 
 

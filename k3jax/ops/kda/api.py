@@ -23,6 +23,7 @@ if TYPE_CHECKING:
   from pallas_kernels.kda import KDAKernelOptions
 
 BACKENDS = ("auto", "xla", "pallas")
+FUSED_INPUTS = ("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias")   # `fused_kda`'s arrays, in its order
 
 _log = logging.getLogger(__name__)
 _auto_fallback_said = False

@@ -7,6 +7,7 @@ Layout: q, k, g `[B,T,H,K]`, v `[B,T,H,V]`, beta `[B,T,H]`, states `[B,H,K,V]` (
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,19 @@ SUB = 16     # tokens per tile: exponents are anchored per tile (docs/design.md,
 L2_EPS = 1e-6   # x / sqrt(Σx² + L2_EPS): the q/k normalisation of the fused entry and of the kernels' pre-pass
 # Every 16-token tile may factorise e^{±G} only if |lower_bound|·16 < 88.7 (fp32/bf16 exponent range).
 SAFE_LOWER_BOUND = -5.5
+
+
+class IntraOutputs(NamedTuple):
+  """The chunked form's per-chunk quantities, in the kernels' layout: what `pallas_kernels.kda.fwd.intra_forward`
+  writes and `naive.naive_chunk_intermediates` defines (docs/design.md, KDA: the chunked form)."""
+  w: Array        # [B,T,H,K]  W = M βΓK, M = (I + A_kk)⁻¹
+  u: Array        # [B,T,H,V]  U = M βV
+  qs: Array       # [B,T,H,K]  scale·q ⊙ Γ
+  kd: Array       # [B,T,H,K]  k ⊙ e^{G_C − G}
+  aqk: Array      # [B,T,H,64] A_qk, row i of its chunk's matrix
+  decay: Array    # [B,N,H,K]  the chunk's state decay e^{G_C}
+  kk: Array       # [B,T,H,64] B = A_kk / β
+  minv: Array | None   # [B,T,H,64] M (None where the kernels were not asked to keep it)
 
 
 def check_inputs(q, k, v, g, beta, initial_state=None, segment_ids=None):

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda.common import CHUNK, SUB, check_inputs, reset_mask, zero_or
+from k3jax.ops.kda.common import CHUNK, SUB, IntraOutputs, check_inputs, reset_mask, zero_or
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -49,7 +49,7 @@ def naive_chunk_intermediates(q, k, v, g, beta, reset=None, *, scale):
   """Per 64-token chunk, what the Pallas intra pass writes, from the definitions in the inputs' dtype (float64 under
   `jax.enable_x64` for a reference): pairwise decays e^{G_i − G_j} with G the cumulative log-decay from the chunk's
   start, masks by document, and a dense solve. T a multiple of 64; `reset` `[B,T]` (nonzero where a document starts)
-  or None. Returns, in the kernels' layout:
+  or None. Returns (`IntraOutputs`, loc) in the kernels' layout:
     w, u `[B,T,H,K|V]`: W = M βΓK and U = M βV, M = (I + A_kk)⁻¹, A_kk[i, j] = β_i B[i, j];
     qs, kd `[B,T,H,K]`: scale·q ⊙ Γ and k ⊙ e^{G_C − G}, Γ = e^{G} before the chunk's first document start (else 0),
       kd zero outside the chunk's last document;
@@ -57,7 +57,7 @@ def naive_chunk_intermediates(q, k, v, g, beta, reset=None, *, scale):
     decay `[B,N,H,K]`: e^{G_C}, zero where a document starts inside the chunk;
     kk `[B,T,H,64]`: B[i, j] = Σ_c k_ic k_jc e^{G_ic − G_jc} for j < i in one document;
     minv `[B,T,H,64]`: M;
-    loc `[B,T,H,K]`: the cumulative sums of g within each 16-token tile."""
+  and loc `[B,T,H,K]`: the cumulative sums of g within each 16-token tile."""
   B, T, H, K = q.shape
   N = T // CHUNK
   chunks = lambda x: jnp.moveaxis(x.reshape(B, N, CHUNK, H, *x.shape[3:]), 3, 1)     # [B,H,N,C,...]
@@ -80,5 +80,6 @@ def naive_chunk_intermediates(q, k, v, g, beta, reset=None, *, scale):
   kd = k_c * jnp.exp(G[..., -1:, :] - G) * last[..., None]
   decay = jnp.exp(G[..., -1, :]) * (doc[..., -1:] == 0)                            # [B,H,N,K]
   loc = jnp.cumsum(g_c.reshape(*g_c.shape[:3], CHUNK // SUB, SUB, K), axis=-2).reshape(g_c.shape)
-  return (unchunk(w), unchunk(u), unchunk(scale * q_c * gamma), unchunk(kd), unchunk(aqk), jnp.moveaxis(decay, 1, 2),
-          unchunk(kk), unchunk(minv), unchunk(loc))
+  intra = IntraOutputs(w=unchunk(w), u=unchunk(u), qs=unchunk(scale * q_c * gamma), kd=unchunk(kd), aqk=unchunk(aqk),
+                       decay=jnp.moveaxis(decay, 1, 2), kk=unchunk(kk), minv=unchunk(minv))
+  return intra, unchunk(loc)

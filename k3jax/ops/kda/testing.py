@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.numerics import rel_err
-from k3jax.ops.kda.api import chunk_kda, fused_kda
+from k3jax.ops.kda.api import FUSED_INPUTS, chunk_kda, fused_kda
 from k3jax.ops.kda.gate import fused_inputs, kda_gate
 
-FUSED_ARGS = ("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias")   # fused_kda's inputs, in order
 # The benchmark's tolerances in bf16 against the fp32 XLA path (docs/design.md, tolerances), by output or gradient.
 CHECK_TOL = {"o": 5e-3, "S": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2,
              "g_raw": 2e-2, "beta_logits": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
@@ -106,7 +105,7 @@ def check_case(x, case, *, lower_bound, backend="pallas", kernel_options=None, a
   S0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, K, x["v"].shape[-1]), jnp.float32)
   seg = None
   if case == "fused":
-    inputs = {n: x[n] for n in FUSED_ARGS}
+    inputs = {n: x[n] for n in FUSED_INPUTS}
     entry = fused_kda
   else:
     q, k, g, beta = fused_inputs(*(x[n] for n in ("q", "k", "g_raw", "beta_logits", "A_log", "dt_bias")),

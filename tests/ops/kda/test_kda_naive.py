@@ -29,7 +29,7 @@ def test_chunk_intermediates_through_the_state_recursion_give_the_recurrence():
   seg = jnp.cumsum(reset, axis=1)
   with jax.enable_x64(True):
     f64 = {n: a.astype(jnp.float64) for n, a in x.items()}
-    w, u, qs, kd, aqk, decay, kk, minv, loc = naive_chunk_intermediates(*f64.values(), reset, scale=K ** -0.5)
+    (w, u, qs, kd, aqk, decay, kk, minv), loc = naive_chunk_intermediates(*f64.values(), reset, scale=K ** -0.5)
     chunks = lambda a: a.reshape(B, T // 64, 64, H, -1).transpose(1, 0, 3, 2, 4)    # [N,B,H,C,·]
     S, o = S0.astype(jnp.float64), []
     for n, (w_n, u_n, qs_n, kd_n, aqk_n) in enumerate(zip(*(chunks(a) for a in (w, u, qs, kd, aqk)))):

@@ -3,12 +3,14 @@ of the forward's intra pass, and the float64 references of their outputs and of 
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.kda.common import IntraOutputs
 from k3jax.ops.kda.naive import naive_chunk_intermediates
 from k3jax.ops.kda.testing import random_inputs
 from pallas_kernels.kda import fwd
 
-# The intra pass's outputs, as `launches` and `naive_chunk_intermediates` return them.
-OUTPUTS = ("w", "u", "qs", "kd", "aqk", "decay", "kk", "minv", "loc")
+# The intra pass's outputs and the tiles' cumulative gates: the names `launches` and `reference_intermediates` give.
+OUTPUTS = IntraOutputs._fields + ("loc",)
+STATE_PASS_INPUTS = ("w", "u", "qs", "kd", "aqk", "decay")   # what the state pass reads of them
 
 
 def kernel_case(seed, case, B, T, H, K, V):
@@ -24,17 +26,24 @@ def kernel_case(seed, case, B, T, H, K, V):
   return x, reset
 
 
-def launches(x, reset, **kw):
-  """The forward's pre-pass and intra launches on (q, k, v, g, β): w, u, qs, kd, aqk, decay, kk, minv, loc."""
+def launches(x, reset, **kw) -> dict:
+  """The forward's pre-pass and intra launches on (q, k, v, g, β): their outputs by name (OUTPUTS)."""
   p = fwd.prepare(x["q"], x["k"], x["g"], x["beta"], None, reset, lower_bound=kw["lower_bound"])
-  return (*fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, **kw), p.loc)
+  return {**fwd.intra_forward(p.qe, p.kq, p.ke, p.tot, x["v"], p.beta, reset, **kw)._asdict(), "loc": p.loc}
 
 
-def reference_intermediates(x, reset, *, scale):
-  """`naive_chunk_intermediates` in float64 on the (fp32) inputs."""
+def state_pass_inputs(x, reset, **kw) -> tuple:
+  """The state pass's inputs (STATE_PASS_INPUTS) from the forward's launches on (q, k, v, g, β)."""
+  outs = launches(x, reset, **kw)
+  return tuple(outs[n] for n in STATE_PASS_INPUTS)
+
+
+def reference_intermediates(x, reset, *, scale) -> dict:
+  """`naive_chunk_intermediates` in float64 on the (fp32) inputs, by name (OUTPUTS)."""
   with jax.enable_x64(True):
-    return naive_chunk_intermediates(*(x[n].astype(jnp.float64) for n in ("q", "k", "v", "g", "beta")), reset,
-                                     scale=scale)
+    intra, loc = naive_chunk_intermediates(*(x[n].astype(jnp.float64) for n in ("q", "k", "v", "g", "beta")), reset,
+                                           scale=scale)
+    return {**intra._asdict(), "loc": loc}
 
 
 def reference_intra_gradients(x, reset, cotangents, *, scale):
@@ -44,7 +53,10 @@ def reference_intra_gradients(x, reset, cotangents, *, scale):
   with jax.enable_x64(True):
     f64 = lambda a: a.astype(jnp.float64)
     args = tuple(f64(x[n]) for n in ("q", "k", "v", "g", "beta"))
-    _, pullback = jax.vjp(lambda *a: naive_chunk_intermediates(*a, reset, scale=scale)[:6], *args)
+    def outputs(*a):
+      intra, _ = naive_chunk_intermediates(*a, reset, scale=scale)
+      return tuple(getattr(intra, n) for n in STATE_PASS_INPUTS)
+    _, pullback = jax.vjp(outputs, *args)
     return pullback(tuple(f64(c) for c in cotangents))
 
 

@@ -21,12 +21,13 @@ def _cotangents(seed, B, T, H, K, V):
 def _check(x, reset, seed, shape, options_list, tol):
   B, T, H, K, V = shape
   scale = K ** -0.5
-  w, u, _, _, _, _, kk, minv, loc = launches(x, reset, scale=scale, lower_bound=-5.0)
+  intra = launches(x, reset, scale=scale, lower_bound=-5.0)
   vn, dvn, do, dw, dqs, dkd, dd = _cotangents(seed, *shape)
   ref = reference_intra_gradients(x, reset, (dw, dvn, dqs, dkd, dA_qk(do, vn), dd), scale=scale)
   for options in options_list:
-    outs = bwd.intra_backward(x["q"], x["k"], x["v"], loc, x["beta"], reset, u, w, kk, minv, vn, dvn, do, dw, dqs,
-                              dkd, dd, scale=scale, lower_bound=-5.0, options=options)
+    outs = bwd.intra_backward(q=x["q"], k=x["k"], v=x["v"], loc=intra["loc"], beta=x["beta"], reset=reset,
+                              u=intra["u"], w=intra["w"], kk=intra["kk"], minv=intra["minv"], v_new=vn, dv_new=dvn,
+                              do=do, dw=dw, dqs=dqs, dkd=dkd, dd=dd, scale=scale, lower_bound=-5.0, options=options)
     chex.assert_tree_all_finite(outs)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs, ref):
       assert rel_err(a, b) <= tol(name), (options.cols_form, options.bwd_block_k, name, rel_err(a, b))

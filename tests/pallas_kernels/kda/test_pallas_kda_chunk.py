@@ -190,7 +190,7 @@ def test_fp32_products_are_three_tf32_products_on_the_gpu_and_fp32_interpreted(m
   products = kernel_products(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args))
   exact = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if on_gpu else (jax.lax.Precision.HIGHEST,) * 2
   kernels = {name for name, _, _ in products}
-  assert {"kda_intra_fwd_solve", "kda_state_fwd", "kda_state_bwd", "kda_intra_bwd_v5_cols"} <= kernels, kernels
+  assert {"kda_intra_fwd_solve", "kda_state_fwd", "kda_state_bwd", "kda_intra_bwd_cols"} <= kernels, kernels
   precisions = {precision for _, dtype, precision in products if dtype == "float32"}
   assert exact in precisions and precisions <= {exact, None}, precisions
 
@@ -209,8 +209,8 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
   text = cuda_module_text(monkeypatch, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
   assert "kda_intra_fwd_solve_mosaic" in text   # bf16 on the (described) H200
   for name in ("kda_prepare", "kda_intra_fwd_key_tiles", "kda_state_segment_maps",
-               "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_v5_rows", "kda_intra_bwd_v5_cols",
-               "kda_intra_bwd_v5_dg"):
+               "kda_state_fwd", "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_rows", "kda_intra_bwd_cols",
+               "kda_intra_bwd_dg"):
     assert f'name = "{name}"' in text, name
   gate = [jax.ShapeDtypeStruct((H,), jnp.float32), jax.ShapeDtypeStruct((H, K), jnp.float32)]
   for dtype in (jnp.bfloat16, jnp.float32):   # the fused forward, in both precisions of its products

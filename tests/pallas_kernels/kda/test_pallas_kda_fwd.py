@@ -8,7 +8,7 @@ import pytest
 
 from k3jax.numerics import rel_err
 from k3jax.ops.kda.testing import random_inputs
-from kda_kernel_testing import OUTPUTS, kernel_case, launches, reference_intermediates
+from kda_kernel_testing import OUTPUTS, kernel_case, launches, reference_intermediates, state_pass_inputs
 from pallas_kernels.kda import KDAKernelOptions, fwd
 
 
@@ -47,10 +47,11 @@ def test_intra_launches_give_the_float64_chunk_intermediates(case):
   with resets mid-tile, at a tile start and at a chunk start."""
   B, T, H, K, V = 1, 128, 2, 32, 32
   x, reset = kernel_case(26, case, B, T, H, K, V)
-  outs = launches(x, reset, scale=K ** -0.5, lower_bound=-5.0)
+  outs, ref = launches(x, reset, scale=K ** -0.5, lower_bound=-5.0), reference_intermediates(x, reset, scale=K ** -0.5)
   chex.assert_tree_all_finite(outs)
-  for name, a, b in zip(OUTPUTS, outs, reference_intermediates(x, reset, scale=K ** -0.5)):
-    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+  assert set(outs) == set(ref) == set(OUTPUTS)
+  for name in OUTPUTS:
+    assert rel_err(outs[name], ref[name]) <= 1e-5, (name, rel_err(outs[name], ref[name]))
 
 
 def test_rows_stay_finite_on_large_unnormalised_inputs_with_gates_at_the_bound():
@@ -62,8 +63,7 @@ def test_rows_stay_finite_on_large_unnormalised_inputs_with_gates_at_the_bound()
   loc = jnp.cumsum(x["g"][0, :, 0].reshape(4, 16, -1), axis=1).reshape(64, -1)   # the kernel's factors, c = -40
   unanchored = (x["q"][0, 48:, 0] * jnp.exp(loc[48:] + 40.0)) @ (x["k"][0, :16, 0] * jnp.exp(-40.0 - loc[:16])).T
   assert not jnp.all(jnp.isfinite(unanchored))          # tile 3's queries against anchor 0's keys, unscaled
-  outs = dict(zip(OUTPUTS, launches(x, None, scale=1.0, lower_bound=-5.0)))
-  ref = dict(zip(OUTPUTS, reference_intermediates(x, None, scale=1.0)))
+  outs, ref = launches(x, None, scale=1.0, lower_bound=-5.0), reference_intermediates(x, None, scale=1.0)
   for name in ("qs", "kd", "aqk", "kk"):
     chex.assert_tree_all_finite(outs[name])
     assert rel_err(outs[name], ref[name]) <= 1e-6, (name, rel_err(outs[name], ref[name]))
@@ -74,9 +74,9 @@ def test_k_unlike_v_and_several_column_blocks_give_the_intermediates():
   and V = 32 exercise both."""
   B, T, H, K, V = 1, 128, 1, 128, 32
   x, reset = kernel_case(29, "random_with_resets", B, T, H, K, V)
-  outs = launches(x, reset, scale=K ** -0.5, lower_bound=-5.0)
-  for name, a, b in zip(OUTPUTS, outs, reference_intermediates(x, reset, scale=K ** -0.5)):
-    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+  outs, ref = launches(x, reset, scale=K ** -0.5, lower_bound=-5.0), reference_intermediates(x, reset, scale=K ** -0.5)
+  for name in OUTPUTS:
+    assert rel_err(outs[name], ref[name]) <= 1e-5, (name, rel_err(outs[name], ref[name]))
 
 
 @pytest.mark.parametrize("case", ["slow_decay", "gates_at_bound"])
@@ -89,7 +89,7 @@ def test_segment_starts_are_the_states_the_one_pass_reaches(case):
   x, _ = kernel_case(33, "gates_at_bound" if case == "gates_at_bound" else "random", B, T, H, K, V)
   if case == "slow_decay":
     x["g"] = x["g"] / 20
-  w, u, qs, kd, aqk, decay, *_ = launches(x, None, scale=K ** -0.5, lower_bound=-5.0)
+  w, u, qs, kd, aqk, decay = state_pass_inputs(x, None, scale=K ** -0.5, lower_bound=-5.0)
   S0 = jax.random.normal(jax.random.PRNGKey(34), (B, H, K, V))
   h = fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=16, save=True)[2].reshape(B, H, T // 64, K, V)
   starts = fwd.segment_starts(w, u, kd, decay, S0, segments=4, block_v=16)

@@ -11,7 +11,7 @@ import pytest
 from k3jax.numerics import rel_err
 from k3jax.ops import kda
 from k3jax.ops.kda.testing import kda_outputs_and_grads, random_inputs
-from kda_kernel_testing import launches
+from kda_kernel_testing import state_pass_inputs
 from pallas_kernels.kda import KDAKernelOptions, Launch, bwd, fwd, solve_mosaic, state_mosaic
 from pallas_testing import cuda_module_text
 
@@ -88,7 +88,7 @@ def test_mosaic_state_pass_gives_the_triton_passes_outputs(segments, start, save
   B, T, H, K, V = 1, 256, 2, 64, 64
   x, _, _ = random_inputs(49, B, T, H, K, V, dtype=jnp.bfloat16)
   reset = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([5, 70, 200])].set(1)
-  w, u, qs, kd, aqk, decay, *_ = launches(x, reset, scale=K ** -0.5, lower_bound=-5.0)
+  w, u, qs, kd, aqk, decay = state_pass_inputs(x, reset, scale=K ** -0.5, lower_bound=-5.0)
   S0 = jax.random.normal(jax.random.PRNGKey(50), (B, H, K, V)) if start else None
   assert state_mosaic.available(jnp.bfloat16, K, V, V)
   run = lambda state_pass: fwd.state_forward(w, u, qs, kd, aqk, decay, S0, block_v=V, save=save, segments=segments,
@@ -106,7 +106,7 @@ def test_mosaic_backward_state_pass_gives_the_triton_passes_gradients():
   gradients w.r.t. the states entering each chunk and w.r.t. the initial state; and it is the default there."""
   B, T, H, K, V = 1, 256, 2, 64, 64
   x, _, _ = random_inputs(52, B, T, H, K, V, dtype=jnp.bfloat16)
-  w, u, qs, kd, aqk, decay, *_ = launches(x, None, scale=K ** -0.5, lower_bound=-5.0)
+  w, u, qs, kd, aqk, decay = state_pass_inputs(x, None, scale=K ** -0.5, lower_bound=-5.0)
   do = jax.random.normal(jax.random.PRNGKey(53), (B, T, H, V), jnp.bfloat16)
   dS_T = jax.random.normal(jax.random.PRNGKey(54), (B, H, K, V))
   run = lambda state_pass: bwd.state_backward(do, aqk, kd, qs, w, decay, dS_T, block_v=V,

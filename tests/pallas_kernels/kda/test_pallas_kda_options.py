@@ -25,7 +25,7 @@ def _grad_launches(options, dtype=jnp.float32):
     (dict(bwd_block_k=0), "bwd_block_k must be a positive integer"),
     (dict(segments=2.0), "segments must be a positive integer"),
     (dict(prepare=(4,)), "prepare must be a Launch"),
-    (dict(intra_bwd_v5_cols=Launch(0, 1)), "intra_bwd_v5_cols must be a Launch"),
+    (dict(intra_bwd_cols=Launch(0, 1)), "intra_bwd_cols must be a Launch"),
 ])
 def test_bad_options_are_refused_when_made(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -38,9 +38,9 @@ def test_every_launch_takes_its_options_parameters_and_only_its_own():
   defaults = _grad_launches(None)
   assert defaults == {"kda_prepare": (4, 1), "kda_intra_fwd_key_tiles": (2, 3), "kda_intra_fwd_solve": (4, 1),
                       "kda_state_fwd": (4, 2), "kda_state_bwd": (4, 2), "kda_state_grads": (4, 1),
-                      "kda_intra_bwd_v5_rows": (4, 1), "kda_intra_bwd_v5_cols": (4, 3), "kda_intra_bwd_v5_dg": (4, 1)}
+                      "kda_intra_bwd_rows": (4, 1), "kda_intra_bwd_cols": (4, 3), "kda_intra_bwd_dg": (4, 1)}
   assert set(DEFAULT_LAUNCHES) == {n.removeprefix("kda_") for n in defaults} | {"state_segment_maps"}
-  for name in ("intra_fwd_key_tiles", "intra_bwd_v5_cols", "state_bwd", "prepare"):
+  for name in ("intra_fwd_key_tiles", "intra_bwd_cols", "state_bwd", "prepare"):
     got = _grad_launches(KDAKernelOptions(**{name: Launch(8, 3)}))
     assert got == {**defaults, f"kda_{name}": (8, 3)}, name
 
