@@ -26,7 +26,6 @@ Device times: host timer around `block_until_ready`.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -168,17 +167,14 @@ def compile_all(programs: list[Programs], steps: int, check: bool, prefill: bool
         reference = full_last_logits.lower(*nnx.split(fp32_twin(p.model, p.model_cfg)), tokens)
     lowered.append((p, (*calls, forward, reference), time.perf_counter() - start))
 
-  def compile_one(item):
-    p, (step, loop, forward, reference), trace_s = item
-    start = time.perf_counter()
-    p.step, p.loop = step and step.compile(), loop.compile()
-    p.forward, p.reference = forward and forward.compile(), reference and reference.compile()
-    p.compile_s = trace_s + time.perf_counter() - start
+  roles = ("step", "loop", "forward", "reference")
+  compiled = benchmark.compile_in_threads({(i, role): program for i, (_, calls, _) in enumerate(lowered)
+                                           for role, program in zip(roles, calls)})
+  for i, (p, _, trace_s) in enumerate(lowered):
+    p.step, p.loop, p.forward, p.reference = (compiled[(i, role)][0] for role in roles)
+    p.compile_s = trace_s + max(compiled[(i, role)][1] for role in roles)
     p.work_bytes = max(_temp_bytes(p.step) if p.step else 0, _temp_bytes(p.loop))
     print(f"compiled {p.pattern} B={p.B} in {p.compile_s:.0f} s", flush=True)
-
-  with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-    list(pool.map(compile_one, lowered))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -7,7 +7,6 @@ saturated gates, and the softplus gate through the factorised path as well, to s
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 
 import jax
@@ -15,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.numerics import rel_err
-from k3jax.ops.kda.testing import kda_outputs_and_grads
 from k3jax.ops import kda
+from k3jax.ops.kda.testing import kda_outputs_and_grads
+from k3jax.train import benchmark
 
 GATES = {"bounded": -5.0, "softplus": None}   # the lower bound each gate lets the ops assume
 SATURATED_Z = 30.0                            # gate pre-activation of a saturated gate: σ(·) ≈ 1, softplus(·) ≈ 30
@@ -76,9 +76,8 @@ def compiled_variants(shapes, *, dtype=jnp.bfloat16, platform: str | None = None
     for v in timed_variants(platform):
       rows.append({**v, "shape": f"{B}x{T}x{H}x{D}", "dtype": jnp.dtype(dtype).name, "args": (x, do),
                    "lowered": fused_fwd_bwd(v["gate"], v["backend"]).lower(x, do)})
-  with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows) or 1) as pool:
-    compiled = list(pool.map(lambda r: r.pop("lowered").compile(), rows))
-  return [{**r, "fn": fn} for r, fn in zip(rows, compiled)]
+  compiled = benchmark.compile_in_threads({i: r.pop("lowered") for i, r in enumerate(rows)})
+  return [{**r, "fn": compiled[i][0]} for i, r in enumerate(rows)]
 
 
 FINITENESS_CASES = (

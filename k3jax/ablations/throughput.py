@@ -7,7 +7,6 @@ rows of random tokens through the model to its logits and reduces them to one nu
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import statistics
 import time
@@ -16,6 +15,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from k3jax.train import benchmark
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -38,12 +39,7 @@ def forward_tokens_per_s(models: Mapping, lengths, *, tokens: int, repeats: int 
   lowered = {(name, t): _forward.lower(graphdef, state, inputs[t])
              for name, (graphdef, state) in split.items() for t in lengths}
 
-  def compile_one(key):
-    start = time.perf_counter()
-    return key, lowered[key].compile(), time.perf_counter() - start
-
-  with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-    compiled = {key: (program, seconds) for key, program, seconds in pool.map(compile_one, lowered)}
+  compiled = benchmark.compile_in_threads(lowered)
   out = {}
   for name, (_, state) in split.items():
     out[name] = []

@@ -1,8 +1,13 @@
 """Training throughput and scaling: the jitted train step of config variants (sequence length, layer pattern,
 mesh), compiled ahead of time, one process per variant and all at once (a GPU train step of `small` takes ~5
-minutes to compile), then measured one variant at a time on rows of the config's data mixture."""
+minutes to compile), then measured one variant at a time on rows of the config's data mixture.
+
+Compiling side by side has two forms here: `measure_in_turn` traces and compiles each config in a process of its
+own (tracing is Python under the GIL), `compile_in_threads` compiles programs already lowered (XLA compiles
+outside the GIL)."""
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -11,7 +16,7 @@ import os
 import queue as queue_lib
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, TypeVar
 
 import jax
 import numpy as np
@@ -20,6 +25,18 @@ from k3jax.train import flops, profile, trainer
 from k3jax.train.stages import stages_of
 
 PATTERNS = {"config": None, "mla": ("mla",), "kda": ("kda",)}
+K = TypeVar("K")
+
+
+def compile_in_threads(lowered: Mapping[K, Any]) -> dict[K, tuple[Any, float]]:
+  """{key: (compiled program, compile seconds)} of `lowered` ({key: a lowered program, or None}), all compiled at
+  once in threads; None stays None (0 seconds)."""
+  def compile_one(item):
+    key, program = item
+    start = time.perf_counter()
+    return key, (program and program.compile(), time.perf_counter() - start)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(lowered))) as pool:
+    return dict(pool.map(compile_one, lowered.items()))
 
 
 def variant(config, *, pattern: str = "config", seq_len: int | None = None, tokens_per_step: int | None = None,

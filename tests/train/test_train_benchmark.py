@@ -153,3 +153,12 @@ def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   assert "config T=16 B=4" in done.stdout and "glue by scope" in done.stdout
   assert "profile" in json.loads((tmp_path / "rows.json").read_text())[0]
+
+
+def test_compile_in_threads_gives_each_lowered_program_compiled_under_its_key():
+  double, square = jax.jit(lambda x: 2 * x), jax.jit(lambda x: x * x)
+  x = jnp.arange(3.0)
+  got = benchmark.compile_in_threads({"double": double.lower(x), ("square", 1): square.lower(x), "none": None})
+  assert set(got) == {"double", ("square", 1), "none"} and got["none"] == (None, got["none"][1])
+  assert list(got["double"][0](x)) == [0.0, 2.0, 4.0] and list(got[("square", 1)][0](x)) == [0.0, 1.0, 4.0]
+  assert all(seconds >= 0 for _, seconds in got.values())
