@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import config as config_lib
+from k3jax import config as config_lib, spec as spec_lib
 from k3jax.layers import attnres
 from k3jax.layers.common import RMSNorm, embed, normal_param
 from k3jax.layers.ffn import SiTUGLU
@@ -55,10 +55,9 @@ class DecoderLayer(nnx.Module):
   `closes` = (mixer, FFN): whether each sub-layer's output closes the AttnRes block (`attnres.closes`); bools, or
   traced bools inside the scan over groups."""
 
-  def __init__(self, model_cfg, index: int, *, rngs: nnx.Rngs, mesh=None):
+  def __init__(self, model_cfg, layer: spec_lib.LayerSpec, *, rngs: nnx.Rngs, mesh=None):
     d, eps, mode = model_cfg.d_model, model_cfg.norm_eps, model_cfg.residual.mode
-    self.kind = config_lib.layer_types(model_cfg)[index]
-    self.uses_moe = config_lib.uses_moe(model_cfg, index)
+    self.kind, self.uses_moe = layer.mixer, layer.moe
     self.dtype = config_lib.compute_dtype(model_cfg)
     new_res = lambda: None if mode == "none" else attnres.DepthAttention(d, eps=eps)
     self.mixer_res, self.mixer_norm = new_res(), RMSNorm(d, eps=eps)
@@ -129,18 +128,16 @@ class K3Model(nnx.Module):
   axis (None when nothing is scanned). `plan` is the `config.LayerPlan`."""
 
   def __init__(self, model_cfg, *, rngs: nnx.Rngs, mesh=None):
-    config_lib.validate(model_cfg)
+    spec = spec_lib.model_spec(model_cfg)   # validates the config
     d, V = model_cfg.d_model, model_cfg.vocab_size
     self.d_model, self.vocab_size = d, V
     self.dtype = config_lib.compute_dtype(model_cfg)
     self.mode = model_cfg.residual.mode
     self.z_loss_coef = float(model_cfg.z_loss_coef)
     self.remat = model_cfg.remat
-    self.plan = config_lib.layer_plan(model_cfg)
-    self.closes = attnres.closes(self.mode, model_cfg.residual.block_size, model_cfg.num_layers)
-    self.moe_ids = tuple(i for i in range(model_cfg.num_layers) if config_lib.uses_moe(model_cfg, i))
+    self.plan, self.closes, self.moe_ids = spec.plan, spec.closes, spec.moe_layers
     self.embed = normal_param(rngs, (V, d), 1.0)
-    layers = [DecoderLayer(model_cfg, i, rngs=rngs, mesh=mesh) for i in range(model_cfg.num_layers)]
+    layers = [DecoderLayer(model_cfg, layer, rngs=rngs, mesh=mesh) for layer in spec.layers]
     self.layers = nnx.List([layers[i] for i in self.plan.unrolled])
     self.groups = nnx.List([stack_modules([layers[i] for i in self.plan.position(j)])
                             for j in range(self.plan.group_size)]) if self.plan.num_groups else None
@@ -414,7 +411,7 @@ def scanned_layout(tree, model_cfg):
   `model_cfg` builds (the unrolled layers under `layers`, the scanned ones stacked under `groups`). `tree` is a
   model's state or any pytree holding such states: parameters, their gradients or optimizer moments, a TrainState.
   E.g. a checkpoint written before scanning: restore it with `scan_layers=False`, convert, save."""
-  plan = config_lib.layer_plan(model_cfg)
+  plan = spec_lib.model_spec(model_cfg).plan
 
   def convert(state):
     out = dict(state.raw_mapping)   # nested plain dicts, as nnx.state makes them

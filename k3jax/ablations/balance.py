@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from k3jax import config as config_lib
+from k3jax import spec as spec_lib
 from k3jax.ablations import runs
 from k3jax.train import workdir as workdir_lib
 
@@ -156,7 +156,7 @@ def train_methods(configs, workdir, *, seeds: Sequence[int] = (0,), data_seed: i
   histories = runs.train_variants(configs, workdir, seeds=seeds, precompile=precompile)
   table = {"steps": steps, "seeds": list(seeds), "data_seed": data_seed,
            "optimal_loss": None if data_seed is None else markov_tokens(data_seed)[2],
-           "moe_layers": [i for i in range(model.num_layers) if config_lib.uses_moe(model, i)],
+           "moe_layers": list(spec_lib.model_spec(model).moe_layers),
            "max_vio_bound": model.moe.num_experts / model.moe.top_k - 1, "methods": {}}
   for m, hs in histories.items():
     per_seed = [{"seed": s, **summarize_run(h, steps)} for s, h in zip(seeds, hs)]

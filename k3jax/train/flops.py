@@ -11,7 +11,7 @@ MFU = tokens/s · flops/token / (peak bf16 dense FLOP/s · devices); peaks are t
 """
 from __future__ import annotations
 
-from k3jax import config as config_lib
+from k3jax import config as config_lib, spec as spec_lib
 from k3jax.ops.kda import chunk as kda_chunk
 from k3jax.train import sizing
 
@@ -28,7 +28,7 @@ def active_matmul_params(model_cfg) -> tuple[int, int]:
 def flops_per_token(model_cfg, seq_len: int) -> float:
   """Training FLOPs per token at sequence length `seq_len`."""
   flops = 6.0 * active_matmul_params(model_cfg)[0]
-  types = config_lib.layer_types(model_cfg)
+  types = spec_lib.model_spec(model_cfg).mixers
   if "mla" in types:
     qk, v = config_lib.mla_head_dims(model_cfg)
     flops += types.count("mla") * 3.0 * seq_len * model_cfg.mla.num_heads * (qk + v)

@@ -14,7 +14,7 @@ import math
 
 from flax import nnx
 
-from k3jax import config as config_lib
+from k3jax import config as config_lib, spec as spec_lib
 from k3jax.layers import attnres
 from k3jax.layers.attnres import DepthAttention
 from k3jax.layers.common import RMSNorm
@@ -87,9 +87,9 @@ def count_params(model_cfg) -> dict[str, tuple[int, int]]:
 
 def layers_holding(category: str, m) -> int:
   """How many decoder layers hold the category (0 for the embedding, head and norms)."""
-  types = config_lib.layer_types(m)
-  n_moe = sum(config_lib.uses_moe(m, i) for i in range(m.num_layers))
-  return {"kda": types.count("kda"), "mla": types.count("mla"), "dense_ffn": m.num_layers - n_moe}.get(
+  spec = spec_lib.model_spec(m)
+  n_moe = len(spec.moe_layers)
+  return {"kda": spec.count("kda"), "mla": spec.count("mla"), "dense_ffn": m.num_layers - n_moe}.get(
       category, n_moe if category.startswith("moe") else 0)
 
 
@@ -124,8 +124,8 @@ def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: 
   total = sum(t for t, _ in counts.values())
   routed = counts.get("moe_routed_experts", (0, 0))[0]
   t, d, V = micro_batch * seq_len, m.d_model, m.vocab_size
-  types = config_lib.layer_types(m)
-  n_moe = sum(config_lib.uses_moe(m, i) for i in range(m.num_layers))
+  spec = spec_lib.model_spec(m)
+  types, n_moe = spec.mixers, len(spec.moe_layers)
   n_blocks = {"block": math.ceil(m.num_layers / m.residual.block_size), "full": 2 * m.num_layers, "none": 0}[
       m.residual.mode]
 
@@ -136,9 +136,8 @@ def memory_plan(model_cfg, counts: dict, mesh: dict, seq_len: int, micro_batch: 
 
   # Saved between layers (remat per layer), fp32 [t, d]: each layer's input partial sum, the completed block sums,
   # the embedding, and per scanned group its input buffer of sources (with room for every source the scan holds).
-  plan = config_lib.layer_plan(m)
-  closes = attnres.closes(m.residual.mode, m.residual.block_size, m.num_layers)
-  capacity = attnres.num_sources(m.residual.mode, [c for layer in closes[:plan.end] for c in layer])
+  plan = spec.plan
+  capacity = attnres.num_sources(m.residual.mode, [c for layer in spec.closes[:plan.end] for c in layer])
   saved = 4 * t * d * (m.num_layers + n_blocks + 1 + plan.num_groups * capacity)
   # Peak of one layer's recompute + backward, bf16 (2 B) unless noted: the AttnRes read-outs (fp32 sources and keys)
   # plus the larger mixer plus the larger FFN.
