@@ -20,7 +20,6 @@ class LayerSpec:
 class ModelSpec:
   layers: tuple[LayerSpec, ...]
   plan: config_lib.LayerPlan   # which layers run under the scan over groups, which one by one
-  residual_mode: str
 
   @property
   def mixers(self) -> tuple[str, ...]:
@@ -43,4 +42,4 @@ def model_spec(m) -> ModelSpec:
   config_lib.validate(m)
   closes = attnres.closes(m.residual.mode, m.residual.block_size, m.num_layers)
   layers = tuple(LayerSpec(t, config_lib.uses_moe(m, i), closes[i]) for i, t in enumerate(config_lib.layer_types(m)))
-  return ModelSpec(layers, config_lib.layer_plan(m), m.residual.mode)
+  return ModelSpec(layers, config_lib.layer_plan(m))

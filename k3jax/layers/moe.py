@@ -72,11 +72,11 @@ def dense_routed_outputs(z_TL, expert_ids_TK, weights_TK, w_gate_up_ELF, w_down_
   y_ETL = jnp.einsum("eth,ehl->etl", situ_glu(ab_ETF[..., :h], ab_ETF[..., h:]), w_down_EHL,
                      preferred_element_type=jnp.float32)
   chosen_TKE = expert_ids_TK[..., None] == jnp.arange(E)
-  w_ET = jnp.sum(jnp.where(chosen_TKE, weights_TK[..., None].astype(jnp.float32), 0.0), axis=1).T
+  w_ET1 = jnp.sum(jnp.where(chosen_TKE, weights_TK[..., None].astype(jnp.float32), 0.0), axis=1).T[..., None]
   # An unchosen expert's output is masked, not multiplied by 0: 0·inf would be NaN. Elementwise and summed over E
   # (one fusion), not an fp32 dot, which a GPU may run in TF32.
-  y_ETL = jnp.where(w_ET[..., None] != 0, y_ETL.astype(z_TL.dtype).astype(jnp.float32), 0.0)
-  return jnp.sum(w_ET[..., None] * y_ETL, axis=0).astype(z_TL.dtype)
+  u_ETL = jnp.where(w_ET1 != 0, w_ET1 * y_ETL.astype(z_TL.dtype).astype(jnp.float32), 0.0)
+  return jnp.sum(u_ETL, axis=0).astype(z_TL.dtype)
 
 
 def dense_routing(routing: str, tokens: int, num_experts: int, top_k: int, mesh=None) -> bool:

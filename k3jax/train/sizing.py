@@ -85,11 +85,10 @@ def count_params(model_cfg) -> dict[str, tuple[int, int]]:
   return {c: tuple(counts[c]) for c in CATEGORIES if c in counts}
 
 
-def layers_holding(category: str, m) -> int:
-  """How many decoder layers hold the category (0 for the embedding, head and norms)."""
-  spec = spec_lib.model_spec(m)
+def layers_holding(category: str, spec: spec_lib.ModelSpec) -> int:
+  """How many decoder layers of `spec` hold the category (0 for the embedding, head and norms)."""
   n_moe = len(spec.moe_layers)
-  return {"kda": spec.count("kda"), "mla": spec.count("mla"), "dense_ffn": m.num_layers - n_moe}.get(
+  return {"kda": spec.count("kda"), "mla": spec.count("mla"), "dense_ffn": len(spec.layers) - n_moe}.get(
       category, n_moe if category.startswith("moe") else 0)
 
 
@@ -215,8 +214,9 @@ def report(name: str, config, mesh_spec: str | None = None, *, seq_len: int | No
   lines = [f"config={name} total_params={total} active_params={active}",
            f"  ({_human(total)} total, {_human(active)} activated per token)", "",
            f"  {'layer type':<24}{'layers':>7}{'per layer':>16}{'total':>19}{'active':>18}{'share':>7}"]
+  spec = spec_lib.model_spec(m)
   for c, (t, a) in counts.items():
-    n = layers_holding(c, m)
+    n = layers_holding(c, spec)
     per = f"{t // n:,}" if n else ""
     lines.append(f"  {c:<24}{n or '':>7}{per:>16}{t:>19,}{a:>18,}{t / total:>7.1%}")
   n_dev = math.prod(mesh.values())

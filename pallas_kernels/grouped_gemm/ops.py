@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from pallas_kernels.grouped_gemm import mosaic
 
 BACKENDS = ("auto", "mosaic", "xla")
+_DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,6 @@ class GroupedGemmOptions:
     """`grouped_matmul` under these options, the tiles chosen for this product's shape."""
     configs = mosaic.default_configs(x_MK.shape[1], w_GKN.shape[2], x_MK.dtype, self.tiles)
     return grouped_matmul(x_MK, w_GKN, group_sizes_G, backend=self.backend, configs=configs)
-_DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, backend: str = "auto", configs: mosaic.Configs | None = None):
