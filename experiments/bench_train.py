@@ -9,8 +9,9 @@ one at a time (`benchmark.measure_in_turn`):
 `--seq_lens` the variants are the config's stages (their lengths and batch sizes); `--seq_lens` alone keeps the
 config's tokens per step. `--profile` also traces a few steps per variant and prints their device time by kind of
 kernel (GEMM, grouped GEMM, attention, KDA, dispatch, collective, other) with launch counts and the glue's share
-(`k3jax/train/profile.py`). MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in
-k3jax/train/flops.py; a CPU reports no MFU.
+(`k3jax/train/profile.py`); `--profile_compile` traces each compile and prints XLA's phases by seconds. MFU =
+tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in k3jax/train/flops.py; a CPU reports
+no MFU.
 """
 import pathlib
 import sys
@@ -31,6 +32,8 @@ _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps first")
 _PROFILE = flags.DEFINE_bool("profile", False, "also trace --profile_steps steps per variant: device time by kind")
 _PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "steps traced with --profile")
+_PROFILE_COMPILE = flags.DEFINE_bool("profile_compile", False, "trace each variant's XLA compile and print its "
+                                     "phases (pass pipelines, autotuning, kernel compiles) by seconds")
 _OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
 _CACHE = flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun "
                              "skips them (every variant's process uses it)")
@@ -71,6 +74,7 @@ def main(argv):
   rows, failed = benchmark.time_variants(
       _CONFIG.value, patterns=_PATTERNS.value, seq_lens=_SEQ_LENS.value, tokens_per_step=_TOKENS.value,
       steps=_STEPS.value, warmup=_WARMUP.value, profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0,
+      profile_compile=_PROFILE_COMPILE.value,
       on_row=lambda rows: harness.write_json(_OUT.value, rows))
   print(benchmark.format_table(rows), flush=True)
   if failed:

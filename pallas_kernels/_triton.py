@@ -2,6 +2,7 @@
 precision of fp32 products, and whether a Mosaic GPU kernel applies."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -15,6 +16,15 @@ def interpret_mode() -> bool:
   the GPU anywhere (to export a GPU program from a CPU machine)."""
   forced = os.environ.get("K3JAX_PALLAS_INTERPRET")
   return forced == "1" if forced in ("0", "1") else jax.default_backend() != "gpu"
+
+
+def traced_once(fn, *, static_argnums: tuple[int, ...]):
+  """`fn` under `jax.jit`: inside a traced program, its calls with equal static arguments and input types (a model's
+  layers, a forward and its recomputation) share one traced program, so each kernel in it is lowered once and XLA
+  compiles one copy, not one per call (per layer, per pass). The interpret mode, which kernels read while tracing,
+  is a static argument too: a process that switches it gets a fresh trace."""
+  jitted = jax.jit(lambda interpret, *args: fn(*args), static_argnums=(0, *(i + 1 for i in static_argnums)))
+  return functools.wraps(fn)(lambda *args: jitted(interpret_mode(), *args))
 
 
 def fp32_products():

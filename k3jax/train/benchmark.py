@@ -75,6 +75,7 @@ class CompiledRun:
   init: Callable[[], Any]
   step: Callable[[Any, dict], tuple[Any, dict]]
   compile_s: float
+  compile_phases: list[dict] | None = None   # the step's XLA compile by phase (`profile.trace_compile`)
 
   @property
   def stage(self):
@@ -84,27 +85,37 @@ class CompiledRun:
     return self.run.batch(self.stage, i)
 
 
-def compile_run(config) -> CompiledRun:
-  """Builds the config's Run and compiles its init and its first stage's train step ahead of time."""
+def compile_run(config, *, trace_phases: bool = False) -> CompiledRun:
+  """Builds the config's Run and compiles its init and its first stage's train step ahead of time (seconds from
+  tracing to the compiled step); with `trace_phases`, the step's XLA compile runs under the profiler and its phases
+  are kept (`profile.trace_compile`)."""
   run = trainer.Run(config)
   start = time.perf_counter()
   init = run.init.lower().compile()
-  step = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0)).compile()
+  lowered = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0))
+  lower_s = time.perf_counter() - start
+  phases = None
+  if trace_phases:
+    step, phases = profile.trace_compile(lowered.compile)
+  else:
+    step = lowered.compile()
   seconds = time.perf_counter() - start
-  print(f"compiled a variant in {seconds:.0f} s", flush=True)
-  return CompiledRun(run, init, step, seconds)
+  print(f"compiled a variant in {seconds:.0f} s (init, trace and lower {lower_s:.0f} s)", flush=True)
+  return CompiledRun(run, init, step, seconds, phases)
 
 
-def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_s: float = 3600.0):
+def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_s: float = 3600.0,
+                    trace_phases: bool = False):
   """Yields `measure(compiled run)` for each config, in order. Each config is traced and compiled in its own process,
   all at once (tracing is Python under the GIL, so threads would serialise it); the processes then measure one at
   a time, after every compile has finished, so no timing overlaps another's work. A config whose process fails
-  yields {"error": ...}. `measure` must be picklable (a module-level function or a partial of one)."""
+  yields {"error": ...}. `measure` must be picklable (a module-level function or a partial of one). `trace_phases`:
+  each compile's phases are traced (`compile_run`)."""
   ctx = multiprocessing.get_context("spawn")
   # Each process allocates only what it uses, so the waiting ones leave the device to the one measuring.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   queue, turns = ctx.Queue(), [ctx.Event() for _ in configs]
-  procs = [ctx.Process(target=_measure_child, args=(i, c, measure, queue, turns[i]), daemon=True)
+  procs = [ctx.Process(target=_measure_child, args=(i, c, measure, queue, turns[i], trace_phases), daemon=True)
            for i, c in enumerate(configs)]
   for p in procs:
     p.start()
@@ -145,9 +156,9 @@ def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_
         p.kill()
 
 
-def _measure_child(index, config, measure, queue, turn):
+def _measure_child(index, config, measure, queue, turn, trace_phases):
   try:
-    run = compile_run(config)
+    run = compile_run(config, trace_phases=trace_phases)
     queue.put(("compiled", index, run.compile_s))
     turn.wait()
     queue.put(("result", index, measure(run)))
@@ -193,14 +204,17 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
           "model_tflops_per_s": tokens_per_s * flops_token / 1e12,
           "mfu": flops.mfu(tokens_per_s, flops_token, devices), "compile_s": c.compile_s, "loss": loss,
           "finite": bool(np.isfinite(loss)), "peak_gib": peak and max(peak) / 2 ** 30,
-          "step_gib": step_bytes and step_bytes / 2 ** 30, **({"profile": traced} if traced else {})}
+          "step_gib": step_bytes and step_bytes / 2 ** 30, **({"profile": traced} if traced else {}),
+          **({"compile_phases": c.compile_phases} if c.compile_phases else {})}
 
 
 def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | None = None, steps: int, warmup: int,
-                  profile_steps: int = 0, on_row: Callable[[list[dict]], None] | None = None):
+                  profile_steps: int = 0, profile_compile: bool = False,
+                  on_row: Callable[[list[dict]], None] | None = None):
   """`time_train_step` of `config` with each layer pattern of `patterns` at each (seq_len, tokens per step) of
   `stage_lengths(config, seq_lens, tokens_per_step)`, every variant in its own process (`measure_in_turn`); prints
-  each row (and its profile) as it comes and calls `on_row(rows so far)` after each. Returns (the rows, each with
+  each row (and its profiles: `profile_steps`, `profile_compile`) as it comes and calls `on_row(rows so far)`
+  after each. Returns (the rows, each with
   "variant": its pattern; the (pattern, seq_len) of the variants that failed)."""
   names = [(p, t, n) for p in patterns for t, n in stage_lengths(config, seq_lens, tokens_per_step)]
   configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n) for p, t, n in names]
@@ -208,7 +222,7 @@ def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | Non
         + ", ".join(f"{p} T={t} B={n // t}" for p, t, n in names), flush=True)
   measure = functools.partial(time_train_step, steps=steps, warmup=warmup, profile_steps=profile_steps)
   rows, failed = [], []
-  for (pattern, seq_len, _), row in zip(names, measure_in_turn(configs, measure)):
+  for (pattern, seq_len, _), row in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
     if "error" in row:
       failed.append((pattern, seq_len))
       print(f"{pattern} at T={seq_len} failed:\n{row['error']}", flush=True)
@@ -219,6 +233,9 @@ def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | Non
       kernels = [profile.Kernel(**k) for k in row["profile"]["kernels"]]
       print(f"profile of {pattern} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
             flush=True)
+    if "compile_phases" in row:
+      print(f"compile of {pattern} at T={seq_len} by phase (summed over threads):\n"
+            f"{profile.format_compile_phases(row['compile_phases'])}", flush=True)
     if on_row is not None:
       on_row(rows)
   return rows, failed

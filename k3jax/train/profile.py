@@ -113,6 +113,32 @@ def trace_kernels(run: Callable[[], object], *, calls: int, hlo_text: str = "") 
   return sorted(kernels, key=lambda k: -k.ms)
 
 
+def trace_compile(compile_fn: Callable[[], object], *, top: int = 25):
+  """Runs `compile_fn()` (an XLA compile) under the profiler, Python's tracer off, and returns (its result, the
+  `top` host-side phases by seconds): each named event of XLA's compiler (pass pipelines, autotuning, kernel
+  compiles, PTX to cubin), {"name", "s", "count"}, seconds summed over every call and thread (the thread pool's
+  phases add up to more than the wall time)."""
+  from jax.profiler import ProfileData
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  seconds, counts = collections.Counter(), collections.Counter()
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir, profiler_options=options):
+      out = compile_fn()
+    path, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
+    for plane in ProfileData.from_file(path).planes:
+      if plane.name.startswith("/host:CPU"):
+        for line in plane.lines:
+          for event in line.events:
+            seconds[event.name] += event.duration_ns / 1e9
+            counts[event.name] += 1
+  return out, [{"name": name, "s": s, "count": counts[name]} for name, s in seconds.most_common(top)]
+
+
+def format_compile_phases(phases: list[dict]) -> str:
+  return "\n".join(f"  {p['s']:>8.1f} s x{p['count']:<6} {p['name'][:90]}" for p in phases)
+
+
 def _kernel_events(profile, module: str | None):
   """(name, HLO instruction, duration ns) of each kernel of `module` (any when None; events that name no module are
   kept): the GPU planes' stream lines (their derived "XLA Ops" line repeats the same time), else XLA:CPU's thunks

@@ -17,6 +17,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._triton import traced_once
 from pallas_kernels.grouped_gemm import mosaic
 
 BACKENDS = ("auto", "mosaic", "xla")
@@ -55,7 +56,7 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, backend: str = "auto", configs
   if x_MK.dtype != w_GKN.dtype or not jnp.issubdtype(x_MK.dtype, jnp.floating):
     raise ValueError(f"x and w must share one floating dtype, got {x_MK.dtype} and {w_GKN.dtype}")
   impl = products(backend, x_MK.shape[1], w_GKN.shape[2], x_MK.dtype, configs)
-  return _gmm(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), impl)
+  return _gmm_once(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), impl)
 
 
 def products(backend: str, k: int, n: int, dtype, configs: mosaic.Configs | None = None):
@@ -126,3 +127,4 @@ def _gmm_bwd(impl, res, dy):
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm_once = traced_once(_gmm, static_argnums=(3,))   # one compiled copy of each kernel, however many layers call it

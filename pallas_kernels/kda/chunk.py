@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from k3jax.ops.kda.common import CHUNK, IntraOutputs, reset_mask
 from k3jax.ops.kda.gate import fused_inputs
+from pallas_kernels._triton import traced_once
 from pallas_kernels.kda import bwd, fwd
 from pallas_kernels.kda.options import KDAKernelOptions
 
@@ -99,7 +100,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
   plan = Plan(scale=float(scale), lower_bound=float(lower_bound), valid_len=T if pad else None,
               has_state=S0 is not None, block_v_fwd=options.block_v or default_block_v(B * segments, H, V),
               block_v_bwd=options.block_v or default_block_v(B, H, V), segments=segments, options=options)
-  o, S = _kda(plan, q, k, v, g, beta, gate, S0, reset)
+  o, S = _kda_once(plan, q, k, v, g, beta, gate, S0, reset)
   return o[:, :T], (S if output_final_state else None)
 
 
@@ -162,3 +163,4 @@ def _kda_bwd(plan, res: Residuals, cotangents):
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
+_kda_once = traced_once(_kda, static_argnums=(0,))   # one compiled copy of each kernel, however many layers call it
