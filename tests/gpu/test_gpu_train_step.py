@@ -28,6 +28,7 @@ from k3jax import config as config_lib, parallel
 from k3jax.model import K3Model
 from k3jax.numerics import rel_err
 from k3jax.train import optimizer, stages as stages_lib, state as state_lib, step as step_lib
+from pallas_kernels.grouped_gemm import GroupedGemmOptions
 from pallas_testing import pallas_kernels_in
 
 pytestmark = pytest.mark.gpu
@@ -85,10 +86,10 @@ def _keeping_gradients(tx: optax.GradientTransformation) -> optax.GradientTransf
 
 def _graphdef(model_cfg, moe_backend: str, mesh):
   """The model's graphdef with every LatentMoE's grouped GEMM on `moe_backend`: no config field chooses it (the
-  layer's constructor argument, which K3Model leaves at "auto")."""
+  layer's `grouped_gemm` options, which K3Model leaves at their defaults)."""
   model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0), mesh=mesh))
   for moe in model.moe_layers():
-    moe.backend = moe_backend
+    moe.grouped_gemm = GroupedGemmOptions(backend=moe_backend)
   return state_lib.split(model)[0]
 
 
