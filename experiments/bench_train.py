@@ -9,9 +9,10 @@ one at a time (`benchmark.measure_in_turn`):
 `--seq_lens` the variants are the config's stages (their lengths and batch sizes); `--seq_lens` alone keeps the
 config's tokens per step. `--profile` also traces a few steps per variant and prints their device time by kind of
 kernel (GEMM, grouped GEMM, attention, KDA, dispatch, collective, other) with launch counts and the glue's share
-(`k3jax/train/profile.py`); `--profile_compile` traces each compile and prints XLA's phases by seconds. MFU =
-tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in k3jax/train/flops.py; a CPU reports
-no MFU.
+(`k3jax/train/profile.py`); `--profile_compile` traces each compile and prints XLA's phases by seconds.
+"compile s" is the train step's, from tracing to compiled (the JSON also has its trace and lower, and the init's
+compile). MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in
+k3jax/train/flops.py; a CPU reports no MFU.
 """
 import pathlib
 import sys

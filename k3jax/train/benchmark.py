@@ -70,11 +70,14 @@ def stage_lengths(config, seq_lens=None, tokens_per_step: int | None = None) -> 
 
 @dataclasses.dataclass
 class CompiledRun:
-  """A config's Run with its init and its first stage's train step compiled for that stage's batches."""
+  """A config's Run with its init and its first stage's train step compiled for that stage's batches; the step's
+  seconds from tracing to compiled (`compile_s`, of which `lower_s` trace and lower) and the init's."""
   run: trainer.Run
   init: Callable[[], Any]
   step: Callable[[Any, dict], tuple[Any, dict]]
   compile_s: float
+  lower_s: float = 0.0
+  init_compile_s: float = 0.0
   compile_phases: list[dict] | None = None   # the step's XLA compile by phase (`profile.trace_compile`)
 
   @property
@@ -86,22 +89,20 @@ class CompiledRun:
 
 
 def compile_run(config, *, trace_phases: bool = False) -> CompiledRun:
-  """Builds the config's Run and compiles its init and its first stage's train step ahead of time (seconds from
-  tracing to the compiled step); with `trace_phases`, the step's XLA compile runs under the profiler and its phases
-  are kept (`profile.trace_compile`)."""
+  """Builds the config's Run and compiles its init and its first stage's train step ahead of time; with
+  `trace_phases`, the step's XLA compile runs under the profiler and its phases are kept (`profile.trace_compile`)."""
   run = trainer.Run(config)
   start = time.perf_counter()
   init = run.init.lower().compile()
+  init_s = time.perf_counter() - start
+  start = time.perf_counter()
   lowered = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0))
   lower_s = time.perf_counter() - start
-  phases = None
-  if trace_phases:
-    step, phases = profile.trace_compile(lowered.compile)
-  else:
-    step = lowered.compile()
+  step, phases = profile.trace_compile(lowered.compile) if trace_phases else (lowered.compile(), None)
   seconds = time.perf_counter() - start
-  print(f"compiled a variant in {seconds:.0f} s (init, trace and lower {lower_s:.0f} s)", flush=True)
-  return CompiledRun(run, init, step, seconds, phases)
+  print(f"compiled a variant's step in {seconds:.0f} s (trace and lower {lower_s:.0f} s; init {init_s:.0f} s)",
+        flush=True)
+  return CompiledRun(run, init, step, seconds, lower_s, init_s, phases)
 
 
 def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_s: float = 3600.0,
@@ -202,7 +203,8 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
   return {"seq_len": stage.seq_len, "batch_size": stage.batch_size, "step_ms": 1e3 * elapsed / steps,
           "tokens_per_s": tokens_per_s, "flops_per_token": flops_token,
           "model_tflops_per_s": tokens_per_s * flops_token / 1e12,
-          "mfu": flops.mfu(tokens_per_s, flops_token, devices), "compile_s": c.compile_s, "loss": loss,
+          "mfu": flops.mfu(tokens_per_s, flops_token, devices), "compile_s": c.compile_s, "lower_s": c.lower_s,
+          "init_compile_s": c.init_compile_s, "loss": loss,
           "finite": bool(np.isfinite(loss)), "peak_gib": peak and max(peak) / 2 ** 30,
           "step_gib": step_bytes and step_bytes / 2 ** 30, **({"profile": traced} if traced else {}),
           **({"compile_phases": c.compile_phases} if c.compile_phases else {})}

@@ -167,3 +167,29 @@ def test_options_try_their_tiles_first_where_they_fit(monkeypatch):
 def test_options_refuse_an_unknown_backend_and_loose_tiles(kwargs, says):
   with pytest.raises(ValueError, match=says):
     GroupedGemmOptions(**kwargs)
+
+
+def test_layers_of_equal_shapes_trace_the_products_as_often_as_one_layer(monkeypatch):
+  """One and three grouped GEMMs of equal shapes in a differentiated program trace the forward and backward products
+  equally often: the layers share one traced program (one compiled copy of each kernel, not one per layer)."""
+  traced = []
+  for name in ("fwd", "dx", "dw"):
+    original = getattr(ops.XlaProducts, name)
+    monkeypatch.setattr(ops.XlaProducts, name,
+                        lambda self, *a, _name=name, _f=original: traced.append(_name) or _f(self, *a))
+  kx, kw = jax.random.split(jax.random.key(0))
+  x, w = jax.random.normal(kx, (32, 16)), jax.random.normal(kw, (16, 16))
+  sizes = jnp.array([10, 12, 10], jnp.int32)
+
+  def traces(layers):
+    traced.clear()
+    jax.clear_caches()   # each count from a fresh trace cache
+    def loss(x, w):
+      for _ in range(layers):
+        x = jnp.tanh(grouped_matmul(x, jnp.stack([w, 2 * w, -w]), sizes, backend="xla"))
+      return x.sum()
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+    return sorted(traced)
+  one = traces(1)
+  three = traces(3)
+  assert three == one and {"fwd", "dx", "dw"} <= set(one), (one, three)

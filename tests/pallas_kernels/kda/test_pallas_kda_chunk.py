@@ -1,5 +1,8 @@
 """The Pallas KDA op (interpret mode) against the recurrence and the XLA path: outputs and every gradient, fp32 and
 bf16, documents, states, saturated gates, the fused entry (docs/design.md, tolerances)."""
+import collections
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -220,3 +223,21 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
     names = ("kda_prepare", "kda_intra_fwd_key_tiles") + (("kda_intra_fwd_solve",) if dtype == jnp.float32 else ())
     assert all(f'name = "{n}"' in text for n in names), dtype
     assert ("kda_intra_fwd_solve_mosaic" in text) == (dtype == jnp.bfloat16), dtype
+
+
+def test_layers_share_one_lowered_copy_of_each_kernel(monkeypatch):
+  """A program of 2 or 5 KDA layers (forward and backward, as lowered for the GPU) holds the same number of copies of
+  each kernel: calls of equal shapes share one traced program, so XLA compiles each kernel once, not per layer."""
+  B, T, H, D = 1, 128, 2, 64
+  args = ([jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 4 + [jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)]
+          + [jax.ShapeDtypeStruct((H,), jnp.float32), jax.ShapeDtypeStruct((H, D), jnp.float32)])
+
+  def copies(layers):
+    def loss(q, k, v, g, beta, A_log, dt_bias):
+      for _ in range(layers):
+        v = v + kda.fused_kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=-5.0, backend="pallas")[0]
+      return v.astype(jnp.float32).sum()
+    text = cuda_module_text(monkeypatch, jax.grad(loss, argnums=tuple(range(7))), *args)
+    return collections.Counter(re.findall(r'name = "(kda_\w+)"', text))
+  two, five = copies(2), copies(5)
+  assert two == five and {"kda_prepare", "kda_state_bwd", "kda_intra_bwd_cols"} <= set(two), (two, five)
