@@ -154,7 +154,9 @@ class K3Model(nnx.Module):
     run = lambda layer, s, closes, _: layer(s, closes, segment_ids_BT=segment_ids_BT)
     stream, _, stats = self.run_layers(stream, run, remat=self.remat)
     logits = self._logits(stream)
-    return logits, {"moe": [stats[i] for i in self.moe_ids], "z_loss": z_loss(logits, self.z_loss_coef)}
+    with jax.named_scope("loss"):
+      z = z_loss(logits, self.z_loss_coef)
+    return logits, {"moe": [stats[i] for i in self.moe_ids], "z_loss": z}
 
   def prefill(self, tokens_BT, max_len: int):
     """Runs the prompt; returns (logits of its last position `[B,V]`, a cache with room for `max_len` tokens)."""
@@ -263,9 +265,11 @@ class K3Model(nnx.Module):
     that position's weights of every group, stacked)."""
     return [layer.ffn for layer in [*self.layers, *(self.groups or ())] if layer.uses_moe]
 
+  @jax.named_scope("embed")
   def _embed(self, tokens_BT):
     return embed(self.embed[...], tokens_BT, self.dtype)
 
+  @jax.named_scope("head")
   def _logits(self, stream):
     h = attnres.read(stream, self.final_res)
     h = self.final_norm(h).astype(self.dtype)

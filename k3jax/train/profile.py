@@ -8,8 +8,9 @@ Kinds (first rule that matches a kernel's name, its HLO instruction's custom-cal
   collective    NCCL and XLA collectives
   dispatch      sorts, scatters and gathers (MoE dispatch under the `moe_dispatch` scope, embedding, top-k)
   other         every other fusion, copy and memset: elementwise and reduction glue
-Glue is everything but gemm, grouped_gemm, attention and kda; it is also split by the layers' named scopes (SCOPES,
-found in a kernel's op_name; "unscoped" for the rest: embedding, loss, optimizer, ...). On a GPU the times are
+Glue is everything but gemm, grouped_gemm, attention and kda; it is also split by named scope, found in a kernel's
+op_name: the layers' parts (SCOPES, the outermost that matches), else the step's own (STEP_SCOPES: embedding,
+head, loss, optimizer, ...; the scanned layers' and the layer calls' own bookkeeping), else "unscoped". On a GPU the times are
 the device streams' kernel events; on a CPU they are XLA:CPU's thunks (they overlap on its thread pool: proportions,
 not a timeline).
 """
@@ -32,6 +33,12 @@ from pallas_kernels.grouped_gemm.ops import SCOPE as GROUPED_GEMM_SCOPE
 KINDS = ("gemm", "grouped_gemm", "attention", "kda", "dispatch", "collective", "other")
 COMPUTE = ("gemm", "grouped_gemm", "attention", "kda")  # the rest is glue
 SCOPES = ("moe", "kda", "mla", "ffn", "attnres", "balancer")  # the layers' named scopes
+# The step's parts outside the layers, by name and the op_name that marks them (the first that matches): the model's
+# and train step's scopes, then the layer scan's loop (stacked weights sliced, gradients stacked) and the layer calls'
+# boundaries (the cotangents a layer's jit returns), which no scope inside a layer holds.
+STEP_SCOPES = (("embed", r"\bembed\b"), ("head", r"\bhead\b"), ("loss", r"\bloss\b"),
+               ("optimizer", r"\boptimizer\b"), ("accumulate", r"\baccumulate\b"), ("metrics", r"\bmetrics\b"),
+               ("layer_call", r"jit\(_layer_forward\)"), ("layer_scan", r"\bgroups\b"))
 _GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|gemv|cublas|matmul|onednn|^dot\b|^ynn_fusion", re.IGNORECASE)
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|all[-_]?to[-_]?all|reduce[-_]?scatter|"
                          r"collective[-_]?permute", re.IGNORECASE)
@@ -51,9 +58,11 @@ class Kernel:
 
   @property
   def scope(self) -> str:
-    """The outermost of SCOPES in the op_name ("unscoped" when none)."""
+    """The outermost of SCOPES in the op_name, else the first of STEP_SCOPES that matches, else "unscoped"."""
     found = [(m.start(), s) for s in SCOPES for m in [re.search(rf"\b{s}\b", self.op_name)] if m]
-    return min(found)[1] if found else "unscoped"
+    if found:
+      return min(found)[1]
+    return next((name for name, pattern in STEP_SCOPES if re.search(pattern, self.op_name)), "unscoped")
 
 
 def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:

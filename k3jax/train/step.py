@@ -32,36 +32,43 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mod
   def loss_fn(params, state, mb, total_weight, num_micro):
     model = state_lib.merge(graphdef, state.replace(params=params))
     logits, aux = model(mb["tokens"], segment_ids_BT=mb["segment_ids"])
-    ce_sum, correct = token_losses(logits, mb["targets"], mb["weights"])
-    moe_aux = sum((s.aux_loss for s in aux["moe"]), jnp.zeros((), jnp.float32))
-    objective = ce_sum / total_weight + (aux["z_loss"] + moe_aux) / num_micro
+    with jax.named_scope("loss"):
+      ce_sum, correct = token_losses(logits, mb["targets"], mb["weights"])
+      moe_aux = sum((s.aux_loss for s in aux["moe"]), jnp.zeros((), jnp.float32))
+      objective = ce_sum / total_weight + (aux["z_loss"] + moe_aux) / num_micro
     return objective, (ce_sum, correct, aux["moe"])
 
   def train_step(state: state_lib.TrainState, batch):
     num_micro = batch["tokens"].shape[0]
-    total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+    with jax.named_scope("loss"):
+      total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
     def micro(grads, mb):
       (objective, (ce_sum, correct, stats)), g = jax.value_and_grad(loss_fn, has_aux=True)(
           state.params, state, mb, total_weight, num_micro)
-      return jax.tree.map(jnp.add, grads, g), (objective, ce_sum, correct, stats)
+      with jax.named_scope("accumulate"):
+        return jax.tree.map(jnp.add, grads, g), (objective, ce_sum, correct, stats)
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    with jax.named_scope("accumulate"):
+      zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, (objectives, ce_sums, corrects, stats) = jax.lax.scan(micro, zeros, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      step = state.step + 1
 
-    new_state = update_balancers(graphdef, state.replace(step=state.step + 1, params=params, opt_state=opt_state),
-                                 stats)
-    metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
-               "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.tree.norm(grads),
-               "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"]),
-               **moe_metrics(stats, moe.top_k)}
+    new_state = update_balancers(graphdef, state.replace(step=step, params=params, opt_state=opt_state), stats)
+    with jax.named_scope("metrics"):
+      metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
+                 "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.tree.norm(grads),
+                 "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"]),
+                 **moe_metrics(stats, moe.top_k)}
     return new_state, metrics
 
   return train_step
 
 
+@jax.named_scope("balancer")
 def update_balancers(graphdef, state: state_lib.TrainState, stats) -> state_lib.TrainState:
   """The state with every MoE layer's balancer moved after an optimizer step; `stats[i]` holds layer i's MoEStats
   of the step's forward passes, stacked on a leading micro-batch axis."""

@@ -1,6 +1,7 @@
 """Throughput and scaling benchmarks of the train step: an expert-parallel mesh reproduces the one-device loss
 curve (fp32); variants measured in turn from their own processes; curve comparison and variant errors; the config's
 stage lengths; the device-time profile by kind of kernel."""
+import collections
 import copy
 import functools
 import json
@@ -73,6 +74,33 @@ def test_time_train_step_reports_finite_throughput_and_profiles_the_step_by_kind
 ])
 def test_kernel_kind_classifies_gpu_and_cpu_kernels(name, target, op_name, kind):
   assert profile.kernel_kind(name, target, op_name) == kind
+
+
+@pytest.mark.parametrize("op_name, scope", [
+    ("jit(step)/while/body/groups/position_0/jit(_layer_forward)/kda/kda/exp", "kda"),
+    ("jit(step)/transpose(jvp(moe))/moe_dispatch/add", "moe"),                  # the outermost layer scope
+    ("jit(train_step)/while/body/transpose(jvp(groups))/while/body/dynamic_update_slice", "layer_scan"),
+    ("jit(train_step)/while/body/transpose(jvp(layer_2))/jit(_layer_forward)", "layer_call"),
+    ("jit(train_step)/optimizer/mul", "optimizer"), ("jit(train_step)/while/body/jvp(head)/dot_general", "head"),
+    ("jit(train_step)/while/body/transpose(jvp(embed))/dot_general", "embed"),
+    ("jit(train_step)/add", "unscoped"), ("", "unscoped"),
+])
+def test_kernel_scope_is_the_layer_part_else_the_step_part(op_name, scope):
+  assert profile.Kernel("fusion_1", "other", 1.0, 1.0, op_name).scope == scope
+
+
+def test_every_kernel_of_the_train_step_is_under_a_named_scope():
+  """Every instruction of the compiled step (KDA and MLA layers, dense FFN and MoE; CPU) that carries an op_name
+  falls under a layer's or the step's named scope, so a profile's glue reads as the model's parts; the step's own
+  parts each appear."""
+  run = benchmark.compile_run(benchmark.variant(small_tiny(), seq_len=32, tokens_per_step=256))
+  skip = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
+  scopes = collections.Counter(
+      profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
+      for name, (opcode, op_name) in profile.hlo_instructions(run.step.as_text()).items()
+      if op_name.startswith("jit(train_step)") and opcode not in skip)
+  assert "unscoped" not in scopes, scopes
+  assert {"embed", "head", "loss", "optimizer", "metrics", "kda", "mla", "moe", "ffn", "attnres"} <= set(scopes)
 
 
 def test_hlo_instructions_are_found_by_their_gpu_kernels_names_too():
