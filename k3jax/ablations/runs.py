@@ -59,7 +59,7 @@ class Study:
              f"MoE {'on' if m.moe.enabled else 'off'}, residual {m.residual.mode}, {m.dtype}",
              f"training: lr {c.optimizer.lr}, data mix {dict((k, v) for k, v in c.data.mix.items() if v)}"]
     for name, config in self.configs().items():
-      stages = ", ".join(f"{s.seq_len}x{s.batch_size}x{s.steps}" for s in stages_lib.stages_of(config))
+      stages = ", ".join(f"{s.seq_len}x{s.batch_size}x{s.steps}" for s in stages_lib.training_plan(config).stages)
       overrides = ", ".join(f"{k}={v}" for k, v in self.variants[name].items() if k not in ("stages", "steps"))
       lines.append(f"  {name}: {overrides or 'the base config'}; stages (T x rows x steps) {stages}; "
                    f"{train_tokens(config):,} tokens")
@@ -73,7 +73,7 @@ class Study:
     tokens = "/".join(f"{t / 1e6:.2f}M" if t >= 1e6 else f"{t:,}" for t in sorted({train_tokens(c) for c in configs}))
     moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe.enabled else ""
     per_step = "/".join(f"{t:,}" for t in sorted({s.seq_len * s.batch_size for c in configs
-                                                  for s in stages_lib.stages_of(c)}))
+                                                  for s in stages_lib.training_plan(c).stages}))
     return (f"d={m.d_model}, {_layers(m)}{moe}, residual {m.residual.mode}, {m.dtype}; {steps} steps of "
             f"{per_step} tokens, {tokens} tokens per variant; seeds {', '.join(map(str, self.seeds))}")
 
@@ -84,7 +84,7 @@ def _layers(model_cfg) -> str:
 
 def train_tokens(config) -> int:
   """Tokens a config trains on: the sum over its stages of steps × rows × sequence length."""
-  return sum(s.steps * s.batch_size * s.seq_len for s in stages_lib.stages_of(config))
+  return stages_lib.training_plan(config).tokens
 
 
 def run_dir(workdir, name: str, seed: int) -> pathlib.Path:
@@ -139,7 +139,7 @@ def finished(directory, config) -> bool:
     return False
   workdir_lib.check_resume(directory, config)
   evals = metrics_lib.read_jsonl(directory / metrics_lib.EVALS)
-  return bool(evals) and evals[-1]["step"] == stages_lib.stages_of(config)[-1].end
+  return bool(evals) and evals[-1]["step"] == stages_lib.training_plan(config).steps
 
 
 def read_history(directory) -> dict:

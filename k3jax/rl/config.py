@@ -8,6 +8,7 @@ the config without `rl` (`sft_config`), so its directory's guard ignores RL fiel
 from __future__ import annotations
 
 import ml_collections
+import optax
 
 from k3jax import envs
 from k3jax.train import optimizer, stages as stages_lib, workdir
@@ -96,18 +97,25 @@ def sft_config(config) -> ml_collections.ConfigDict:
   return c.lock()
 
 
-def optimizer_stage(config, index: int) -> stages_lib.Stage:
-  """The RL optimizer's schedule as a training stage: `iterations × minibatches` optimizer steps at `rl.lr`, a
-  linear warmup, then constant."""
+def rl_stage(config, index: int) -> stages_lib.Stage:
+  """The RL stage after the SFT stages (`index`), counted in iterations: each of `rl.length` tokens per episode,
+  `prompts × group_size` episodes, at `rl.lr` (its schedule over optimizer steps: `optimizer_schedule`)."""
   r = config.rl
-  return stages_lib.Stage(index, r.length, r.prompts * r.group_size // r.minibatches, r.iterations * r.minibatches,
-                          0, r.lr, r.warmup_fraction, 0.0)
+  return stages_lib.Stage(index=index, seq_len=r.length, batch_size=r.prompts * r.group_size, steps=r.iterations,
+                          start=0, lr=r.lr, warmup_fraction=r.warmup_fraction, decay_fraction=0.0)
+
+
+def optimizer_schedule(config) -> optax.Schedule:
+  """The RL learning rate over optimizer steps (`minibatches` per iteration): a linear warmup over
+  `warmup_fraction` of them to `rl.lr`, then constant."""
+  r = config.rl
+  return optimizer.wsd_schedule(r.lr, r.iterations * r.minibatches, r.warmup_fraction, 0.0, 1.0)
 
 
 def learning_rate(config):
   """The RL learning rate at each iteration's first optimizer step, over iterations (what the resume guard keeps
   for the iterations taken)."""
-  schedule = optimizer.learning_rate(config, [optimizer_stage(config, 0)])
+  schedule = optimizer_schedule(config)
   return lambda iteration: schedule(iteration * config.rl.minibatches)
 
 

@@ -37,7 +37,7 @@ from k3jax.data import pipeline, tokenizer as tok
 from k3jax.envs.trajectory import Trajectory
 from k3jax.rl import config as rl_config_lib
 from k3jax.rl import evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
-from k3jax.train import batches, checkpoint, interrupt, metrics as metrics_lib, optimizer, stages as stages_lib
+from k3jax.train import batches, checkpoint, interrupt, metrics as metrics_lib, optimizer
 from k3jax.train import state as state_lib, trainer, workdir as workdir_lib
 
 
@@ -74,10 +74,10 @@ class RLRun:
     if self.mesh.size != 1:
       raise ValueError(f"config.mesh={config.mesh!r}: the RL stage runs on one device for now (its rollouts are "
                        f"not sharded); use data:1,expert:1")
-    episodes = r.prompts * r.group_size
     index = len(self.sft.stages)
-    self.stage = stages_lib.Stage(index, r.length, episodes, r.iterations, 0, r.lr, r.warmup_fraction, 0.0)
-    self.tx, self.lr = optimizer.make_optimizer(config, [rl_config_lib.optimizer_stage(config, index)])
+    self.stage = rl_config_lib.rl_stage(config, index)
+    self.lr = rl_config_lib.optimizer_schedule(config)
+    self.tx = optimizer.make_optimizer(config.optimizer, self.lr)
     self.graphdef, self.abstract, _ = state_lib.abstract_state(config, self.tx, self.mesh)
     shardings = state_lib.shardings_of(self.abstract)
     self.start_state = jax.jit(lambda s: state_lib.TrainState(jnp.zeros((), jnp.int32), s.params,

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from k3jax.train import flops, profile, trainer
-from k3jax.train.stages import stages_of
+from k3jax.train.stages import training_plan
 
 PATTERNS = {"config": None, "mla": ("mla",), "kda": ("kda",)}
 K = TypeVar("K")
@@ -62,7 +62,7 @@ def variant(config, *, pattern: str = "config", seq_len: int | None = None, toke
 def stage_lengths(config, seq_lens=None, tokens_per_step: int | None = None) -> list[tuple[int, int]]:
   """(seq_len, tokens per step) of each variant to measure: `seq_lens` at `tokens_per_step` (default: the config's
   tokens per step) when given, else the config's stages at their own tokens per step (or `tokens_per_step`)."""
-  stages = stages_of(config)
+  stages = training_plan(config).stages
   if seq_lens:
     return [(int(t), tokens_per_step or stages[0].seq_len * stages[0].batch_size) for t in seq_lens]
   return [(s.seq_len, tokens_per_step or s.seq_len * s.batch_size) for s in stages]

@@ -23,8 +23,9 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
   config.stages, config.seq_len, config.batch_size = (), seq_len, batch * micro_batches
   config.micro_batches = micro_batches
   mesh = parallel.mesh_from_string(mesh_spec)
-  stages = stages_lib.stages_of(config)
-  tx, lr = optimizer.make_optimizer(config, stages)
+  plan = stages_lib.training_plan(config)
+  lr = plan.learning_rate
+  tx = optimizer.make_optimizer(config.optimizer, lr)
   clock = _Clock()
   graphdef, abstract, _ = state_lib.abstract_state(config, tx, mesh)
   t_state = clock.lap()

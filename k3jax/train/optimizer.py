@@ -32,13 +32,6 @@ def wsd_schedule(peak: float, steps: int, warmup_fraction: float, decay_fraction
   return schedule
 
 
-def learning_rate(config, stages) -> optax.Schedule:
-  """One schedule over global steps: each stage's WSD, started at the stage's first step."""
-  scheds = [wsd_schedule(s.lr, s.steps, s.warmup_fraction, s.decay_fraction, config.optimizer.final_lr_fraction)
-            for s in stages]
-  return optax.join_schedules(scheds, [s.start for s in stages[1:]]) if len(scheds) > 1 else scheds[0]
-
-
 def _names(path) -> list[str]:
   return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
@@ -60,7 +53,7 @@ def muon_dims(params):
 
 def check(o) -> None:
   """ValueErrors for `config.optimizer` values out of range, naming the field (the peak lr of each stage is
-  checked by `stages.stages_of`)."""
+  checked by `stages.training_plan`)."""
   def require(field, ok, what):
     value = o[field]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
@@ -76,15 +69,14 @@ def check(o) -> None:
   require("grad_clip", lambda v: v > 0, "> 0")
 
 
-def make_optimizer(config, stages) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """(optimizer, learning-rate schedule) for `config.optimizer`."""
-  o = config.optimizer
+def make_optimizer(o, lr: optax.Schedule) -> optax.GradientTransformation:
+  """The optimizer of `o` (a config's `optimizer` section) on the learning-rate schedule `lr` (a training plan's,
+  `stages.TrainingPlan.learning_rate`, or the RL stage's)."""
   check(o)
-  lr = learning_rate(config, stages)
   if o.name == "adamw":
     core = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
   else:
     core = contrib.muon(lr, beta=o.b1, weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
                         adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.weight_decay,
                         muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2)
-  return optax.chain(optax.clip_by_global_norm(o.grad_clip), core), lr
+  return optax.chain(optax.clip_by_global_norm(o.grad_clip), core)

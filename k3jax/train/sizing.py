@@ -198,7 +198,7 @@ def shapes_of(config, n_dev: int, *, seq_len: int | None = None, micro_batch: in
   if seq_len is not None:
     return [Shape("flags", seq_len, micro_batch or 1)]
   return [Shape(f"stage {s.index}", s.seq_len,
-                micro_batch or s.batch_size / config.micro_batches / n_dev) for s in stages_lib.stages_of(config)]
+                micro_batch or s.batch_size / config.micro_batches / n_dev) for s in stages_lib.training_plan(config).stages]
 
 
 def report(name: str, config, mesh_spec: str | None = None, *, seq_len: int | None = None,

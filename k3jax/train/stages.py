@@ -1,13 +1,19 @@
-"""Training stages (staged context extension): sequence length, steps, batch size and learning-rate schedule.
+"""The training plan, derived from a config once: its stages (staged context extension: sequence length, steps,
+batch size, each stage's learning-rate schedule) and the learning rate over global steps.
 
-`config.stages` lists them as dicts; empty means one stage from the top-level `seq_len`, `batch_size`, `steps`.
-Every stage keeps `seq_len * batch_size` (tokens per step) of the first; steps count on across stages, so stage i
-covers global steps `[start, end)`, and it starts from stage i-1's checkpoint at `start`.
+`config.stages` lists the stages as dicts; empty means one stage from the top-level `seq_len`, `batch_size`,
+`steps`. Every stage keeps `seq_len * batch_size` (tokens per step) of the first; steps count on across stages, so
+stage i covers global steps `[start, end)`, and it starts from stage i-1's checkpoint at `start`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+
+import optax
+
+from k3jax.train import optimizer
 
 REQUIRED = ("seq_len", "steps", "batch_size")
 SCHEDULE = ("lr", "warmup_fraction", "decay_fraction")
@@ -29,8 +35,38 @@ class Stage:
     return self.start + self.steps
 
 
-def stages_of(config) -> list[Stage]:
-  """The stages of `config`, validated (positive sizes, constant tokens per step, divisible micro-batches)."""
+@dataclasses.dataclass(frozen=True)
+class TrainingPlan:
+  """A config's training: its stages and what follows from them. Build it with `training_plan(config)`."""
+  stages: tuple[Stage, ...]
+  final_lr_fraction: float      # each stage's decay ends at this fraction of its peak
+
+  @property
+  def steps(self) -> int:
+    return self.stages[-1].end
+
+  @property
+  def tokens(self) -> int:
+    """Tokens trained on: the sum over the stages of steps × rows × sequence length."""
+    return sum(s.steps * s.batch_size * s.seq_len for s in self.stages)
+
+  @functools.cached_property
+  def learning_rate(self) -> optax.Schedule:
+    """One schedule over global steps: each stage's warmup-stable-decay, started at the stage's first step."""
+    scheds = [optimizer.wsd_schedule(s.lr, s.steps, s.warmup_fraction, s.decay_fraction, self.final_lr_fraction)
+              for s in self.stages]
+    return optax.join_schedules(scheds, [s.start for s in self.stages[1:]]) if len(scheds) > 1 else scheds[0]
+
+
+def training_plan(config) -> TrainingPlan:
+  """The training plan of `config`, validated (positive sizes, constant tokens per step, divisible micro-batches,
+  the optimizer's fields)."""
+  stages = tuple(_stages(config))
+  optimizer.check(config.optimizer)
+  return TrainingPlan(stages, float(config.optimizer.final_lr_fraction))
+
+
+def _stages(config) -> list[Stage]:
   opt = config.optimizer
   if isinstance(config.micro_batches, bool) or not isinstance(config.micro_batches, int) or config.micro_batches < 1:
     raise ValueError(f"config.micro_batches must be a positive int, got {config.micro_batches!r}")

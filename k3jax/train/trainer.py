@@ -48,10 +48,9 @@ class UnusableCheckpoints(RuntimeError):
 class StateSpec:
   """What a config's train state is, without data or compiled steps: enough to restore a checkpoint."""
   config: ml_collections.ConfigDict
-  stages: list[stages_lib.Stage]
+  plan: stages_lib.TrainingPlan
   mesh: Any
   tx: optax.GradientTransformation
-  lr: optax.Schedule
   graphdef: Any
   abstract: state_lib.TrainState       # ShapeDtypeStructs with shardings
   init: Callable[[], state_lib.TrainState]
@@ -59,11 +58,11 @@ class StateSpec:
 
 def state_spec(config, *, mesh: str | None = None) -> StateSpec:
   """The StateSpec of `config`, its arrays placed on `mesh` (default `config.mesh`)."""
-  stages = stages_lib.stages_of(config)
+  plan = stages_lib.training_plan(config)
   mesh = parallel.mesh_from_string(config.mesh if mesh is None else mesh)
-  tx, lr = optimizer.make_optimizer(config, stages)
+  tx = optimizer.make_optimizer(config.optimizer, plan.learning_rate)
   graphdef, abstract, init = state_lib.abstract_state(config, tx, mesh)
-  return StateSpec(config, stages, mesh, tx, lr, graphdef, abstract, init)
+  return StateSpec(config, plan, mesh, tx, graphdef, abstract, init)
 
 
 @dataclasses.dataclass
@@ -90,7 +89,8 @@ class Run:
       if isinstance(config[field], bool) or not isinstance(config[field], int) or config[field] < 1:
         raise ValueError(f"config.{field} must be an int >= 1, got {config[field]!r}")
     spec = state_spec(config)
-    self.stages, self.mesh, self.tx, self.lr = spec.stages, spec.mesh, spec.tx, spec.lr
+    self.plan, self.mesh, self.tx = spec.plan, spec.mesh, spec.tx
+    self.stages, self.lr = spec.plan.stages, spec.plan.learning_rate   # read often enough to keep at hand
     self.graphdef, self.abstract = spec.graphdef, spec.abstract
     # Every stage's data and evaluation are checked here, before anything trains.
     self.data = [pipeline.Mixture(config.data, s.seq_len, pipeline.derive_seed(config.seed, s.index, "train"),

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from k3jax import config as config_lib
-from k3jax.train import checkpoint, optimizer, stages as stages_lib
+from k3jax.train import checkpoint, stages as stages_lib
 
 CONFIG, CHANGES = "config.json", "config_changes.jsonl"
 # Dotted fields (a prefix covers its subfields) that never change what a step computes.
@@ -34,7 +34,7 @@ ABSENT = "<absent>"
 
 def training_learning_rate(config):
   """The training run's learning rate over its global steps."""
-  return optimizer.learning_rate(config, stages_lib.stages_of(config))
+  return stages_lib.training_plan(config).learning_rate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,8 +108,8 @@ def steps():
   program, its lowered program's text) of one step from the same state on the same batch."""
   c = common.base_config()
   c.model, c.mesh, c.seq_len, c.batch_size, c.steps = _model_config("bfloat16", "pallas"), MESH, T, B, 10
-  tx, lr = optimizer.make_optimizer(c, stages_lib.stages_of(c))
-  tx = _keeping_gradients(tx)
+  lr = stages_lib.training_plan(c).learning_rate
+  tx = _keeping_gradients(optimizer.make_optimizer(c.optimizer, lr))
   mesh = parallel.mesh_from_string(MESH)
   _, _, init = state_lib.abstract_state(c, tx, mesh)
   state = jax.jit(init)()

@@ -1,5 +1,6 @@
 """The RL config (k3jax/rl/config.py): the shipped configs validate and derive their SFT config; a bad field is named."""
 import ml_collections
+import numpy as np
 import pytest
 
 from experiments import configs
@@ -30,3 +31,22 @@ def test_rl_config_names_the_bad_field(field, value, match):
   with pytest.raises(ValueError, match=match):
     rl_config.validate(r)
 
+
+
+def test_rl_stage_counts_iterations_and_the_schedule_warms_up_over_optimizer_steps():
+  """The RL stage is `iterations` steps of `prompts × group_size` episodes; its learning rate rises linearly over
+  `warmup_fraction` of the `iterations × minibatches` optimizer steps to `rl.lr`, then stays; the resume guard's
+  rate is that schedule at each iteration's first optimizer step."""
+  c = configs.load("rl_tiny")
+  r = c.rl
+  stage = rl_config.rl_stage(c, 3)
+  assert (stage.index, stage.seq_len, stage.steps) == (3, r.length, r.iterations)
+  assert stage.batch_size == r.prompts * r.group_size and stage.lr == r.lr
+  schedule, steps = rl_config.optimizer_schedule(c), r.iterations * r.minibatches
+  warmup = max(round(r.warmup_fraction * steps), 1)
+  values = np.array([float(schedule(s)) for s in range(steps)])
+  np.testing.assert_allclose(values[:warmup], r.lr * np.arange(1, warmup + 1) / warmup, rtol=1e-6)
+  np.testing.assert_allclose(values[warmup:], r.lr, rtol=1e-6)
+  per_iteration = rl_config.learning_rate(c)
+  np.testing.assert_allclose([float(per_iteration(i)) for i in range(r.iterations)],
+                             values[::r.minibatches], rtol=1e-6)

@@ -35,7 +35,7 @@ def test_wsd_schedule_rises_holds_then_decays():
 def test_stage_schedules_join_at_stage_starts():
   c = common.set_stages(common.base_config(), [dict(seq_len=64, steps=10, batch_size=8, lr=1.0),
                                                dict(seq_len=128, steps=10, batch_size=4, lr=0.5)])
-  lr = optimizer.learning_rate(c, stages_lib.stages_of(c))
+  lr = stages_lib.training_plan(c).learning_rate
   first = optimizer.wsd_schedule(1.0, 10, c.optimizer.warmup_fraction, c.optimizer.decay_fraction,
                                  c.optimizer.final_lr_fraction)
   second = optimizer.wsd_schedule(0.5, 10, c.optimizer.warmup_fraction, c.optimizer.decay_fraction,
@@ -91,7 +91,7 @@ def test_scanned_layers_take_the_weight_decay_and_muon_dims_of_their_unrolled_co
 def test_muon_option_updates_every_parameter():
   c = tiny.get_config()
   c.optimizer.name = "muon"
-  tx, _ = optimizer.make_optimizer(c, stages_lib.stages_of(c))
+  tx = optimizer.make_optimizer(c.optimizer, stages_lib.training_plan(c).learning_rate)
   params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), _abstract_params()[0])
   grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
   updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
@@ -104,21 +104,22 @@ def test_muon_option_updates_every_parameter():
 
 def test_stages_keep_tokens_per_step_and_must_sum_to_steps():
   c = common.set_stages(common.base_config(), [(64, 5, 8), (128, 3, 4)])
-  got = stages_lib.stages_of(c)
-  assert [(s.start, s.end, s.seq_len, s.batch_size) for s in got] == [(0, 5, 64, 8), (5, 8, 128, 4)]
-  single = stages_lib.stages_of(common.base_config())
+  plan = stages_lib.training_plan(c)
+  assert [(s.start, s.end, s.seq_len, s.batch_size) for s in plan.stages] == [(0, 5, 64, 8), (5, 8, 128, 4)]
+  assert plan.steps == 8 and plan.tokens == 8 * 512   # 512 tokens a step in both stages
+  single = stages_lib.training_plan(common.base_config()).stages
   assert len(single) == 1 and single[0].steps == common.base_config().steps
   bad = [((64, 5, 8), (128, 3, 8)), ((64, 5, 8), dict(seq_len=128, steps=3)), ((64, 0, 8),)]
   for stages, match in zip(bad, ("tokens per step", "missing", "positive")):
     with pytest.raises(ValueError, match=match):
-      stages_lib.stages_of(common.set_stages(common.base_config(), stages))
+      stages_lib.training_plan(common.set_stages(common.base_config(), stages))
   c.steps = 9
   with pytest.raises(ValueError, match="sum of the stages"):
-    stages_lib.stages_of(c)
+    stages_lib.training_plan(c)
   c = common.base_config()
   c.micro_batches = 3
   with pytest.raises(ValueError, match="micro_batches"):
-    stages_lib.stages_of(c)
+    stages_lib.training_plan(c)
 
 
 def _parse(argv):
@@ -157,7 +158,8 @@ def _run_steps(model_cfg, steps: int, *, resume_at: int | None = None, directory
   c = common.base_config()
   c.model, c.steps, c.mesh, c.micro_batches = model_cfg, steps, "data:1,expert:1", 2
   c.optimizer.name, c.optimizer.lr = "muon", 1e-2
-  tx, lr = optimizer.make_optimizer(c, stages_lib.stages_of(c))
+  lr = stages_lib.training_plan(c).learning_rate
+  tx = optimizer.make_optimizer(c.optimizer, lr)
   graphdef, abstract, init = state_lib.abstract_state(c, tx, parallel.mesh_from_string(c.mesh))
   states = [jax.jit(init)()]
   train_step = jax.jit(step_lib.make_train_step(graphdef, tx, lr, c.model))
@@ -228,10 +230,10 @@ def test_optimizer_and_schedule_values_out_of_range_are_rejected(field, value, m
   node, name = (c.optimizer, field.split(".")[1]) if "." in field else (c, field)
   node[name] = value
   with pytest.raises(ValueError, match=match):
-    optimizer.make_optimizer(c, stages_lib.stages_of(c))
+    stages_lib.training_plan(c)
 
 
 def test_a_stage_with_a_non_positive_learning_rate_is_rejected():
   c = common.set_stages(common.base_config(), [dict(seq_len=64, steps=5, batch_size=8, lr=-1e-3)])
   with pytest.raises(ValueError, match=r"stage 0: the peak learning rate .* must be > 0"):
-    stages_lib.stages_of(c)
+    stages_lib.training_plan(c)
