@@ -37,7 +37,7 @@ from k3jax.data import pipeline, tokenizer as tok
 from k3jax.envs.trajectory import Trajectory
 from k3jax.rl import config as rl_config_lib
 from k3jax.rl import evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
-from k3jax.train import batches, checkpoint, interrupt, metrics as metrics_lib, optimizer
+from k3jax.train import batches, checkpoint, interrupt, loop, metrics as metrics_lib, optimizer
 from k3jax.train import state as state_lib, trainer, workdir as workdir_lib
 
 
@@ -273,36 +273,33 @@ class RLRun:
     return self.summary(rl_dir)
 
   def _iterations(self, state, ref, first, until, ckpt, log, stop):
+    """Iterations `first` to `until` (`loop.run_steps`, the trainer's loop): log every `log_every`, evaluate every
+    `eval_every`, checkpoint every `checkpoint_every`, at `until` and when a stop is requested."""
     r = self.config.rl
     progress = metrics_lib.Progress(self.stage, first, tokens_per_step=self.stage.batch_size * r.length)
-    try:
-      for it in range(first, until):
-        state, record = self.iteration(state, ref, it)
-        done = it + 1
-        if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
-          log.metrics(record)
-          raise trainer.Diverged(
-              f"RL diverged at iteration {done}: loss {record['loss']}, gradient norm {record['grad_norm']}. "
-              f"Nothing of this iteration was saved. Lower config.rl.lr (now {r.lr:g}) or raise "
-              f"config.rl.kl_coef, then start a new run or resume with --allow_config_change")
-        if done % r.log_every == 0 or done == until:
-          log.metrics(record)
-        seconds = record["rollout_s"] + record["update_s"]
-        progress.update(1, record["loss"], self.stage.batch_size * r.length / seconds,
-                        extra={"reward": record["reward_mean"], "success": record["success_rate"]})
-        if r.eval_every and done % r.eval_every == 0 and done < r.iterations:
-          log.evaluation({"step": done, **self.evaluate(state, stop, done)})
-        signum = stop.requested()
-        if signum or done % r.checkpoint_every == 0 or done == until:
-          ckpt.save(done, state, {"iteration": done, "stage": self.stage.index,
-                                  "config": workdir_lib.as_json(self.config)})
-        if signum:
-          ckpt.wait()
-          raise interrupt.Interrupted(signum, done)
-    finally:
-      progress.close()
-    ckpt.wait()
-    return state
+
+    def advance(state, it):
+      state, record = self.iteration(state, ref, it)
+      done = it + 1
+      if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+        log.metrics(record)
+        raise trainer.Diverged(
+            f"RL diverged at iteration {done}: loss {record['loss']}, gradient norm {record['grad_norm']}. "
+            f"Nothing of this iteration was saved. Lower config.rl.lr (now {r.lr:g}) or raise "
+            f"config.rl.kl_coef, then start a new run or resume with --allow_config_change")
+      if done % r.log_every == 0 or done == until:
+        log.metrics(record)
+      seconds = record["rollout_s"] + record["update_s"]
+      progress.update(1, record["loss"], self.stage.batch_size * r.length / seconds,
+                      extra={"reward": record["reward_mean"], "success": record["success_rate"]})
+      if r.eval_every and done % r.eval_every == 0 and done < r.iterations:
+        log.evaluation({"step": done, **self.evaluate(state, stop, done)})
+      return state
+
+    return loop.run_steps(state, range(first, until), advance, ckpt=ckpt, stop=stop,
+                          checkpoint_every=r.checkpoint_every, progress=progress,
+                          save_meta=lambda done: {"iteration": done, "stage": self.stage.index,
+                                                  "config": workdir_lib.as_json(self.config)})
 
   @staticmethod
   def evaluations(rl_dir) -> dict[int, dict]:

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import parallel
 from k3jax.data import pipeline
-from k3jax.train import batches, checkpoint, evaluate, flops, interrupt, metrics as metrics_lib
+from k3jax.train import batches, checkpoint, evaluate, flops, interrupt, loop, metrics as metrics_lib
 from k3jax.train import optimizer, stages as stages_lib, state as state_lib, step as step_lib
 from k3jax.train import workdir as workdir_lib
 
@@ -182,9 +182,9 @@ class Run:
     return result
 
   def _steps(self, stage, state, ckpt, log, stop):
-    """The stage's remaining steps: train, log every `log_every`, checkpoint every `checkpoint_every`, at the end
-    and when a stop is requested (waiting until the last save is on disk); every step's loss and gradient norm
-    are checked before the next step's result is awaited and before any save."""
+    """The stage's remaining steps (`loop.run_steps`): train, log every `log_every`, checkpoint every
+    `checkpoint_every`, at the end and when a stop is requested; every step's loss and gradient norm are checked
+    before the next step's result is awaited and before any save."""
     config = self.config
     first = int(state.step)
     print(f"stage {stage.index}: compiling the train step for {stage.batch_size} x {stage.seq_len} tokens (minutes "
@@ -205,44 +205,43 @@ class Run:
                      f"{config.optimizer.lr:g}) or raise the warmup, then start a new run or resume with "
                      f"--allow_config_change")
 
-    try:
-      for s in range(first, stage.end):
-        batch = self.batch(stage, s - stage.start)
-        if m is not None:
-          check_finite(m, s)  # waits for step s: one step stays in flight while the next batch is built
-        state, m = self.train_step(state, batch)
-        done = s + 1
-        if clock is None:  # the first step compiles: time from its end
-          jax.block_until_ready(m)
-          clock = time.perf_counter()
-          print(f"stage {stage.index}: first step done in {clock - start:.0f} s, compilation included", flush=True)
-        else:
-          timed_steps += 1
-        if done % config.log_every == 0 or done == stage.end:
-          check_finite(m, done)
-          m = jax.device_get(m)
-          now = time.perf_counter()
-          tok_s = timed_steps * tokens_per_step / (now - clock) if timed_steps else None
-          log.metrics({"step": done, "stage": stage.index, "seq_len": stage.seq_len, **m, "tokens_per_s": tok_s,
-                       "mfu": tok_s and flops.mfu(tok_s, flops_token, list(self.mesh.devices.flat))})
-          progress.update(1, float(m["loss"]), tok_s)
-          clock, timed_steps = now, 0
-        else:
-          progress.update(1)
-        signum = stop.requested()
-        if signum or done % config.checkpoint_every == 0 or done == stage.end:
-          check_finite(m, done)
-          ckpt.save(done, state, {"stage": stage.index, "seq_len": stage.seq_len,
-                                  "data_rows": (done - stage.start) * stage.batch_size,
-                                  "config": workdir_lib.as_json(config)})
-          saved = done
-        if signum:
-          ckpt.wait()
-          raise interrupt.Interrupted(signum, done)
-    finally:
-      progress.close()
-    ckpt.wait()
-    return state
+    def advance(state, s):
+      nonlocal clock, timed_steps, m
+      batch = self.batch(stage, s - stage.start)
+      if m is not None:
+        check_finite(m, s)  # waits for step s: one step stays in flight while the next batch is built
+      state, m = self.train_step(state, batch)
+      done = s + 1
+      if clock is None:  # the first step compiles: time from its end
+        jax.block_until_ready(m)
+        clock = time.perf_counter()
+        print(f"stage {stage.index}: first step done in {clock - start:.0f} s, compilation included", flush=True)
+      else:
+        timed_steps += 1
+      if done % config.log_every == 0 or done == stage.end:
+        check_finite(m, done)
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        tok_s = timed_steps * tokens_per_step / (now - clock) if timed_steps else None
+        log.metrics({"step": done, "stage": stage.index, "seq_len": stage.seq_len, **m, "tokens_per_s": tok_s,
+                     "mfu": tok_s and flops.mfu(tok_s, flops_token, list(self.mesh.devices.flat))})
+        progress.update(1, float(m["loss"]), tok_s)
+        clock, timed_steps = now, 0
+      else:
+        progress.update(1)
+      return state
+
+    def before_save(done):
+      nonlocal saved
+      check_finite(m, done)
+      saved = done
+
+    return loop.run_steps(
+        state, range(first, stage.end), advance, ckpt=ckpt, stop=stop, checkpoint_every=config.checkpoint_every,
+        progress=progress, before_save=before_save,
+        save_meta=lambda done: {"stage": stage.index, "seq_len": stage.seq_len,
+                                "data_rows": (done - stage.start) * stage.batch_size,
+                                "config": workdir_lib.as_json(config)})
 
 
 def train(config, workdir, *, stage: int | None = None, allow_config_change: bool = False,
