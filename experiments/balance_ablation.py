@@ -3,7 +3,7 @@
   python -m experiments.balance_ablation --workdir=runs/balance_ablation [--steps=100] [--seeds=0,1] \
       [--methods=article,cutoff,cutoff_histogram,none,aux_loss,sign] [--data_seed=0]
 
-The ablation itself (the skewed data, the methods, the table) is `k3jax.ablations.balance`; each method trains in
+The ablation itself (the skewed data, the methods, the table) is `experiments.ablations.balance`; each method trains in
 `workdir/<method>/seed_<s>/`. Writes `balance_ablation.json` and `balance_ablation.png` to `workdir` (`wall_s`: this
 invocation's time on each run, compilation included). Running the same command again reuses finished runs; a run
 directory holding a run of another config is an error.
@@ -13,7 +13,7 @@ from ml_collections import config_flags
 
 from experiments import harness
 from experiments.configs import tiny
-from k3jax.ablations import balance
+from experiments.ablations import balance
 
 _CONFIG = config_flags.DEFINE_config_dict("config", balance.ablation_config(tiny.get_config()),
                                           "model and training settings; the balancer, steps and seed come from the "

@@ -1,4 +1,4 @@
-"""The research-fidelity table of docs/results.md from the notebooks' JSON (`k3jax.ablations.verdicts`: the rules,
+"""The research-fidelity table of docs/results.md from the notebooks' JSON (`experiments.ablations.verdicts`: the rules,
 the rows, the table), and the table of what each notebook runs at a scale (experiments/configs/ablations.py).
 
   python -m experiments.results_table --results=notebooks/results --scale=gpu            # print the table
@@ -13,7 +13,7 @@ from absl import app, flags
 
 from experiments import harness
 from experiments.configs import ablations
-from k3jax.ablations import verdicts
+from experiments.ablations import verdicts
 
 _RESULTS = flags.DEFINE_string("results", "notebooks/results", "directory holding <scale>/<notebook>.json")
 _SCALE = flags.DEFINE_enum("scale", "gpu", ["cpu", "gpu"], "which results")

@@ -22,7 +22,7 @@ from absl import app, flags
 
 from experiments import harness
 from experiments.configs import ablations
-from k3jax.ablations import notebook, verdicts
+from experiments.ablations import notebook, verdicts
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 

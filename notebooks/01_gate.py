@@ -45,7 +45,7 @@ import numpy as np
 
 from experiments import harness, kda_benchmark
 from experiments.configs import ablations
-from k3jax.ablations import gate, notebook, runs
+from experiments.ablations import gate, notebook, runs
 
 SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
 study = ablations.gate(SCALE)

@@ -9,7 +9,7 @@
 # Switch-style auxiliary loss, and DeepSeek-V3's sign update of the bias (at γ = 1e-2, which moves the biases within
 # the study's steps; at its own 1e-3 they barely move).
 #
-# The data is deliberately skewed (an order-2 Markov chain over 8 letters, `k3jax.ablations.balance`): with so few
+# The data is deliberately skewed (an order-2 Markov chain over 8 letters, `experiments.ablations.balance`): with so few
 # distinct inputs top-k routing piles onto a few experts, which is what a balancer must undo. MaxVio is measured on
 # each step's batch before that step's balancer update; the loss is the cross-entropy alone.
 #
@@ -37,7 +37,7 @@ if importlib.util.find_spec("k3jax") is None:
 import matplotlib.pyplot as plt
 
 from experiments.configs import ablations
-from k3jax.ablations import balance, notebook
+from experiments.ablations import balance, notebook
 
 SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
 study = ablations.balance(SCALE)

@@ -8,7 +8,7 @@
 #
 # This notebook trains the same model three ways (`model.residual.mode` = "block", "full", "none"), compares the
 # loss curves, and reads the learned depth weights from the trained models: for every sub-layer, the mean softmax
-# weight it puts on each source (`k3jax.ablations.residual.depth_weights`; zero-initialised pseudo-queries start
+# weight it puts on each source (`experiments.ablations.residual.depth_weights`; zero-initialised pseudo-queries start
 # uniform, so any structure is learned).
 #
 # **Scale.** `SCALE = "cpu"` is a smoke run (2 MLA layers, d = 64, 40 steps): it checks that the notebook runs; its
@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from experiments.configs import ablations
-from k3jax.ablations import notebook, residual, runs
+from experiments.ablations import notebook, residual, runs
 from k3jax.data import pipeline
 
 SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200

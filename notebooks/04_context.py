@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from experiments.configs import ablations
-from k3jax.ablations import notebook, runs
+from experiments.ablations import notebook, runs
 
 SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
 study = ablations.context(SCALE)

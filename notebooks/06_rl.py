@@ -40,7 +40,7 @@ if importlib.util.find_spec("k3jax") is None:
 import matplotlib.pyplot as plt
 
 from experiments.configs import ablations
-from k3jax.ablations import notebook, rl
+from experiments.ablations import notebook, rl
 
 SCALE = notebook.scale("cpu")   # "cpu": smoke run, a minute or two on a CPU; "gpu": research scale on one H200
 study = ablations.rl(SCALE)

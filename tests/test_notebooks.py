@@ -10,7 +10,7 @@ import shutil
 import nbformat
 import pytest
 
-from k3jax.ablations import notebook
+from experiments.ablations import notebook
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))

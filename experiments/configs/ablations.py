@@ -20,9 +20,9 @@ import functools
 
 from experiments.configs import rl_small, rl_tiny
 from experiments.configs.common import base_config
-from k3jax.ablations import rl as agentic, runs
-from k3jax.ablations.balance import METHODS, ablation_config, markov_paths, markov_shards
-from k3jax.ablations.runs import Study
+from experiments.ablations import rl as agentic, runs
+from experiments.ablations.balance import METHODS, ablation_config, markov_paths, markov_shards
+from experiments.ablations.runs import Study
 from k3jax.config import model_config
 from k3jax.data import corpus
 from k3jax.data.tokenizer import VOCAB_SIZE
@@ -88,7 +88,7 @@ def gate(scale: str) -> Study:
 
 
 def balance(scale: str) -> Study:
-  """MoE balancing on skewed data (k3jax.ablations.balance): none, Switch aux loss, DeepSeek sign, the article's
+  """MoE balancing on skewed data (experiments.ablations.balance): none, Switch aux loss, DeepSeek sign, the article's
   quantile balancing, the cut-off quantile exact and histogram."""
   if scale == "cpu":
     c = model_and_training(scale, num_layers=1, pattern=(MLA,), last_layer=None)  # one MoE layer

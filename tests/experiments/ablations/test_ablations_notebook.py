@@ -1,4 +1,4 @@
-"""The notebooks' settings (experiments/configs/ablations.py) and helpers (k3jax.ablations.notebook): every study's
+"""The notebooks' settings (experiments/configs/ablations.py) and helpers (experiments.ablations.notebook): every study's
 variants differ from the base only in what they ablate, train on equal tokens, and build a Run at both scales
 (the GPU settings are checked here, on the CPU, without compiling); the scale choice, the directories, and the
 notebook runner's exit status, time bound and CPU time."""
@@ -10,11 +10,11 @@ import pytest
 
 from experiments.configs import ablations
 from k3jax import config as config_lib
-from k3jax.ablations import notebook, runs
+from experiments.ablations import notebook, runs
 from k3jax.train import trainer
 
 STUDIES = ("gate", "balance", "residual", "context", "hybrid")
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("sync_notebooks", ROOT / "scripts" / "sync_notebooks.py")
 sync_notebooks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sync_notebooks)

@@ -1,4 +1,4 @@
-"""k3jax.ablations.balance on a cut-down tiny model (2 MLA layers, one MoE layer): two methods for a few steps give
+"""experiments.ablations.balance on a cut-down tiny model (2 MLA layers, one MoE layer): two methods for a few steps give
 the table, every method starts from the same model and batches; a rerun reuses finished runs and refuses another
 config; the skewed data is a pure function of the seed; the script writes the JSON and the plot."""
 import json
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from experiments.configs import tiny
-from k3jax.ablations import balance
+from experiments.ablations import balance
 from k3jax.train import workdir as workdir_lib
 
 pytestmark = pytest.mark.xdist_group("balance_ablation")  # one worker builds the module fixture (--dist loadgroup)
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 STEPS = 4
 METHODS = ["cutoff_histogram", "none"]
 

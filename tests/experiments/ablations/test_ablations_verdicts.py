@@ -1,12 +1,12 @@
-"""k3jax.ablations.verdicts: the verdict rules on made-up results (reproduced, not reproduced, inconclusive, one
+"""experiments.ablations.verdicts: the verdict rules on made-up results (reproduced, not reproduced, inconclusive, one
 seed, no kernels timed), the table's rows, and the write between a scale's markers; experiments.results_table's
 table of what each notebook runs."""
 import json
 
 import pytest
 
-from k3jax.ablations import verdicts as rt
-from k3jax.ablations import runs
+from experiments.ablations import verdicts as rt
+from experiments.ablations import runs
 
 
 def spread(*xs):

@@ -1,4 +1,4 @@
-"""k3jax.ablations.runs, residual and throughput on two tiny dense variants trained a few steps: histories as
+"""experiments.ablations.runs, residual and throughput on two tiny dense variants trained a few steps: histories as
 logged, reuse of finished runs and refusal of another config, the trained model as checkpointed, the AttnRes depth
 weights, forward throughput; the Study's configs and the summaries."""
 import json
@@ -16,14 +16,14 @@ import pytest
 from flax import nnx
 
 from experiments.configs import tiny
-from k3jax.ablations import residual, runs, throughput
+from experiments.ablations import residual, runs, throughput
 from k3jax.data import pipeline
 from k3jax.layers import attnres
 from k3jax.model import K3Model, scanned_layout
 from k3jax.train import step as step_lib
 from k3jax.train import workdir as workdir_lib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.xdist_group("ablations_runs")  # one worker builds the module fixture (--dist loadgroup)
 STEPS = 3
 
@@ -222,7 +222,7 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
       from experiments.configs.common import set_stages
       sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
       from test_ablations_runs import small_config
-      from k3jax.ablations import runs
+      from experiments.ablations import runs
       if __name__ == "__main__":
         events = []
         monitoring.register_event_listener(lambda name, **kw: events.append(name))

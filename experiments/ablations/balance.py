@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from k3jax import spec as spec_lib
-from k3jax.ablations import runs
+from experiments.ablations import runs
 from k3jax.train import workdir as workdir_lib
 
 ALPHABET = b"abcdefgh"

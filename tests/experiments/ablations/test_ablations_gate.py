@@ -1,4 +1,4 @@
-"""k3jax.ablations.gate at small shapes: saturated inputs sit where the gates saturate; the timed function is the
+"""experiments.ablations.gate at small shapes: saturated inputs sit where the gates saturate; the timed function is the
 fused op's forward and backward; at saturation both gates stay finite on their own paths and match the
 recurrence, while the softplus gate through the factorised tiles overflows."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ablations import gate
+from experiments.ablations import gate
 from k3jax.ops import kda
 
 

@@ -61,7 +61,7 @@ def precompile_studies(studies, workdir) -> dict:
   {"wall_s", "variants": {notebook/variant: compile seconds or the error}}."""
   import time
 
-  from k3jax.ablations import runs
+  from experiments.ablations import runs
   from k3jax.data import corpus
 
   configs, seeds = {}, {}
@@ -131,7 +131,7 @@ EXECUTORS = ("script", "kernel")
 # (multiprocessing's "spawn") do not run it again.
 _SCRIPT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__notebook__')"
 # Executes an .ipynb with `execute_ipynb` of this k3jax (its parent directory first on the path).
-_KERNEL = ("import sys; sys.path.insert(0, sys.argv[1]); from k3jax.ablations import notebook; "
+_KERNEL = ("import sys; sys.path.insert(0, sys.argv[1]); from experiments.ablations import notebook; "
            "notebook.execute_ipynb(*sys.argv[2:4], float(sys.argv[4]))")
 
 

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from k3jax.ablations import runs, verdicts
+from experiments.ablations import runs, verdicts
 from k3jax.rl import runner
 
 # The RL iterations' logged fields the notebook keeps (metrics.jsonl has more: timing, tool calls, ...).
