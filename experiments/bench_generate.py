@@ -8,14 +8,15 @@ with every layer MLA, at several contexts and batch sizes, in one run.
 Weights are random, matrices in bf16; per context the prefill's speed (estimated from its first and last chunk, and
 run for real at B = 1 where the estimate fits --prefill_budget_s), the decode loop's, the cache's bytes and the
 estimated peak memory, and at the first context the chunked prefill checked against the full forward. What it
-measures and how: `experiments/generate_benchmark.py`. Rows to $OUT/bench_generate.json; the table last.
+measures and how: `experiments/benchmarks/generate.py`. Rows to $OUT/bench_generate.json; the table last.
 """
 import os
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import generate_benchmark, harness
+from experiments import harness
+from experiments.benchmarks import generate as generate_benchmark
 
 FLAGS = flags.FLAGS
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/small.py", "experiment config file",

@@ -6,7 +6,7 @@ Each implementation runs the layer's fused operator (q/k L2 norm, bounded gate, 
 `--check` then compares the Pallas kernels in bf16 with the XLA path in fp32 (outputs and every gradient), and with
 `fla` among the impls FLA's on the same inputs against the same reference, one table of both at the end.
 `pallas:FORM` (FORM in `pallas_kernels.kda.options.COLS_FORMS`) is the Pallas path with the backward's column pass
-in that form. What it measures and how: `experiments/kda_benchmark.py`.
+in that form. What it measures and how: `experiments/benchmarks/kda.py`.
 """
 import os
 
@@ -14,7 +14,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and PyTor
 
 from absl import app, flags  # noqa: E402
 
-from experiments import harness, kda_benchmark  # noqa: E402
+from experiments import harness  # noqa: E402
+from experiments.benchmarks import kda as kda_benchmark  # noqa: E402
 from pallas_kernels.kda import KDAKernelOptions  # noqa: E402
 
 FLAGS = flags.FLAGS

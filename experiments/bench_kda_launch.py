@@ -15,7 +15,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and PyTor
 
 from absl import app, flags  # noqa: E402
 
-from experiments import bench_kda, harness, kda_benchmark  # noqa: E402,F401 (bench_kda defines the shared flags)
+from experiments import bench_kda, harness  # noqa: E402,F401 (bench_kda defines the shared flags)
+from experiments.benchmarks import kda as kda_benchmark  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("variant", [], "NAME:KERNEL.PARAM=VALUE[,...], e.g. w4:kda_prepare.num_warps=4.")

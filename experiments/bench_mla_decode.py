@@ -5,7 +5,7 @@ Pallas decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention.mqa`, gi
   python -m experiments.bench_mla_decode --small             # CPU: tiny shapes, interpret mode, checks only
 
 Every implementation is checked against the fp32 reference, then timed as device time per call; GB/s counts the
-latents each row must read once. What it measures and how: `experiments/mla_decode_benchmark.py`. Rows to
+latents each row must read once. What it measures and how: `experiments/benchmarks/mla_decode.py`. Rows to
 $OUT/bench_mla_decode.json; the table last.
 """
 import os
@@ -13,7 +13,8 @@ import traceback
 
 from absl import app, flags
 
-from experiments import harness, mla_decode_benchmark
+from experiments import harness
+from experiments.benchmarks import mla_decode as mla_decode_benchmark
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["8192", "65536", "262144", "1048576"], "cache lengths L")

@@ -2,7 +2,7 @@
 GEMM's check against `jax.lax.ragged_dot` in fp32 (exit 1 when a relative error exceeds 1e-2), each expert GEMM
 against a dense GEMM of the same FLOPs and against `jax.lax.ragged_dot`, the layer against a dense SiTU-GLU FFN of
 the same activated FLOPs, the routed part with the custom-VJP dispatch against autodiff, and (GPU) a tile sweep.
-What each section measures and how: `experiments/moe_benchmark.py`. JSON to $OUT/bench_moe.json. --sections picks
+What each section measures and how: `experiments/benchmarks/moe.py`. JSON to $OUT/bench_moe.json. --sections picks
 among gemm, layer, dispatch.
 
     python -m experiments.bench_moe            # GPU: E = 64 and 256, top-8, d = 2048, ℓ = h = 1024, 32768 tokens
@@ -17,7 +17,8 @@ import time
 
 from absl import app, flags
 
-from experiments import harness, moe_benchmark
+from experiments import harness
+from experiments.benchmarks import moe as moe_benchmark
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("experts", ["64", "256"], "numbers of routed experts E")

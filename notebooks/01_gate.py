@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from experiments import harness, kda_benchmark
+from experiments import harness
+from experiments.benchmarks import kda as kda_benchmark
 from experiments.configs import ablations
 from experiments.ablations import gate, notebook, runs
 

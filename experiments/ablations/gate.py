@@ -20,7 +20,7 @@ from k3jax.train import benchmark
 
 GATES = {"bounded": -5.0, "softplus": None}   # the lower bound each gate lets the ops assume
 SATURATED_Z = 30.0                            # gate pre-activation of a saturated gate: σ(·) ≈ 1, softplus(·) ≈ 30
-# FLA's kernels with each gate (`experiments.kda_benchmark.FLA_GATES`), the like-with-like comparison of the claim.
+# FLA's kernels with each gate (`experiments.benchmarks.kda.FLA_GATES`), the like-with-like comparison of the claim.
 FLA_PATHS = {"bounded": "FLA kernels, safe_gate (GEMM tiles)", "softplus": "FLA kernels, position-wise diagonal"}
 
 

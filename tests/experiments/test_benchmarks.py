@@ -39,7 +39,7 @@ def test_bench_kda_times_compiles_and_checks_at_a_tiny_shape(tmp_path):
 
 
 def test_bench_kda_error_table_puts_fla_beside_ours_and_marks_ratios_past_the_bar(capsys):
-  from experiments import kda_benchmark
+  from experiments.benchmarks import kda as kda_benchmark
   names = ("o", "S", "q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias", "initial_state")
   check = lambda impl, **errs: dict(kind="check", shape="1x64x1x16", case="fused", impl=impl,
                                     **{n: errs.get(n, 4e-3) for n in names})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.generate_benchmark import fp32_twin
+from experiments.benchmarks.generate import fp32_twin
 from k3jax import generate_lib
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import GatedMLA

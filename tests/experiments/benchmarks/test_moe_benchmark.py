@@ -1,4 +1,4 @@
-"""The MoE benchmark's library (experiments/moe_benchmark.py): the activated FLOPs it compares the dense FFN with
+"""The MoE benchmark's library (experiments/benchmarks/moe.py): the activated FLOPs it compares the dense FFN with
 are the layer's own matrices, the sweep's pick, the product check's guard against rows outside every group, and the
 summary table's cells. The whole benchmark runs end to end in tests/test_benchmarks.py."""
 import dataclasses
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments import moe_benchmark
+from experiments.benchmarks import moe as moe_benchmark
 from k3jax.layers.moe import LatentMoE
 from pallas_kernels.grouped_gemm import Configs, TileConfig, ops
 

@@ -1,4 +1,4 @@
-"""The generation benchmark's library (experiments/generate_benchmark.py): the cache's bytes per row against a hand
+"""The generation benchmark's library (experiments/benchmarks/generate.py): the cache's bytes per row against a hand
 count, the bf16 inference model, the settings it refuses, and the table and bars it prints. The whole benchmark runs
 end to end in tests/test_benchmarks.py."""
 import dataclasses
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import generate_benchmark
+from experiments.benchmarks import generate as generate_benchmark
 from experiments.configs import tiny
 from k3jax.layers.kda import KDALayer
 from k3jax.model import K3Model

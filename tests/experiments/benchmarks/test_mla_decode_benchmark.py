@@ -1,10 +1,10 @@
-"""The MLA decode benchmark's library (experiments/mla_decode_benchmark.py): a row's GB/s counts the latents each
+"""The MLA decode benchmark's library (experiments/benchmarks/mla_decode.py): a row's GB/s counts the latents each
 row reads once, an implementation that cannot run is a row (not the end), the table's speed-ups are against XLA at
 the same shape, and unknown implementations are refused before any compute. The whole benchmark runs end to end in
 tests/test_benchmarks.py."""
 import pytest
 
-from experiments import mla_decode_benchmark as bench
+from experiments.benchmarks import mla_decode as bench
 from pallas_kernels.mla_decode import mla_decode_reference
 
 
