@@ -7,10 +7,8 @@ ones; a directory that holds a run of another config is an error, raised before 
 """
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
-import multiprocessing
 import os
 import pathlib
 import re
@@ -22,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from k3jax.data import pipeline
-from k3jax.train import batches, checkpoint, evaluate, metrics as metrics_lib
+from k3jax.train import batches, benchmark, checkpoint, evaluate, metrics as metrics_lib
 from k3jax.train import stages as stages_lib
 from k3jax.train import state as state_lib
 from k3jax.train import trainer
@@ -223,23 +221,20 @@ def precompile_variants(configs: Mapping, *, seeds: Sequence[int] | Mapping[str,
     raise ValueError("precompile needs JAX's persistent compilation cache: set jax_compilation_cache_dir first "
                      "(experiments.harness.enable_compilation_cache)")
   names = list(configs)
-  per_config = {n: tuple(seeds[n] if isinstance(seeds, Mapping) else seeds) for n in names}
+  tasks = [(configs[n], tuple(seeds[n] if isinstance(seeds, Mapping) else seeds)) for n in names]
   # The processes read these at import: the cache, and (on a GPU) allocating only what each one uses.
   env = {"JAX_COMPILATION_CACHE_DIR": str(cache_dir), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   saved = {k: os.environ.get(k) for k in env}
   os.environ.update(env)
   out = {}
   try:
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(names), workers or os.cpu_count() or 1),
-                                                mp_context=ctx) as pool:
-      futures = {n: pool.submit(_compile_programs, configs[n], per_config[n]) for n in names}
-      deadline = time.monotonic() + timeout_s
-      for n, future in futures.items():
-        try:
-          out[n] = future.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except Exception as e:  # noqa: BLE001  (reported; that config's run compiles as usual)
-          out[n] = f"{type(e).__name__}: {e}"
+    results = benchmark.side_by_side(tasks, _compile_programs, timeout_s=timeout_s,
+                                     workers=min(len(names), workers or os.cpu_count() or 1))
+    # A config whose process failed or did not finish in time is reported; its run then compiles as usual.
+    for n, r in zip(names, results):
+      out[n] = f"ProcessFailed: {r}" if isinstance(r, benchmark.ProcessFailed) else r
+  except TimeoutError as e:
+    out.update({n: f"TimeoutError: {e}" for n in names if n not in out})
   finally:
     for k, v in saved.items():
       if v is None:
@@ -273,9 +268,10 @@ def programs(run: trainer.Run) -> list[tuple[str, object, tuple]]:
   return out
 
 
-def _compile_programs(config, seeds) -> float:
-  """Compiles the init of each seed, `programs` of `config` and the checkpoints' fingerprint of the state (in a
-  process of `precompile_variants`)."""
+def _compile_programs(task) -> float:
+  """Compiles, for `task` = (config, seeds), the init of each seed, `programs` of the config and the checkpoints'
+  fingerprint of the state (in a process of `precompile_variants`)."""
+  config, seeds = task
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # keep every program, however quick
   start = time.perf_counter()
   for s in seeds:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-import threading
 import time
 import zlib
 
@@ -37,30 +36,8 @@ from k3jax.data import pipeline, tokenizer as tok
 from k3jax.envs.trajectory import Trajectory
 from k3jax.rl import config as rl_config_lib
 from k3jax.rl import evaluate, grpo, rewards, rollout, sampler as sampler_lib, step as rl_step_lib
-from k3jax.train import batches, checkpoint, interrupt, loop, metrics as metrics_lib, optimizer
+from k3jax.train import background, batches, checkpoint, interrupt, loop, metrics as metrics_lib, optimizer
 from k3jax.train import state as state_lib, trainer, workdir as workdir_lib
-
-
-class _Background:
-  """Jobs in daemon threads (a stopped run does not wait for a compile); `wait()` re-raises the first failure."""
-
-  def __init__(self, jobs):
-    self.errors = []
-    self.threads = [threading.Thread(target=self._run, args=(job,), daemon=True) for job in jobs]
-    for t in self.threads:
-      t.start()
-
-  def _run(self, job):
-    try:
-      job()
-    except BaseException as e:   # re-raised by wait(), in the main thread
-      self.errors.append(e)
-
-  def wait(self) -> None:
-    for t in self.threads:
-      t.join()
-    if self.errors:
-      raise self.errors[0]
 
 
 class RLRun:
@@ -174,7 +151,7 @@ class RLRun:
                             examples=r.eval_examples, batch=r.eval_batch, max_turns=r.max_turns,
                             turn_tokens=r.turn_tokens, interrupt=None if stop is None else lambda: stop.check(step))
 
-  def compile_ahead(self) -> _Background:
+  def compile_ahead(self) -> background.Background:
     """Compiles every program of the RL iterations and evaluations in background threads, each by running the
     code that uses it once on zeros of the real shapes: one thread for the update (log-probs and GRPO step), one
     per (rows, length) of the rollout and evaluation sessions (prompt prefill, decode loop, tool-result prefill,
@@ -205,7 +182,7 @@ class RLRun:
     for _, n in rl_config_lib.eval_points(r):
       shapes.setdefault((r.eval_batch, n), []).append(self.greedy)
     jobs = [update] + [lambda k=k, o=o: sessions(*k, list(dict.fromkeys(o))) for k, o in shapes.items()]
-    return _Background(jobs)
+    return background.Background(jobs)
 
   def sft_state(self, workdir, **train_flags):
     """The final train state of the SFT run in `workdir/sft` (training it first if needed; `train_flags` go to

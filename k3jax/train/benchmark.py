@@ -2,12 +2,12 @@
 mesh), compiled ahead of time, one process per variant and all at once (a GPU train step of `small` takes ~5
 minutes to compile), then measured one variant at a time on rows of the config's data mixture.
 
-Compiling side by side has two forms here: `measure_in_turn` traces and compiles each config in a process of its
-own (tracing is Python under the GIL), `compile_in_threads` compiles programs already lowered (XLA compiles
-outside the GIL)."""
+Compiling side by side has two forms: `side_by_side` traces and compiles each task in a process of its own
+(tracing is Python under the GIL; `measure_in_turn` is it for train steps, the studies' `precompile_variants` for
+their programs), and threads (`background.Background`; `compile_in_threads` for programs already lowered, the RL
+run's compile-ahead for its programs): XLA compiles outside the GIL."""
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -16,12 +16,12 @@ import os
 import queue as queue_lib
 import time
 import traceback
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import jax
 import numpy as np
 
-from k3jax.train import flops, profile, trainer
+from k3jax.train import background, flops, profile, trainer
 from k3jax.train.stages import training_plan
 
 PATTERNS = {"config": None, "mla": ("mla",), "kda": ("kda",)}
@@ -30,13 +30,12 @@ K = TypeVar("K")
 
 def compile_in_threads(lowered: Mapping[K, Any]) -> dict[K, tuple[Any, float]]:
   """{key: (compiled program, compile seconds)} of `lowered` ({key: a lowered program, or None}), all compiled at
-  once in threads; None stays None (0 seconds)."""
-  def compile_one(item):
-    key, program = item
+  once in threads (`background.Background`); None stays None (0 seconds)."""
+  def compile_one(program):
     start = time.perf_counter()
-    return key, (program and program.compile(), time.perf_counter() - start)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(lowered))) as pool:
-    return dict(pool.map(compile_one, lowered.items()))
+    return program and program.compile(), time.perf_counter() - start
+  jobs = [functools.partial(compile_one, program) for program in lowered.values()]
+  return dict(zip(lowered, background.Background(jobs).wait()))
 
 
 def variant(config, *, pattern: str = "config", seq_len: int | None = None, tokens_per_step: int | None = None,
@@ -105,66 +104,93 @@ def compile_run(config, *, trace_phases: bool = False) -> CompiledRun:
   return CompiledRun(run, init, step, seconds, lower_s, init_s, phases)
 
 
-def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_s: float = 3600.0,
-                    trace_phases: bool = False):
-  """Yields `measure(compiled run)` for each config, in order. Each config is traced and compiled in its own process,
-  all at once (tracing is Python under the GIL, so threads would serialise it); the processes then measure one at
-  a time, after every compile has finished, so no timing overlaps another's work. A config whose process fails
-  yields {"error": ...}. `measure` must be picklable (a module-level function or a partial of one). `trace_phases`:
-  each compile's phases are traced (`compile_run`)."""
+class ProcessFailed(RuntimeError):
+  """What `side_by_side` yields for a task whose process failed: its traceback's text."""
+
+
+def side_by_side(tasks: Sequence, prepare: Callable, then: Callable | None = None, *, timeout_s: float = 3600.0,
+                 workers: int | None = None):
+  """Yields, for each of `tasks` in order, `then(prepare(task))`, or `prepare(task)` without `then`, each task in a
+  process of its own, started at once (tracing and lowering are Python under the GIL, so threads would serialise
+  them; at most `workers` at a time when there is no `then`). With `then`, every process first prepares (compiles),
+  then they run `then` one at a time, so no timing overlaps another's compile; what `prepare` returns stays in its
+  process. A task whose process fails yields a `ProcessFailed`. `prepare` and `then` must be picklable (module-level
+  functions or partials of them), and so must what is yielded."""
+  if then is not None and workers is not None:
+    raise ValueError("side_by_side: `workers` limits processes that need no turn; with `then` all run at once")
   ctx = multiprocessing.get_context("spawn")
   # Each process allocates only what it uses, so the waiting ones leave the device to the one measuring.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  queue, turns = ctx.Queue(), [ctx.Event() for _ in configs]
-  procs = [ctx.Process(target=_measure_child, args=(i, c, measure, queue, turns[i], trace_phases), daemon=True)
-           for i, c in enumerate(configs)]
-  for p in procs:
-    p.start()
-  pending, compiled, results = set(range(len(configs))), set(), {}
+  queue, turns = ctx.Queue(), [ctx.Event() for _ in tasks]
+  procs = [ctx.Process(target=_side_by_side_child, args=(i, task, prepare, then, queue, turns[i]), daemon=True)
+           for i, task in enumerate(tasks)]
+  limit = len(procs) if workers is None else max(1, workers)
+  pending, prepared, results = set(range(len(tasks))), set(), {}
   deadline = time.monotonic() + timeout_s
 
+  def start_more():
+    running = sum(1 for i in pending if procs[i].is_alive())
+    for p in [p for p in procs if p.pid is None][:max(0, limit - running)]:
+      p.start()
+
   def receive():
-    """The next message; a process that died without one (killed, out of memory) is reported as an error."""
+    """The next message; a process that died without one (killed, out of memory) is reported as failed."""
     while True:
-      dead = [i for i in pending if not procs[i].is_alive()]
+      dead = [i for i in pending if procs[i].pid is not None and not procs[i].is_alive()]
       try:
         return queue.get(timeout=5.0)
       except queue_lib.Empty:
         if dead:
           return ("error", dead[0], f"process exited with code {procs[dead[0]].exitcode}")
         if time.monotonic() > deadline:
-          raise TimeoutError(f"measure_in_turn: no result within {timeout_s:.0f} s") from None
+          raise TimeoutError(f"side_by_side: no result within {timeout_s:.0f} s") from None
 
   def record(kind, i, payload):
-    if kind == "compiled":
-      compiled.add(i)
+    if kind == "prepared":
+      prepared.add(i)
     else:
       pending.discard(i)
-      results.setdefault(i, payload if kind == "result" else {"error": payload})
+      results.setdefault(i, payload if kind == "result" else ProcessFailed(payload))
+      start_more()
 
   try:
-    while not pending <= compiled:
+    start_more()
+    while not pending <= prepared:
       record(*receive())
-    for i in range(len(configs)):
+    for i in range(len(tasks)):
       turns[i].set()
       while i not in results:
         record(*receive())
       yield results[i]
   finally:
     for p in procs:
-      p.join(timeout=30)
-      if p.is_alive():
-        p.kill()
+      if p.pid is not None:
+        p.join(timeout=30)
+        if p.is_alive():
+          p.kill()
 
 
-def _measure_child(index, config, measure, queue, turn, trace_phases):
+def _side_by_side_child(index, task, prepare, then, queue, turn):
   try:
-    run = compile_run(config, trace_phases=trace_phases)
-    queue.put(("compiled", index, run.compile_s))
+    prepared = prepare(task)
+    if then is None:
+      queue.put(("result", index, prepared))
+      return
+    queue.put(("prepared", index, None))
     turn.wait()
-    queue.put(("result", index, measure(run)))
-  except BaseException:  # reported to the parent, which carries on with the other configs
+    queue.put(("result", index, then(prepared)))
+  except BaseException:  # reported to the parent, which carries on with the other tasks
     queue.put(("error", index, traceback.format_exc(limit=-3)))
+
+
+def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_s: float = 3600.0,
+                    trace_phases: bool = False):
+  """Yields `measure(compiled run)` for each config, in order: each config traced and compiled in its own process,
+  all at once, then measured one at a time (`side_by_side`). A config whose process fails yields {"error": ...}.
+  `measure` must be picklable. `trace_phases`: each compile's phases are traced (`compile_run`)."""
+  prepare = functools.partial(compile_run, trace_phases=trace_phases)
+  for row in side_by_side(configs, prepare, measure, timeout_s=timeout_s):
+    yield {"error": str(row)} if isinstance(row, ProcessFailed) else row
 
 
 def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: int = 0) -> dict:

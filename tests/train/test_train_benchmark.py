@@ -5,6 +5,7 @@ import collections
 import copy
 import functools
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -148,6 +149,16 @@ def test_measure_in_turn_returns_rows_in_config_order_and_reports_a_failing_conf
   rows = list(benchmark.measure_in_turn([bad, good], measure, timeout_s=600))
   assert "log_every" in rows[0]["error"]
   assert rows[1]["finite"] and (rows[1]["seq_len"], rows[1]["batch_size"]) == (16, 8), rows[1]
+
+
+def test_side_by_side_without_turns_keeps_the_order_the_worker_limit_and_reports_a_failure():
+  """Tasks with no `then` return what `prepare` returns, in the tasks' order, however many run at once; a task
+  whose process fails yields a ProcessFailed with its error; `workers` with `then` is refused."""
+  out = list(benchmark.side_by_side([3, -1, 5, 7], functools.partial(math.sqrt), workers=2, timeout_s=300))
+  assert out[0] == math.sqrt(3) and out[2:] == [math.sqrt(5), math.sqrt(7)]
+  assert isinstance(out[1], benchmark.ProcessFailed) and "math domain error" in str(out[1])
+  with pytest.raises(ValueError, match="workers"):
+    next(benchmark.side_by_side([1], abs, abs, workers=1))
 
 
 def test_compare_curves_measures_gaps_and_scaling():
