@@ -37,6 +37,13 @@ def pallas_kernels_in(closed_jaxpr) -> set[str]:
   return {eqn.params["name"] for _, eqn in _equations(closed_jaxpr) if eqn.primitive.name in KERNEL_PRIMITIVES}
 
 
+def kernel_launches(closed_jaxpr, name: str) -> int:
+  """How many times a traced program launches the Pallas kernel `name`: its launches counted where they stand,
+  inside every call of a nested program (a scan's body counts once)."""
+  return sum(eqn.primitive.name in KERNEL_PRIMITIVES and eqn.params["name"] == name
+             for _, eqn in _equations(closed_jaxpr))
+
+
 def kernel_products(closed_jaxpr) -> set[tuple[str, str, object]]:
   """(kernel name, operand dtype, precision) of every product inside the Pallas kernels of a traced program."""
   return {(kernel, str(eqn.invars[0].aval.dtype), eqn.params["precision"]) for kernel, eqn in _equations(closed_jaxpr)

@@ -12,7 +12,7 @@ from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats
 from k3jax.model import K3Model, ModelCache, scanned_layout, z_loss
 from k3jax.numerics import rel_err
-from pallas_testing import cuda_module_text
+from pallas_testing import kernel_launches
 from model_testing import (MODEL, SCANNED, T, T0, abstract, random_module, segments, shared_model,
                            small_config)
 
@@ -110,8 +110,9 @@ def test_remat_gives_the_same_loss_and_gradients():
 def test_kda_intra_kernel_runs_once_per_layer_and_once_more_under_remat(monkeypatch):
   # The kernels' VJP keeps the intra pass's outputs, so without remat the backward does not rerun it; with remat the
   # kept KDA output spares the layer's recomputation the state pass, not the intra pass (its residuals are not
-  # saved). Without the kept output it would run three times. Counted in the program lowered for CUDA: unrolled,
-  # each of the two layers has its own kernels; scanned (two groups of one layer), the group's body has them once.
+  # saved). Without the kept output it would run three times. Counted where the traced program launches it (each
+  # call of a shared program counted): unrolled, each of the two layers launches it; scanned (two groups of one
+  # layer), the group's body launches it once.
   changes = {**MODEL, "num_layers": 2, "layer_pattern": ("kda",), "last_layer": "kda", "moe.enabled": False,
              "kda.backend": "pallas"}
   counts = {}
@@ -122,8 +123,9 @@ def test_kda_intra_kernel_runs_once_per_layer_and_once_more_under_remat(monkeypa
       assert model.plan.num_groups == (2 if scan else 0)
       graphdef, params, rest = nnx.split(model, nnx.Param, ...)
       loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
-      text = cuda_module_text(monkeypatch, jax.grad(loss), params)
-      counts.setdefault(scan, []).append(text.count('name = "kda_intra_fwd_key_tiles"'))
+      monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")   # the kernels as the GPU runs them (traced, not run)
+      launches = kernel_launches(jax.make_jaxpr(jax.grad(loss))(params), "kda_intra_fwd_key_tiles")
+      counts.setdefault(scan, []).append(launches)
   assert counts == {False: [2, 4], True: [1, 2]}, counts
 
 
