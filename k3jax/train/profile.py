@@ -99,17 +99,24 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
   return out
 
 
+def _profiled(fn: Callable[[], object], options=None):
+  """(fn(), the JAX profiler's trace of it as a `jax.profiler.ProfileData`), `options` its ProfileOptions."""
+  from jax.profiler import ProfileData
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir, profiler_options=options):
+      out = fn()
+    path, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
+    with open(path, "rb") as f:
+      return out, ProfileData.from_serialized_xspace(f.read())
+
+
 def trace_kernels(run: Callable[[], object], *, calls: int, hlo_text: str = "") -> list[Kernel]:
   """Runs `run()` (which makes `calls` calls of a compiled program and returns their outputs) under the profiler,
   and returns the program's kernels per call, slowest first. `hlo_text` (the compiled program's `as_text()`) names
   their instructions' custom-call targets and op_names; without it, kinds come from kernel names alone."""
-  from jax.profiler import ProfileData
-  with tempfile.TemporaryDirectory() as log_dir:
-    with jax.profiler.trace(log_dir):
-      jax.block_until_ready(run())
-    path, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
-    module = re.match(r"HloModule ([^\s,]+)", hlo_text)
-    events = list(_kernel_events(ProfileData.from_file(path), module and module.group(1)))
+  _, traced = _profiled(lambda: jax.block_until_ready(run()))
+  module = re.match(r"HloModule ([^\s,]+)", hlo_text)
+  events = list(_kernel_events(traced, module and module.group(1)))
   instructions = hlo_instructions(hlo_text)
   launches, ns, ops = collections.Counter(), collections.Counter(), {}
   for name, hlo_op, duration_ns in events:
@@ -127,20 +134,16 @@ def trace_compile(compile_fn: Callable[[], object], *, top: int = 25):
   `top` host-side phases by seconds): each named event of XLA's compiler (pass pipelines, autotuning, kernel
   compiles, PTX to cubin), {"name", "s", "count"}, seconds summed over every call and thread (the thread pool's
   phases add up to more than the wall time)."""
-  from jax.profiler import ProfileData
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
+  out, traced = _profiled(compile_fn, options)
   seconds, counts = collections.Counter(), collections.Counter()
-  with tempfile.TemporaryDirectory() as log_dir:
-    with jax.profiler.trace(log_dir, profiler_options=options):
-      out = compile_fn()
-    path, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
-    for plane in ProfileData.from_file(path).planes:
-      if plane.name.startswith("/host:CPU"):
-        for line in plane.lines:
-          for event in line.events:
-            seconds[event.name] += event.duration_ns / 1e9
-            counts[event.name] += 1
+  for plane in traced.planes:
+    if plane.name.startswith("/host:CPU"):
+      for line in plane.lines:
+        for event in line.events:
+          seconds[event.name] += event.duration_ns / 1e9
+          counts[event.name] += 1
   return out, [{"name": name, "s": s, "count": counts[name]} for name, s in seconds.most_common(top)]
 
 

@@ -90,7 +90,6 @@ class Run:
         raise ValueError(f"config.{field} must be an int >= 1, got {config[field]!r}")
     spec = state_spec(config)
     self.plan, self.mesh, self.tx = spec.plan, spec.mesh, spec.tx
-    self.stages, self.lr = spec.plan.stages, spec.plan.learning_rate   # read often enough to keep at hand
     self.graphdef, self.abstract = spec.graphdef, spec.abstract
     # Every stage's data and evaluation are checked here, before anything trains.
     self.data = [pipeline.Mixture(config.data, s.seq_len, pipeline.derive_seed(config.seed, s.index, "train"),
@@ -98,9 +97,13 @@ class Run:
     evaluate.check(config, [s.seq_len for s in self.stages], self.mesh)
     shardings = state_lib.shardings_of(self.abstract)
     self.init = jax.jit(spec.init, out_shardings=shardings)
-    self.train_step = jax.jit(step_lib.make_train_step(self.graphdef, self.tx, self.lr, config.model),
-                              donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())))
+    step = step_lib.make_train_step(self.graphdef, self.tx, self.plan.learning_rate, config.model)
+    self.train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())))
     self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef))
+
+  @property
+  def stages(self) -> tuple[stages_lib.Stage, ...]:
+    return self.plan.stages
 
   def train(self, workdir, *, stage: int | None = None, allow_config_change: bool = False,
             allow_missing_metrics: bool = False) -> list[dict | None]:
