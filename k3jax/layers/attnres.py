@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import RMSNorm
+from k3jax.ops import attnres as attnres_ops
 
 
 @flax.struct.dataclass
@@ -122,37 +123,29 @@ class DepthAttention(nnx.Module):
 
   def __call__(self, stream: Stream | Carry):
     """The input of the next sub-layer: softmax-weighted sum over the sources and the non-empty partial sum."""
-    w_NBT, v_NBTD, extra = self._weighted(stream)
-    n = v_NBTD.shape[0]
-    h = jnp.einsum("nbt,nbtd->btd", w_NBT[:n], v_NBTD)
-    return h + sum(w_NBT[n + i][..., None] * v_BTD for i, v_BTD in enumerate(extra))
+    return attnres_ops.readout(*self._operands(stream), eps=self.key_norm.eps)
 
   def weights(self, stream: Stream | Carry):
     """(the read-out's softmax weights `[N, B, T]`, which of the N are values `[N]` bool): over a `Stream`'s
     sources, then its partial sum when not empty (all valid); over a `Carry`'s buffer slots, its closed sums and
     its partial sum, in that order, those not valid at weight exactly 0 (the valid ones, in order, are the weights
     of the carry's `Stream`)."""
-    w_NBT = self._weighted(stream)[0]
-    if isinstance(stream, Stream):
-      return w_NBT, jnp.ones(w_NBT.shape[0], bool)
-    return w_NBT, jnp.concatenate([jnp.arange(stream.sources_NBTD.shape[0]) < stream.count,
-                                   jnp.stack([jnp.asarray(c) for _, c in stream.closed] + [stream.has_partial])])
+    operands = self._operands(stream)
+    valid_N = jnp.concatenate([operands[3], operands[5]])
+    return attnres_ops.weights(*operands, eps=self.key_norm.eps), valid_N
 
-  def _weighted(self, stream: Stream | Carry):
-    """(weights `[N, B, T]`, values stacked `[n, B, T, D]`, the values after them `[B, T, D]`). In a `Carry`, what
-    is not valid is masked out of the softmax (its weight is exactly zero, so neither its value nor its gradient
-    matters)."""
-    q = self.query[...]
+  def _operands(self, stream: Stream | Carry):
+    """The read-out's operands (`k3jax.ops.attnres.readout`): query, key-norm weight, buffer and its valid slots,
+    the single values and theirs. A `Stream` has no buffer (its sources are single values, none stacked)."""
+    q, g = self.query[...], self.key_norm.weight[...]
     if isinstance(stream, Stream):
-      v_NBTD = jnp.stack(stream.sources + (() if stream.partial is None else (stream.partial,)))
-      return jax.nn.softmax(jnp.einsum("d,nbtd->nbt", q, self.key_norm(v_NBTD)), axis=0), v_NBTD, ()
-    v_NBTD = stream.sources_NBTD
-    logits_NBT = jnp.einsum("d,nbtd->nbt", q, self.key_norm(v_NBTD))
-    logits = [jnp.where((jnp.arange(v_NBTD.shape[0]) < stream.count)[:, None, None], logits_NBT, -jnp.inf)]
+      values = stream.sources + (() if stream.partial is None else (stream.partial,))
+      empty = jnp.zeros((0, *values[0].shape), jnp.float32)
+      return q, g, empty, jnp.zeros((0,), bool), values, jnp.ones((len(values),), bool)
     extra = [*stream.closed, (stream.partial_BTD, stream.has_partial)]
-    logits += [jnp.where(valid, jnp.einsum("d,btd->bt", q, self.key_norm(v_BTD)), -jnp.inf)[None]
-               for v_BTD, valid in extra]
-    return jax.nn.softmax(jnp.concatenate(logits), axis=0), v_NBTD, tuple(v for v, _ in extra)
+    valid_C = jnp.arange(stream.sources_NBTD.shape[0]) < stream.count
+    return (q, g, stream.sources_NBTD, valid_C, tuple(v for v, _ in extra),
+            jnp.stack([jnp.asarray(valid) for _, valid in extra]))
 
 
 def read(stream: Stream | Carry, attn: DepthAttention | None):

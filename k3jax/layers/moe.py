@@ -47,17 +47,20 @@ def check_config(d_model: int, cfg: ml_collections.ConfigDict, mesh=None) -> Non
                      "expert axis use 'sorted' or 'auto'")
 
 
-def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, options: GroupedGemmOptions = GroupedGemmOptions()):
+def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, options: GroupedGemmOptions = GroupedGemmOptions(),
+               rows_past_groups: bool = True):
   """Routed SiTU-GLU experts on rows sorted by expert: `[M, ℓ] -> [M, ℓ]` (rows past the groups: unspecified), the
   grouped GEMMs run as `options` says.
 
-  `w_gate_up_GLF` is `[G, ℓ, 2h]`: the gate units, then the up units.
+  `w_gate_up_GLF` is `[G, ℓ, 2h]`: the gate units, then the up units. `rows_past_groups=False` promises that the
+  groups cover all M rows (every routed slot on this device), which saves zeroing the rows past them.
   """
   h = w_down_GHL.shape[1]
   ab_MF = options.matmul(x_ML, w_gate_up_GLF, group_sizes_G)
-  # The GPU kernels leave rows past the groups unwritten; zero them so nothing non-finite reaches dW.
-  valid_M1 = (jnp.arange(x_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None]
-  ab_MF = jnp.where(valid_M1, ab_MF, 0)
+  if rows_past_groups:
+    # The GPU kernels leave rows past the groups unwritten; zero them so nothing non-finite reaches dW.
+    valid_M1 = (jnp.arange(x_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None]
+    ab_MF = jnp.where(valid_M1, ab_MF, 0)
   return options.matmul(situ_glu(ab_MF[:, :h], ab_MF[:, h:]), w_down_GHL, group_sizes_G)
 
 
@@ -128,8 +131,9 @@ class LatentMoE(nnx.Module):
     with jax.named_scope("routed_experts"):
       if dense_routing(cfg.get("routing", "auto"), b * t, e, cfg.top_k, self.mesh):
         u_TL = dense_routed_outputs(z_TL, ids_TK, weights_TK, *experts)
-      elif self.mesh is None:
-        u_TL = parallel.local_routed_outputs(z_TL, ids_TK, weights_TK, experts, num_experts=e, expert_fn=expert_fn)
+      elif self.mesh is None:   # the T·k sorted slots are exactly the groups' rows
+        u_TL = parallel.local_routed_outputs(z_TL, ids_TK, weights_TK, experts, num_experts=e,
+                                             expert_fn=functools.partial(expert_fn, rows_past_groups=False))
       else:
         u_TL = parallel.expert_parallel_routed_outputs(z_TL, ids_TK, weights_TK, experts, mesh=self.mesh,
                                                        num_experts=e, expert_fn=expert_fn)

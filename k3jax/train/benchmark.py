@@ -196,7 +196,7 @@ def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_
 def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: int = 0) -> dict:
   """Tokens/s, MFU and peak memory of `steps` train steps after `warmup` untimed ones (two batches, alternated);
   with `profile_steps`, also "profile": the device time of that many more steps by kind of kernel
-  (`profile.breakdown`) and the slowest kernels."""
+  (`profile.breakdown`) and every kernel, slowest first."""
   stage = c.stage
   host = [c.batch(i) for i in range(2)]
   state = c.init()
@@ -216,7 +216,7 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
         state, _ = c.step(state, host[i % 2])
       return state
     kernels = profile.trace_kernels(run, calls=profile_steps, hlo_text=c.step.as_text())
-    traced = {**profile.breakdown(kernels), "kernels": [dataclasses.asdict(k) for k in kernels[:40]]}
+    traced = {**profile.breakdown(kernels), "kernels": [dataclasses.asdict(k) for k in kernels]}
   del state
   tokens_per_s = steps * stage.batch_size * stage.seq_len / elapsed
   flops_token = flops.flops_per_token(c.run.config.model, stage.seq_len)

@@ -1,0 +1,68 @@
+"""The AttnRes read-out op: its output and every gradient equal autodiff of the plain formula
+(`readout_reference`), with a partly valid buffer, invalid single values, saturated weights and garbage where nothing
+is valid."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops import attnres as attnres_ops
+from model_testing import normal
+
+EPS = 1e-6
+
+
+def _inputs(C, count, valid_E, *, query_scale=1.0, seed=0, garbage=0.0):
+  B, T, D = 2, 5, 16
+  q = query_scale * normal(seed, (D,))
+  g = 1.0 + 0.2 * normal(seed + 1, (D,))
+  buffer = normal(seed + 2, (C, B, T, D)) * (1.0 + jnp.arange(C, dtype=jnp.float32))[:, None, None, None]
+  valid_C = jnp.arange(C) < count
+  if garbage:   # what lies past the valid slots must not matter
+    buffer = jnp.where(valid_C[:, None, None, None], buffer, garbage)
+  values = tuple(normal(seed + 3 + i, (B, T, D)) * (i + 0.5) for i in range(len(valid_E)))
+  return q, g, buffer, valid_C, values, jnp.asarray(valid_E)
+
+
+CASES = {
+    "buffer part valid, a single value invalid": dict(C=4, count=2, valid_E=[True, False, True]),
+    "no buffer (a Stream)": dict(C=0, count=0, valid_E=[True, True, True]),
+    "buffer only": dict(C=3, count=3, valid_E=[False]),
+    "saturated weights": dict(C=3, count=2, valid_E=[True, True], query_scale=60.0),
+    "garbage past the buffer's valid slots": dict(C=4, count=1, valid_E=[True, False], garbage=1e4),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case):
+  kw = dict(CASES[case])
+  q, g, buffer, valid_C, values, valid_E = _inputs(kw.pop("C"), kw.pop("count"), kw.pop("valid_E"), **kw)
+  cot = normal(99, values[0].shape)
+
+  def loss(fn, q, g, buffer, values):
+    return jnp.sum(fn(q, g, buffer, valid_C, values, valid_E) * cot)
+
+  ours = lambda *a: attnres_ops.readout(*a, eps=EPS)
+  np.testing.assert_allclose(ours(q, g, buffer, valid_C, values, valid_E),
+                             attnres_ops.readout_reference(q, g, buffer, valid_C, values, valid_E, eps=EPS), rtol=2e-5, atol=2e-5)
+  got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
+  want = jax.jit(jax.grad(lambda *a: loss(functools.partial(attnres_ops.readout_reference, eps=EPS), *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
+  for name, x, y in zip(("query", "scale", "buffer", "values"), got, want):
+    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+      assert np.all(np.isfinite(a)), name
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b), initial=0.0) + 1e-30), err_msg=name)
+  # What is not valid gets exactly zero.
+  assert not np.any(np.asarray(got[2])[np.asarray(~valid_C)])
+  for d, ok in zip(got[3], np.asarray(valid_E)):
+    assert ok or not np.any(np.asarray(d))
+
+
+def test_weights_are_a_softmax_over_the_valid_values():
+  q, g, buffer, valid_C, values, valid_E = _inputs(4, 3, [True, False], query_scale=3.0)
+  w = attnres_ops.weights(q, g, buffer, valid_C, values, valid_E, eps=EPS)
+  valid = np.concatenate([np.asarray(valid_C), np.asarray(valid_E)])
+  assert w.shape == (6, 2, 5)
+  np.testing.assert_allclose(np.sum(w, 0), 1.0, rtol=1e-6)
+  assert not np.any(np.asarray(w)[~valid]) and np.all(np.asarray(w)[valid] > 0)
