@@ -99,11 +99,16 @@ def abstract(factory, fn, *args):
   return nnx.eval_shape(fn, module, *args)
 
 
-def primitives(fn, *args):
-  """Names of the primitives in `fn`'s jaxpr, nested jaxprs (custom VJPs, checkpoints) included."""
+def equations(fn, *args):
+  """The equations of `fn`'s jaxpr, nested jaxprs (custom VJPs, checkpoints) included."""
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      yield eqn.primitive.name
+      yield eqn
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         yield from walk(sub)
   return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def primitives(fn, *args):
+  """Names of the primitives in `fn`'s jaxpr, nested jaxprs (custom VJPs, checkpoints) included."""
+  return [eqn.primitive.name for eqn in equations(fn, *args)]

@@ -127,13 +127,14 @@ class LatentMoE(nnx.Module):
     z_TL = self.latent_down(x_TD)
     e, l, _, h = self.w_gate_up.shape
     experts = (self.w_gate_up[...].reshape(e, l, 2 * h).astype(self.dtype), self.w_down[...].astype(self.dtype))
-    expert_fn = functools.partial(expert_ffn, options=self.grouped_gemm)
+    # Without expert parallelism the T·k sorted slots are exactly the groups' rows (nothing past them to zero).
+    exchanged = self.mesh is not None and parallel.expert_parallel_size(self.mesh) > 1
+    expert_fn = functools.partial(expert_ffn, options=self.grouped_gemm, rows_past_groups=exchanged)
     with jax.named_scope("routed_experts"):
       if dense_routing(cfg.get("routing", "auto"), b * t, e, cfg.top_k, self.mesh):
         u_TL = dense_routed_outputs(z_TL, ids_TK, weights_TK, *experts)
-      elif self.mesh is None:   # the T·k sorted slots are exactly the groups' rows
-        u_TL = parallel.local_routed_outputs(z_TL, ids_TK, weights_TK, experts, num_experts=e,
-                                             expert_fn=functools.partial(expert_fn, rows_past_groups=False))
+      elif self.mesh is None:
+        u_TL = parallel.local_routed_outputs(z_TL, ids_TK, weights_TK, experts, num_experts=e, expert_fn=expert_fn)
       else:
         u_TL = parallel.expert_parallel_routed_outputs(z_TL, ids_TK, weights_TK, experts, mesh=self.mesh,
                                                        num_experts=e, expert_fn=expert_fn)

@@ -38,14 +38,16 @@ def weights(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: flo
   return _forward(query_D, scale_D, buffer_CBTD, valid_C, tuple(values), valid_E, eps)[1]
 
 
-def readout_reference(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float):
+def readout_reference(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float,
+                      precision=jax.lax.Precision.HIGHEST):
   """`readout` as the formula reads, left to autodiff: every value stacked, RMS-normalised and scored (the test
-  reference, and the baseline `experiments/bench_attnres.py` times)."""
+  reference; at `precision=DEFAULT`, which may be TF32 on a GPU, what the model ran before the op, timed by
+  `experiments/bench_attnres.py`)."""
   v_NBTD = jnp.concatenate([buffer_CBTD, *(v[None] for v in values)])
   valid_N = jnp.concatenate([valid_C, valid_E])
-  s_NBT = jnp.einsum("d,nbtd->nbt", query_D, rms_norm(v_NBTD, scale_D, eps))
+  s_NBT = jnp.einsum("d,nbtd->nbt", query_D, rms_norm(v_NBTD, scale_D, eps), precision=precision)
   w_NBT = jax.nn.softmax(jnp.where(valid_N[:, None, None], s_NBT, -jnp.inf), axis=0)
-  return jnp.einsum("nbt,nbtd->btd", w_NBT, jnp.where(valid_N[:, None, None, None], v_NBTD, 0.0))
+  return jnp.einsum("nbt,nbtd->btd", w_NBT, jnp.where(valid_N[:, None, None, None], v_NBTD, 0.0), precision=precision)
 
 
 def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
@@ -58,9 +60,10 @@ def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
   valid_N = jnp.concatenate([valid_C, valid_E])
   s_N = jnp.where(valid_N[:, None, None], a_N * r_N, -jnp.inf)
   w_N = jax.nn.softmax(s_N, axis=0)
-  c = buffer_CBTD.shape[0]
-  h = jnp.einsum("cbt,cbtd->btd", w_N[:c], buffer_CBTD) if c else 0.0
-  h = h + sum(w_N[c + i][..., None] * v for i, v in enumerate(values))
+  # Summed value by value in order (one fusion; no matrix unit, whose fp32 may be TF32): a `Stream` and the `Carry`
+  # holding the same sources give the same sum, since a slot that is not valid adds an exact 0.
+  all_values = [buffer_CBTD[i] for i in range(buffer_CBTD.shape[0])] + list(values)
+  h = sum(w_N[i][..., None] * v for i, v in enumerate(all_values))
   return h, w_N, a_N, r_N
 
 
@@ -91,8 +94,8 @@ def _readout_bwd(eps, residuals, dh):
   d_buffer = (jnp.where(valid_C[:, None, None, None], dv(slice(0, c), buffer_CBTD), 0.0) if c
               else jnp.zeros_like(buffer_CBTD))
   d_values = tuple(jnp.where(valid_E[i], dv(c + i, v), 0.0) for i, v in enumerate(values))
-  u = jnp.einsum("cbt,cbtd->d", c_N[:c], buffer_CBTD) if c else jnp.zeros_like(query_D)
-  u = u + sum(jnp.einsum("bt,btd->d", c_N[c + i], v) for i, v in enumerate(values))
+  u = jnp.sum(c_N[:c, ..., None] * buffer_CBTD, axis=(0, 1, 2))
+  u = u + sum(jnp.sum(c_N[c + i][..., None] * v, axis=(0, 1)) for i, v in enumerate(values))
   return scale_D * u, query_D * u, d_buffer, None, d_values, None
 
 

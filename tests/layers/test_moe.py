@@ -7,8 +7,9 @@ from flax import nnx
 
 from k3jax import balancer, parallel
 from k3jax.layers.ffn import SiTUGLU, situ_glu
-from k3jax.layers.moe import LatentMoE, MoEStats, dense_routed_outputs
+from k3jax.layers.moe import LatentMoE, MoEStats, dense_routed_outputs, expert_ffn
 from k3jax.ops import moe_dispatch
+from model_testing import equations
 from moe_testing import (D, base, base_output_and_grads, forward, moe_config, output_and_grads,  # noqa: F401
                          rel, tokens, variant)
 
@@ -204,3 +205,21 @@ def test_routing_runs_dense_as_configured(base, routing, t, dense):
   jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graph, s)(x)[0])(state, tokens(jax.random.key(0), b=1, t=t))
   sorts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sort"]
   assert (not sorts) == dense
+
+
+def _selects_over_expert_rows(fn, *args, rows):
+  """The `select_n` equations of fn's jaxpr (nested ones included) over `[rows, ·]` activations."""
+  return [e for e in equations(fn, *args) if e.primitive.name == "select_n" and e.outvars[0].aval.ndim == 2
+          and e.outvars[0].aval.shape[0] == rows and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
+
+
+def test_rows_past_the_groups_are_zeroed_only_where_expert_parallelism_leaves_some(base):
+  """Without expert parallelism the T·k sorted slots are exactly the groups' rows: no select over them."""
+  x = tokens(jax.random.key(4))
+  rows = x.shape[0] * x.shape[1] * base.cfg.top_k
+  graphdef, state = nnx.split(base)
+  assert not _selects_over_expert_rows(lambda s, x: nnx.merge(graphdef, s)(x)[0], state, x, rows=rows)
+  e, l, _, h = base.w_gate_up.shape
+  args = (jnp.ones((rows, l)), jnp.full((e,), rows // e), jnp.ones((e, l, 2 * h)), jnp.ones((e, h, l)))
+  assert len(_selects_over_expert_rows(expert_ffn, *args, rows=rows)) == 1
+  assert not _selects_over_expert_rows(lambda *a: expert_ffn(*a, rows_past_groups=False), *args, rows=rows)

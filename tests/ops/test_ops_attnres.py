@@ -44,15 +44,17 @@ def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case):
   def loss(fn, q, g, buffer, values):
     return jnp.sum(fn(q, g, buffer, valid_C, values, valid_E) * cot)
 
-  ours = lambda *a: attnres_ops.readout(*a, eps=EPS)
+  ours = functools.partial(attnres_ops.readout, eps=EPS)
+  reference = functools.partial(attnres_ops.readout_reference, eps=EPS)
   np.testing.assert_allclose(ours(q, g, buffer, valid_C, values, valid_E),
-                             attnres_ops.readout_reference(q, g, buffer, valid_C, values, valid_E, eps=EPS), rtol=2e-5, atol=2e-5)
+                             reference(q, g, buffer, valid_C, values, valid_E), rtol=2e-5, atol=2e-5)
   got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
-  want = jax.jit(jax.grad(lambda *a: loss(functools.partial(attnres_ops.readout_reference, eps=EPS), *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
+  want = jax.jit(jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
   for name, x, y in zip(("query", "scale", "buffer", "values"), got, want):
     for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
       assert np.all(np.isfinite(a)), name
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b), initial=0.0) + 1e-30), err_msg=name)
+      scale = float(np.max(np.abs(b), initial=0.0))
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale + 1e-30, err_msg=name)
   # What is not valid gets exactly zero.
   assert not np.any(np.asarray(got[2])[np.asarray(~valid_C)])
   for d, ok in zip(got[3], np.asarray(valid_E)):
