@@ -29,6 +29,8 @@ _SEQ_LENS = flags.DEFINE_list("seq_lens", None, "sequence lengths (default: the 
 _TOKENS = flags.DEFINE_integer("tokens_per_step", None, "tokens per step, batch = tokens / seq_len (default: the "
                                "config's)")
 _PATTERNS = flags.DEFINE_list("patterns", ["config", "mla"], f"layer patterns: {sorted(benchmark.PATTERNS)}")
+_REMATS = flags.DEFINE_list("remats", None, "rematerialisation policies to compare (default: the config's); each "
+                            "is a variant of its own, named pattern/policy")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps first")
 _PROFILE = flags.DEFINE_bool("profile", False, "also trace --profile_steps steps per variant: device time by kind")
@@ -75,7 +77,7 @@ def main(argv):
   rows, failed = benchmark.time_variants(
       _CONFIG.value, patterns=_PATTERNS.value, seq_lens=_SEQ_LENS.value, tokens_per_step=_TOKENS.value,
       steps=_STEPS.value, warmup=_WARMUP.value, profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0,
-      profile_compile=_PROFILE_COMPILE.value,
+      profile_compile=_PROFILE_COMPILE.value, remats=_REMATS.value or (None,),
       on_row=lambda rows: harness.write_json(_OUT.value, rows))
   print(benchmark.format_table(rows), flush=True)
   if failed:

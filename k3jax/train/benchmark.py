@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import jax
 import numpy as np
 
+from k3jax import config as config_lib
 from k3jax.train import background, flops, profile, trainer
 from k3jax.train.stages import training_plan
 
@@ -39,9 +40,10 @@ def compile_in_threads(lowered: Mapping[K, Any]) -> dict[K, tuple[Any, float]]:
 
 
 def variant(config, *, pattern: str = "config", seq_len: int | None = None, tokens_per_step: int | None = None,
-            mesh: str | None = None):
+            mesh: str | None = None, remat: str | None = None):
   """A copy of `config` with every layer of the type `pattern` names ("config": the config's own pattern), one
-  stage of `seq_len` × `tokens_per_step / seq_len` rows when `seq_len` is given, and the mesh `mesh` if given."""
+  stage of `seq_len` × `tokens_per_step / seq_len` rows when `seq_len` is given, and the mesh `mesh` and the
+  rematerialisation policy `remat` (`config.REMAT_POLICIES`) if given."""
   if pattern not in PATTERNS:
     raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {pattern!r}")
   c = copy.deepcopy(config)
@@ -55,6 +57,9 @@ def variant(config, *, pattern: str = "config", seq_len: int | None = None, toke
     c.model.last_layer = PATTERNS[pattern][0]
   if mesh is not None:
     c.mesh = mesh
+  if remat is not None:
+    c.model.remat = remat
+    config_lib.validate(c.model)   # a bad policy fails here, before any variant compiles
   return c
 
 
@@ -237,20 +242,22 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
 
 
 def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | None = None, steps: int, warmup: int,
-                  profile_steps: int = 0, profile_compile: bool = False,
+                  profile_steps: int = 0, profile_compile: bool = False, remats=(None,),
                   on_row: Callable[[list[dict]], None] | None = None):
-  """`time_train_step` of `config` with each layer pattern of `patterns` at each (seq_len, tokens per step) of
-  `stage_lengths(config, seq_lens, tokens_per_step)`, every variant in its own process (`measure_in_turn`); prints
-  each row (and its profiles: `profile_steps`, `profile_compile`) as it comes and calls `on_row(rows so far)`
-  after each. Returns (the rows, each with
-  "variant": its pattern; the (pattern, seq_len) of the variants that failed)."""
-  names = [(p, t, n) for p in patterns for t, n in stage_lengths(config, seq_lens, tokens_per_step)]
-  configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n) for p, t, n in names]
+  """`time_train_step` of `config` with each layer pattern of `patterns` and each remat policy of `remats` (None:
+  the config's) at each (seq_len, tokens per step) of `stage_lengths(config, seq_lens, tokens_per_step)`, every
+  variant in its own process (`measure_in_turn`); prints each row (and its profiles: `profile_steps`,
+  `profile_compile`) as it comes and calls `on_row(rows so far)` after each. Returns (the rows, each with
+  "variant": its pattern, and "/policy" when a remat policy was given; the (variant, seq_len) of the variants that
+  failed)."""
+  names = [(p + (f"/{r}" if r else ""), p, r, t, n) for p in patterns for r in remats
+           for t, n in stage_lengths(config, seq_lens, tokens_per_step)]
+  configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n, remat=r) for _, p, r, t, n in names]
   print(f"compiling {len(configs)} variants, one process each: "
-        + ", ".join(f"{p} T={t} B={n // t}" for p, t, n in names), flush=True)
+        + ", ".join(f"{name} T={t} B={n // t}" for name, _, _, t, n in names), flush=True)
   measure = functools.partial(time_train_step, steps=steps, warmup=warmup, profile_steps=profile_steps)
   rows, failed = [], []
-  for (pattern, seq_len, _), row in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
+  for (pattern, *_, seq_len, _), row in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
     if "error" in row:
       failed.append((pattern, seq_len))
       print(f"{pattern} at T={seq_len} failed:\n{row['error']}", flush=True)
@@ -309,7 +316,7 @@ def compare_curves(reference: dict, other: dict, *, tail: int = 50) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-  head = (f"{'variant':<10} {'T':>6} {'B':>4} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
+  head = (f"{'variant':<18} {'T':>6} {'B':>4} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'step GiB':>9} {'peak GiB':>9} {'compile s':>9} {'glue':>6}")
   lines = [head]
   for r in rows:
@@ -318,7 +325,7 @@ def format_table(rows: list[dict]) -> str:
     step_gib = f"{r['step_gib']:.1f}" if r.get("step_gib") is not None else "-"
     glue = r.get("profile", {}).get("glue_share")
     glue = f"{glue:.0%}" if glue is not None else "-"
-    lines.append(f"{r['variant']:<10} {r['seq_len']:>6} {r['batch_size']:>4} {r['step_ms']:>9.1f} "
+    lines.append(f"{r['variant']:<18} {r['seq_len']:>6} {r['batch_size']:>4} {r['step_ms']:>9.1f} "
                  f"{r['tokens_per_s']:>11,.0f} {r['model_tflops_per_s']:>8.2f} {mfu:>6} {step_gib:>9} {peak:>9} "
                  f"{r['compile_s']:>9.0f} {glue:>6}")
   return "\n".join(lines)

@@ -171,11 +171,14 @@ def test_compare_curves_measures_gaps_and_scaling():
     benchmark.compare_curves(ref, {**other, "losses": [1.0]})
 
 
-def test_variant_rejects_unknown_patterns_and_uneven_batches():
+def test_variant_rejects_unknown_patterns_uneven_batches_and_remat_policies():
   with pytest.raises(ValueError, match="pattern"):
     benchmark.variant(small_tiny(), pattern="rnn")
   with pytest.raises(ValueError, match="multiple"):
     benchmark.variant(small_tiny(), seq_len=48, tokens_per_step=100)
+  with pytest.raises(ValueError, match="remat"):
+    benchmark.variant(small_tiny(), remat="everything")
+  assert benchmark.variant(small_tiny(), remat="none").model.remat == "none"
 
 
 def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
