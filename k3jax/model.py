@@ -215,16 +215,12 @@ class K3Model(nnx.Module):
   def _scan(self, stream, run, caches, remat: str):
     """The scanned groups: (stream after them, stacked caches per position, stacked MoE stats per position)."""
     plan, closes = self.plan, self.closes
-    # The buffer holds what the last group reads: the sources before it (the carry keeps the last group's closes).
-    count = attnres.num_sources(self.mode, [c for layer in closes[:plan.end - plan.group_size] for c in layer])
+    count = attnres.num_sources(self.mode, [c for layer in closes[:plan.end] for c in layer])
     flags_GP2 = np.array([[closes[i] for i in plan.position(j)] for j in range(plan.group_size)], bool)
     flags_GP2 = flags_GP2.transpose(1, 0, 2)
     # A flag equal in every group stays a Python bool (no select in the body); the others are scanned over.
     static = [[bool(f[0]) if f.all() or not f.any() else None for f in flags_GP2[:, j].T]
               for j in range(plan.group_size)]
-    # The sub-layers that may close a sum in a group (`attnres.add` records each), and whether each did in the last.
-    may_close = [(j, s) for j in range(plan.group_size) for s in (0, 1) if static[j][s] is not False] if count else []
-    last_closed = tuple(bool(flags_GP2[-1, j, s]) for j, s in may_close)
     graphdefs, params, rest = zip(*(nnx.split(layer, nnx.Param, ...) for layer in self.groups))
 
     def layer_step(j, params_j, rest_j, flags_P2, carry, cache):
@@ -232,25 +228,24 @@ class K3Model(nnx.Module):
       with jax.named_scope(f"position_{j}"):
         return run(nnx.merge(graphdefs[j], params_j, rest_j), carry, layer_closes, cache)
 
-    carry = attnres.to_carry(stream, count, pending=len(may_close))
+    carry = attnres.to_carry(stream, count)
     flags = jnp.asarray(flags_GP2)
     with jax.named_scope("groups"):
       if remat == "none" or caches is not None:
         def body(carry, xs):
           params_g, rest_g, flags_P2, caches_g = xs
           out_caches, out_stats = [], []
-          carry = attnres.flush(carry)
           for j in range(plan.group_size):
             carry, cache, layer_stats = layer_step(j, params_g[j], rest_g[j], flags_P2, carry,
                                                    None if caches_g is None else caches_g[j])
             out_caches.append(cache)
             out_stats.append(layer_stats)
-          return carry, (tuple(out_caches), tuple(out_stats))
+          return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
         carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
       else:
         step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
         carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags)
-    return attnres.from_carry(carry, count, not closes[plan.end - 1][1], last_closed), caches, stats
+    return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
     """After the optimizer step: every MoE layer's balancer bias from its router scores. `moe_stats` is aux["moe"]
@@ -311,13 +306,11 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
 
   `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
   `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
-  differentiated) hold a tuple per position of arrays stacked over the groups. Each group first flushes the carry
-  (`attnres.flush`: the previous group's closed sums into the buffer). Returns (the carry after the last group, its
-  closed sums not flushed; per position the MoE stats stacked over the groups).
+  differentiated) hold a tuple per position of arrays stacked over the groups. Returns (the flushed carry after the
+  last group, per position the MoE stats stacked over the groups).
 
   The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
-  in the group so far; none for the first position, whose closed sums the flush wrote into the buffer), the buffer
-  once, after the last group. The backward pass runs the groups in reverse, each
+  in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
   layer's VJP on its input with that final buffer in place of the one it read: the read-outs mask the buffer to the
   first `count` sources, and those slots never change once written, so the layer sees what it saw. Under
   `jax.checkpoint` inside a `lax.scan` the scan would instead keep the buffer of every group.
@@ -326,12 +319,10 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     params_g, rest_g, xs_g = xs
     inputs, stats = [], []
     for j in range(num_positions):
-      # The first position's closed sums are the previous group's, in the final buffer once flushed: not kept.
-      kept = carry.replace(closed=tuple((None, flag) for _, flag in carry.closed)) if j == 0 else carry
-      inputs.append(kept.replace(sources_NBTD=None))
-      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, attnres.flush(carry) if j == 0 else carry)
+      inputs.append(carry.replace(sources_NBTD=None))
+      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
       stats.append(layer_stats)
-    return carry, (tuple(stats), tuple(inputs))
+    return attnres.flush(carry), (tuple(stats), tuple(inputs))
 
   @jax.custom_vjp
   def groups(params_G, rest_G, xs_G, carry):
@@ -356,20 +347,19 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     d_carry, d_stats_G = cotangents
 
     def layer_vjp(j, params_j, rest_j, xs_g, input_carry, d_out, d_stats):
-      """(d params_j, d input) of layer j (after the flush, for the first position); the differentiable part of a
+      """(d params_j, d input) of layer j (then the flush, for the last position); the differentiable part of a
       carry is (buffer, partial sum, closed sums)."""
       flags = [closed for _, closed in input_carry.closed]
 
       def fn(params_j, diff):
         sources, partial, closed = diff
         c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)))
-        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, attnres.flush(c) if j == 0 else c)
+        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
+        if j == num_positions - 1:
+          c = attnres.flush(c)
         return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
 
-      closed = tuple(v for v, _ in input_carry.closed)
-      if j == 0:   # the previous group's closed sums, read back where its flush wrote them
-        closed = attnres.flushed_values(sources, input_carry.count, flags)
-      diff = (sources, input_carry.partial_BTD, closed)
+      diff = (sources, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed))
       # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
       # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
       (params_j, diff), d_out = jax.lax.optimization_barrier(((params_j, diff), d_out))
@@ -383,12 +373,10 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
         d_params[j], d = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], d, d_stats_g[j])
       return d, tuple(d_params)
 
-    d_closed = tuple(d_value for d_value, _ in d_carry.closed)
-    (d_sources, d_partial, d_closed), d_params_G = jax.lax.scan(
-        body, (d_carry.sources_NBTD, d_carry.partial_BTD, d_closed), (params_G, rest_G, xs_G, inputs_G, d_stats_G),
+    (d_sources, d_partial, _), d_params_G = jax.lax.scan(
+        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_G, rest_G, xs_G, inputs_G, d_stats_G),
         reverse=True)
-    closed = tuple((d_value, d_flag) for d_value, (_, d_flag) in zip(d_closed, d_carry.closed, strict=True))
-    return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, partial_BTD=d_partial, closed=closed)
+    return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, partial_BTD=d_partial)
 
   groups.defvjp(forward, backward)
   return groups(params_G, rest_G, xs_G, carry)

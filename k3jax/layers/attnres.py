@@ -10,13 +10,12 @@ The residual stream is a `Stream`: completed sources plus the partial sum of the
 - "full": every sub-layer output is a source of its own (a block of one sub-layer).
 - "none": the standard pre-norm residual; the stream is the running sum x_0 + Σ f_l and is each sub-layer's input.
 The stream is kept in fp32. Between unrolled layers it is a `Stream` (a tuple that grows); through a scan over
-layer groups it is a `Carry`, the same state in a fixed shape: a buffer of sources, of which the first `count` are
-valid, the partial sum with a flag for "empty", and the sums closed since the buffer was last written (with flags
-for whether each did close). A read-out of a `Carry` masks the softmax to what is valid, so it gives the `Stream`'s
-result. Inside a group the buffer is not written (`flush` writes the previous group's closed sums at the group's
-start), so every layer of the group reads the same buffer: a rematerialised layer then keeps only its partial sum,
-not a copy of the buffer. The last group's closed sums stay in the carry, never in the buffer, which so has room
-for the sources the last group reads only (read-outs read every slot, valid or not).
+layer groups it is a `Carry`, the same state in a fixed shape: a buffer with room for every source the scan will
+hold, of which the first `count` are valid, the partial sum with a flag for "empty", and the sums closed since the
+buffer was last written (with flags for whether each did close). A read-out of a `Carry` masks the softmax to what
+is valid, so it gives the `Stream`'s result (up to fp32 summation order). Inside a group the buffer is not written
+(`flush` writes it at the group's end), so every layer of the group reads the same buffer: a rematerialised layer
+then keeps only its partial sum, not a copy of the buffer.
 """
 from __future__ import annotations
 
@@ -66,9 +65,8 @@ def start(x0_BTD, mode: str) -> Stream:
   return Stream((), x0) if mode == "none" else Stream((x0,), None)
 
 
-def to_carry(stream: Stream, capacity: int, pending: int = 0) -> Carry:
-  """The stream in a buffer with room for `capacity` sources, and `pending` closed sums that did not close (the
-  places of the sums a scan's group closes, which the next group's `flush` writes)."""
+def to_carry(stream: Stream, capacity: int) -> Carry:
+  """The stream in a buffer with room for `capacity` sources."""
   n = len(stream.sources)
   if capacity < n:
     raise ValueError(f"capacity={capacity} is less than the stream's {n} sources")
@@ -77,8 +75,7 @@ def to_carry(stream: Stream, capacity: int, pending: int = 0) -> Carry:
   pieces = ([jnp.stack(stream.sources)] if n else []) + [jnp.zeros((capacity - n, *like.shape), jnp.float32)]
   sources = jnp.concatenate(pieces)
   partial = jnp.zeros(like.shape, jnp.float32) if stream.partial is None else stream.partial
-  closed = ((jnp.zeros(like.shape, jnp.float32), jnp.asarray(False)),) * pending
-  return Carry(sources, jnp.asarray(n, jnp.int32), partial, jnp.asarray(stream.partial is not None), closed)
+  return Carry(sources, jnp.asarray(n, jnp.int32), partial, jnp.asarray(stream.partial is not None))
 
 
 def flush(carry: Carry) -> Carry:
@@ -93,24 +90,12 @@ def flush(carry: Carry) -> Carry:
   return Carry(sources, count, carry.partial_BTD, carry.has_partial)
 
 
-def flushed_values(sources_NBTD, count, closed_flags) -> tuple:
-  """Where `flush` of a carry with this `count` and these closed flags wrote each closed sum, the buffer's slot
-  (for a sum that did not close: a slot whose value does not matter)."""
-  values, slot = [], count
-  for did in closed_flags:
-    values.append(jax.lax.dynamic_index_in_dim(sources_NBTD, slot, keepdims=False))
-    slot = slot + jnp.asarray(did, jnp.int32)
-  return tuple(values)
-
-
-def from_carry(carry: Carry, count: int, has_partial: bool, closed: tuple[bool, ...] = ()) -> Stream:
-  """The `Stream` of a carry whose count, partial flag and closed flags (one per closed sum, not yet flushed) the
-  caller knows statically: the buffer's first `count` sources, then the sums that did close."""
-  if len(closed) != len(carry.closed):
-    raise ValueError(f"from_carry needs a flag for each of the carry's {len(carry.closed)} closed sums, got {closed}")
+def from_carry(carry: Carry, count: int, has_partial: bool) -> Stream:
+  """The `Stream` of a flushed carry whose count and partial flag the caller knows statically."""
+  if carry.closed:
+    raise ValueError("from_carry needs a flushed carry (see flush)")
   partial = carry.partial_BTD if has_partial else None
-  done = tuple(value for (value, _), did in zip(carry.closed, closed) if did)
-  return Stream(tuple(carry.sources_NBTD[i] for i in range(count)) + done, partial)
+  return Stream(tuple(carry.sources_NBTD[i] for i in range(count)), partial)
 
 
 def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
