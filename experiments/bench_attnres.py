@@ -1,5 +1,5 @@
 """The AttnRes read-out, forward and forward + backward: the op with its hand-written backward pass
-(`k3jax.ops.attnres.readout`) against autodiff of the same formula (`readout_reference`), at a config's shapes:
+(`k3jax.ops.attnres.readout`) against autodiff of the same formula (`readout_reference`), at small's shapes:
 
   python -m experiments.bench_attnres                 # GPU: small's read-outs at 4K (B·T = 65,536, d = 768)
   python -m experiments.bench_attnres --small         # CPU: tiny shapes, checks only
@@ -7,9 +7,8 @@
 "autodiff" is the formula at the matrix units' default precision, as the model ran it before the op; both are
 checked against the formula in full fp32 (`readout_reference`). Two read-outs, as the model has them: a scanned
 group's (a buffer of 5 slots, 3 valid, then a closed sum that did not close and the partial sum) and an unrolled
-layer's (3 single values). Each row: device time per call (pipelined),
-kernel launches, and GB/s counting the valid values read once.
-Rows to $OUT/bench_attnres.json.
+layer's (3 single values). Each row: device time per call (pipelined), kernel launches, and GB/s counting the valid
+values read once. Rows to $OUT/bench_attnres.json; the op failing its check fails the command.
 """
 import functools
 import os

@@ -117,3 +117,13 @@ def test_bench_mla_decode_small_checks_every_implementation(tmp_path):
   assert len(ours) == 6 and all(r["ok"] and r["us"] > 0 for r in ours)
   assert all(r["ok"] for r in rows if r["impl"] == "xla")
   assert any(r["impl"] == "jax_mqa" and r.get("ok") for r in rows)   # JAX's kernel runs where L suits it
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_bench_attnres_small_checks_the_op_against_fp32_autodiff(tmp_path):
+  done = run_script("experiments.bench_attnres", "--small", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_attnres.json").read_text())
+  assert {(r["case"], r["impl"]) for r in rows} == {(c, i) for c in ("scanned group", "unrolled layer")
+                                                    for i in ("op", "autodiff")}
+  assert all(r["max_rel_err"] < 1e-5 for r in rows if r["impl"] == "op")
