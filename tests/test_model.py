@@ -1,5 +1,6 @@
 """K3Model: shapes and dtypes, decode == full forward with MoE, packed documents, residual modes, remat, z-loss; the
-scanned layer groups equal the unrolled layers (loss, gradients, MoE stats, balancer updates, decoding)."""
+scanned layer groups equal the unrolled layers (loss, gradients, MoE stats, balancer updates, decoding); the AttnRes
+read-out op equals its formula inside the model."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats
 from k3jax.model import K3Model, ModelCache, scanned_layout, z_loss
 from k3jax.numerics import rel_err
+from k3jax.ops import attnres as attnres_ops
 from pallas_testing import kernel_launches
 from model_testing import (MODEL, SCANNED, T, T0, abstract, random_module, segments, shared_model,
                            small_config)
@@ -193,6 +195,29 @@ def test_scanned_groups_give_the_unrolled_loss_gradients_stats_and_balancer_upda
       assert float(jnp.abs(a).max()) > 0
     # The bias moves by differences of router scores (cancellation): scores 5e-7 apart gave biases 1.0e-5 apart.
     assert rel_err(b, a) < 5e-5 if float(jnp.abs(a).max()) > 0 else float(jnp.abs(b).max()) == 0
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(scan, monkeypatch):
+  """The model with every AttnRes read-out left to autodiff of its formula (`readout_reference`) in place of the op
+  with its own backward pass: the same loss, gradients and MoE scores, unrolled and scanned (the op's VJP under
+  remat and inside the scan's own VJP; the read-outs' operands are tests/layers/test_layers_attnres.py's)."""
+  cfg = SCAN_CASES["blocks_straddle_groups"].copy_and_resolve_references()
+  cfg.scan_layers = scan
+  model = random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3)
+  tokens, seg = _tokens(8, (2, T)), segments(2, (7, T - 7))
+  l1, g1, s1 = _loss_grads_and_stats(model, tokens, seg)
+  monkeypatch.setattr(attnres_ops, "readout", attnres_ops.readout_reference)
+  jax.clear_caches()   # the layers' jitted forward would otherwise keep the op's trace
+  l2, g2, s2 = _loss_grads_and_stats(model, tokens, seg)
+  jax.clear_caches()
+  # fp32 roundoff only: the op sums in another order, which moved the loss by up to 3e-6 and the gradient by up to
+  # 9e-5 (leaves by up to 2.5e-4, as remat alone moves them); 10% off in one term of the op's backward pass fails it.
+  assert rel_err(l2, l1) < 1e-5
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  assert rel_err(flat(g2), flat(g1)) < 2e-4
+  for a, b in zip(s1, s2):
+    assert rel_err(b.scores_TE, a.scores_TE) < 1e-5
 
 
 def test_the_scanned_backward_keeps_the_source_buffer_once_not_per_group():
