@@ -15,7 +15,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from experiments import harness
@@ -38,7 +37,8 @@ IMPLS = {"op": attnres_ops.readout,
 
 def inputs(tokens: int, d: int, C: int, count: int, valid_E):
   keys = jax.random.split(jax.random.PRNGKey(0), 4 + len(valid_E))
-  B, T = 16 if tokens % 16 == 0 else 1, tokens // (16 if tokens % 16 == 0 else 1)
+  B = 16 if tokens % 16 == 0 else 1
+  T = tokens // B
   q = jax.random.normal(keys[0], (d,))
   g = 1.0 + 0.1 * jax.random.normal(keys[1], (d,))
   buffer = jax.random.normal(keys[2], (C, B, T, d))

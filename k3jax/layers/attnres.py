@@ -130,9 +130,9 @@ class DepthAttention(nnx.Module):
     sources, then its partial sum when not empty (all valid); over a `Carry`'s buffer slots, its closed sums and
     its partial sum, in that order, those not valid at weight exactly 0 (the valid ones, in order, are the weights
     of the carry's `Stream`)."""
-    operands = self._operands(stream)
-    valid_N = jnp.concatenate([operands[3], operands[5]])
-    return attnres_ops.weights(*operands, eps=self.key_norm.eps), valid_N
+    q, g, buffer, valid_C, values, valid_E = self._operands(stream)
+    w_NBT = attnres_ops.weights(q, g, buffer, valid_C, values, valid_E, eps=self.key_norm.eps)
+    return w_NBT, jnp.concatenate([valid_C, valid_E])
 
   def _operands(self, stream: Stream | Carry):
     """The read-out's operands (`k3jax.ops.attnres.readout`): query, key-norm weight, buffer and its valid slots,

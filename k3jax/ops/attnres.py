@@ -23,8 +23,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.layers.common import rms_norm
-
 
 def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float):
   """h `[B,T,D]` fp32. `query_D`, `scale_D`: the pseudo-query and the key RMSNorm's weight; `buffer_CBTD` fp32 (C
@@ -45,7 +43,8 @@ def readout_reference(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *
   `experiments/bench_attnres.py`)."""
   v_NBTD = jnp.concatenate([buffer_CBTD, *(v[None] for v in values)])
   valid_N = jnp.concatenate([valid_C, valid_E])
-  s_NBT = jnp.einsum("d,nbtd->nbt", query_D, rms_norm(v_NBTD, scale_D, eps), precision=precision)
+  keys_NBTD = v_NBTD * jax.lax.rsqrt(jnp.mean(v_NBTD * v_NBTD, axis=-1, keepdims=True) + eps) * scale_D
+  s_NBT = jnp.einsum("d,nbtd->nbt", query_D, keys_NBTD, precision=precision)
   w_NBT = jax.nn.softmax(jnp.where(valid_N[:, None, None], s_NBT, -jnp.inf), axis=0)
   return jnp.einsum("nbt,nbtd->btd", w_NBT, jnp.where(valid_N[:, None, None, None], v_NBTD, 0.0), precision=precision)
 
@@ -91,8 +90,7 @@ def _readout_bwd(eps, residuals, dh):
   def dv(i, v):
     return w_N[i][..., None] * dh + c_N[i][..., None] * qg + k_N[i][..., None] * v
 
-  d_buffer = (jnp.where(valid_C[:, None, None, None], dv(slice(0, c), buffer_CBTD), 0.0) if c
-              else jnp.zeros_like(buffer_CBTD))
+  d_buffer = jnp.where(valid_C[:, None, None, None], dv(slice(0, c), buffer_CBTD), 0.0)
   d_values = tuple(jnp.where(valid_E[i], dv(c + i, v), 0.0) for i, v in enumerate(values))
   u = jnp.sum(c_N[:c, ..., None] * buffer_CBTD, axis=(0, 1, 2))
   u = u + sum(jnp.sum(c_N[c + i][..., None] * v, axis=(0, 1)) for i, v in enumerate(values))

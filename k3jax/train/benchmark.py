@@ -257,19 +257,19 @@ def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | Non
         + ", ".join(f"{name} T={t} B={n // t}" for name, _, _, t, n in names), flush=True)
   measure = functools.partial(time_train_step, steps=steps, warmup=warmup, profile_steps=profile_steps)
   rows, failed = [], []
-  for (pattern, *_, seq_len, _), row in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
+  for (name, *_, seq_len, _), row in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
     if "error" in row:
-      failed.append((pattern, seq_len))
-      print(f"{pattern} at T={seq_len} failed:\n{row['error']}", flush=True)
+      failed.append((name, seq_len))
+      print(f"{name} at T={seq_len} failed:\n{row['error']}", flush=True)
       continue
-    rows.append({"variant": pattern, **row})
+    rows.append({"variant": name, **row})
     print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     if "profile" in row:
       kernels = [profile.Kernel(**k) for k in row["profile"]["kernels"]]
-      print(f"profile of {pattern} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
+      print(f"profile of {name} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
             flush=True)
     if "compile_phases" in row:
-      print(f"compile of {pattern} at T={seq_len} by phase (summed over threads):\n"
+      print(f"compile of {name} at T={seq_len} by phase (summed over threads):\n"
             f"{profile.format_compile_phases(row['compile_phases'])}", flush=True)
     if on_row is not None:
       on_row(rows)
