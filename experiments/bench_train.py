@@ -40,6 +40,8 @@ _PROFILE_COMPILE = flags.DEFINE_bool("profile_compile", False, "trace each varia
 _OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
 _CACHE = flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun "
                              "skips them (every variant's process uses it)")
+_DOCUMENTS = flags.DEFINE_enum("documents", "data", list(benchmark.DOCUMENTS), "data: the rows as the mixture packs "
+                                "them; one: each row one document, attention at a context of the row's length")
 flags.mark_flags_as_required(["config"])
 
 
@@ -77,7 +79,7 @@ def main(argv):
   rows, failed = benchmark.time_variants(
       _CONFIG.value, patterns=_PATTERNS.value, seq_lens=_SEQ_LENS.value, tokens_per_step=_TOKENS.value,
       steps=_STEPS.value, warmup=_WARMUP.value, profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0,
-      profile_compile=_PROFILE_COMPILE.value, remats=_REMATS.value or (None,),
+      profile_compile=_PROFILE_COMPILE.value, remats=_REMATS.value or (None,), documents=_DOCUMENTS.value,
       on_row=lambda rows: harness.write_json(_OUT.value, rows))
   print(benchmark.format_table(rows), flush=True)
   if failed:

@@ -68,6 +68,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.mla.q_lora_rank = None                # None: full-rank W_q
   m.mla.attention_impl = "auto"           # auto: cudnn on GPU in bf16/fp16, xla otherwise
   m.mla.decode_impl = "auto"              # absorbed decode: auto = the Pallas split-K kernel on GPU, xla otherwise
+  m.mla.max_documents = 16               # cuDNN packs at most this many documents (and padding) a row; more: dense mask
 
   m.moe = ml_collections.ConfigDict()
   m.moe.enabled = False
@@ -128,7 +129,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
     _optional_positive_int(m, "kda.gate_rank")
     _one_of(m, "kda.backend", ("auto", "xla", "pallas"))
   if "mla" in types:
-    _positive_int(m, "mla.num_heads", "mla.kv_lora_rank")
+    _positive_int(m, "mla.num_heads", "mla.kv_lora_rank", "mla.max_documents")
     mla_head_dims(m)
     _optional_positive_int(m, "mla.q_lora_rank")
     _one_of(m, "mla.attention_impl", ATTENTION_IMPLS)

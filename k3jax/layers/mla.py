@@ -44,6 +44,7 @@ class GatedMLA(nnx.Module):
     self.dtype = config_lib.compute_dtype(model_cfg)
     self.impl = c.attention_impl
     self.decode_impl = c.decode_impl
+    self.max_documents = c.max_documents
     lin = lambda d_in, d_out: Linear(d_in, d_out, rngs=rngs, dtype=self.dtype)
     if c.q_lora_rank is None:
       self.w_dq, self.q_norm = None, None
@@ -109,15 +110,9 @@ class GatedMLA(nnx.Module):
     ckv = self._latents(x_BTD)
     k = jnp.einsum("btr,rhd->bthd", ckv, self.w_uk[...].astype(self.dtype))
     v = jnp.einsum("btr,rhv->bthv", ckv, self.w_uv[...].astype(self.dtype))
-    mask = None
-    if segment_ids_BT is not None:
-      mask = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]          # [B,1,T,T]
-    q, D = self._queries(x_BTD), max(self.Dqk, self.Dv)
-    # dot_product_attention wants one head dim for q, k and v: zero-pad to the larger (scores and outputs unchanged).
-    pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, D - a.shape[-1])))
-    o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=mask, is_causal=True, scale=self.Dqk ** -0.5,
-                                     implementation=self._implementation())
-    return self._output(o[..., :self.Dv], x_BTD), ckv
+    o = mla_ops.causal_attention(self._queries(x_BTD), k, v, segment_ids_BT, scale=self.Dqk ** -0.5,
+                                 impl=self._implementation(), max_documents=self.max_documents)
+    return self._output(o, x_BTD), ckv
 
   def _queries(self, x_BTD):
     B, T, _ = x_BTD.shape

@@ -15,6 +15,12 @@ Rows have their own lengths: the query of row b at position p attends to positio
   and over the cache's positions before the row's start, a block of keys at a time, each cut at the start by a key
   length (cuDNN's work follows the length). cuDNN's causal mask is aligned at the first key, so one call cannot
   hold "the prefix and my own past".
+- `causal_attention` (training, a full prompt) is causal attention within documents, `segment_ids` marking them.
+  "xla" masks the scores with the `[B,1,T,T]` document mask. "cudnn" gives cuDNN each row's runs of equal segment
+  ids as packed sequences (`document_runs`: offsets and lengths, at most `max_documents` a row), so it computes no
+  score across documents and reads no mask: the dense mask, which cuDNN takes as an additive bias, doubles the
+  attention of one document and is O(T²) memory. A batch with a row of more runs takes the dense mask instead
+  (both are in the program; `lax.cond` picks), so the result never depends on the bound.
 - `decode_attention` (one token) is absorbed: q̃_h = W_uk,h q_h scores the latents (multi-query attention with
   one shared key/value head of width R) and the result is the attention-weighted latent; decoding is bound by
   reading the cache, which this reads once per step (the Pallas kernel) instead of materialising keys and values.
@@ -41,6 +47,63 @@ def write_latents(ckv_BLR, c_BTR, start_B, lengths_B):
 
 
 CHUNK_IMPLS = ("xla", "cudnn")
+
+
+CAUSAL_IMPLS = ("xla", "cudnn")
+
+
+def causal_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: float, impl: str = "xla",
+                     max_documents: int = 16):
+  """softmax(scale · q kᵀ) v with query t of a row attending to keys s ≤ t of its document: the same segment id
+  (runs of equal ids; padding, id 0, is one more run). q, k `[B, T, H, Dqk]`, v `[B, T, H, Dv]`; returns
+  `[B, T, H, Dv]` in q's dtype. `impl` "xla" (a dense mask) or "cudnn" (packed runs, at most `max_documents` a row,
+  else the dense mask; bf16 or fp16, a GPU)."""
+  if impl not in CAUSAL_IMPLS:
+    raise ValueError(f"impl must be one of {CAUSAL_IMPLS}, got {impl!r}")
+  Dv = v_BTHV.shape[-1]
+  D = max(q_BTHD.shape[-1], Dv)
+  # The fused attentions want one head dim for q, k and v: zero-pad to the larger (scores and outputs unchanged).
+  q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, D - a.shape[-1]))) for a in (q_BTHD, k_BTHD, v_BTHV))
+
+  def dense():
+    mask = None if segment_ids_BT is None else document_mask(segment_ids_BT)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale, implementation=impl)
+
+  if impl == "xla" or segment_ids_BT is None:
+    return dense()[..., :Dv]
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  offsets, lengths, runs_B = document_runs(segment_ids_BT, max_documents)
+
+  def packed():
+    return cudnn.dot_product_attention(q, k, v, None, None, lengths, lengths, offsets, offsets, scale=scale,
+                                       mask_type=cudnn.MaskType.PADDING_CAUSAL)
+
+  return jax.lax.cond(jnp.max(runs_B) <= max_documents, packed, dense)[..., :Dv]
+
+
+def document_mask(segment_ids_BT):
+  """`[B, 1, T, T]` bool: query t and key s lie in the same document (equal segment ids)."""
+  return (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
+
+
+def document_runs(segment_ids_BT, max_runs: int):
+  """Each row's runs of equal segment ids in cuDNN's packed layout: (offsets `[B, M+1]`, lengths `[B, M]`, runs
+  `[B]`) with M = `max_runs`. Run r of row b starts at position offsets[b, r] and holds lengths[b, r] positions;
+  slots past the row's runs hold −1, and so does offsets' extra slot. `runs` counts all of a row's runs; those past
+  the M-th are left out of the layout."""
+  B, T = segment_ids_BT.shape
+  starts_BT = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+  run_BT = jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32) - 1
+  slot_BT = jnp.where(starts_BT & (run_BT <= max_runs), run_BT, max_runs + 1)      # max_runs + 1: dropped
+  rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  t_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+  starts = jnp.full((B, max_runs + 1), -1, jnp.int32).at[rows_BT, slot_BT].set(t_BT, mode="drop")  # runs 0..M
+  runs_B = run_BT[:, -1] + 1
+  r = jnp.arange(max_runs)[None]
+  ends = jnp.where(r + 1 < runs_B[:, None], starts[:, 1:], T)                  # where the next run starts
+  lengths = jnp.where(r < runs_B[:, None], ends - starts[:, :-1], -1)
+  offsets = starts.at[:, max_runs].set(-1)
+  return offsets, lengths, runs_B
 
 
 def chunk_attention(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: float, impl: str = "xla"):

@@ -198,12 +198,22 @@ def measure_in_turn(configs, measure: Callable[[CompiledRun], dict], *, timeout_
     yield {"error": str(row)} if isinstance(row, ProcessFailed) else row
 
 
-def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: int = 0) -> dict:
+DOCUMENTS = ("data", "one")
+
+
+def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: int = 0,
+                    documents: str = "data") -> dict:
   """Tokens/s, MFU and peak memory of `steps` train steps after `warmup` untimed ones (two batches, alternated);
   with `profile_steps`, also "profile": the device time of that many more steps by kind of kernel
-  (`profile.breakdown`) and every kernel, slowest first."""
+  (`profile.breakdown`) and every kernel, slowest first. `documents`: "data", the rows as the mixture packs them;
+  "one", each row one document (segment ids all 1; tokens and targets unchanged), which is what attention costs at
+  a context of the row's length."""
+  if documents not in DOCUMENTS:
+    raise ValueError(f"documents must be one of {DOCUMENTS}, got {documents!r}")
   stage = c.stage
   host = [c.batch(i) for i in range(2)]
+  if documents == "one":
+    host = [{**b, "segment_ids": np.ones_like(b["segment_ids"])} for b in host]
   state = c.init()
   for i in range(warmup):
     state, m = c.step(state, host[i % 2])
@@ -231,7 +241,8 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
   # The process peak is a running maximum over every variant run so far; XLA's own count is this step's.
   step_bytes = mem and (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                         - mem.alias_size_in_bytes)
-  return {"seq_len": stage.seq_len, "batch_size": stage.batch_size, "step_ms": 1e3 * elapsed / steps,
+  return {"seq_len": stage.seq_len, "batch_size": stage.batch_size, "documents": documents,
+          "step_ms": 1e3 * elapsed / steps,
           "tokens_per_s": tokens_per_s, "flops_per_token": flops_token,
           "model_tflops_per_s": tokens_per_s * flops_token / 1e12,
           "mfu": flops.mfu(tokens_per_s, flops_token, devices), "compile_s": c.compile_s, "lower_s": c.lower_s,
@@ -242,20 +253,21 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
 
 
 def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | None = None, steps: int, warmup: int,
-                  profile_steps: int = 0, profile_compile: bool = False, remats=(None,),
+                  profile_steps: int = 0, profile_compile: bool = False, remats=(None,), documents: str = "data",
                   on_row: Callable[[list[dict]], None] | None = None):
   """`time_train_step` of `config` with each layer pattern of `patterns` and each remat policy of `remats` (None:
   the config's) at each (seq_len, tokens per step) of `stage_lengths(config, seq_lens, tokens_per_step)`, every
   variant in its own process (`measure_in_turn`); prints each row (and its profiles: `profile_steps`,
-  `profile_compile`) as it comes and calls `on_row(rows so far)` after each. Returns (the rows, each with
-  "variant": its pattern, and "/policy" when a remat policy was given; the (variant, seq_len) of the variants that
-  failed)."""
+  `profile_compile`) as it comes and calls `on_row(rows so far)` after each; `documents` as in `time_train_step`.
+  Returns (the rows, each with "variant": its pattern, and "/policy" when a remat policy was given; the (variant,
+  seq_len) of the variants that failed)."""
   names = [(p + (f"/{r}" if r else ""), p, r, t, n) for p in patterns for r in remats
            for t, n in stage_lengths(config, seq_lens, tokens_per_step)]
   configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n, remat=r) for _, p, r, t, n in names]
   print(f"compiling {len(configs)} variants, one process each: "
         + ", ".join(f"{name} T={t} B={n // t}" for name, _, _, t, n in names), flush=True)
-  measure = functools.partial(time_train_step, steps=steps, warmup=warmup, profile_steps=profile_steps)
+  measure = functools.partial(time_train_step, steps=steps, warmup=warmup, profile_steps=profile_steps,
+                              documents=documents)
   rows, failed = [], []
   for (name, *_, seq_len, _), row in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
     if "error" in row:

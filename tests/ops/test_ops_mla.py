@@ -1,5 +1,7 @@
-"""MLA attention over a latent cache: the blocked and the split chunk attention and the absorbed decode against dense
-float64 formulas, with per-row starts and lengths, blocks that do not divide the cache, and the cache writes."""
+"""MLA attention: causal attention within documents and its packed-run layout (cuDNN's; the cuDNN path itself is
+tested in tests/gpu/test_gpu_mla.py); over a latent cache, the blocked and the split chunk attention and the absorbed
+decode against dense float64 formulas, with per-row starts and lengths, blocks that do not divide the cache, and the
+cache writes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +117,70 @@ def test_decode_impl_choice_and_refusals():
   with pytest.raises(ValueError, match="impl must be one of"):
     mla.decode_attention(jnp.zeros((1, 1, 16)), jnp.zeros((1, 4, 16)), jnp.ones((1,), jnp.int32), scale=1.0,
                          impl="cuda")
+
+
+def _segment_ids(seed, B, T, docs, pad):
+  """Rows of `docs` documents (ids 1..docs, random lengths ≥ 1) then `pad` padding positions (id 0)."""
+  rng = np.random.default_rng(seed)
+  out = np.zeros((B, T), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T - pad), docs - 1, replace=False))
+    for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, T - pad])):
+      out[b, lo:hi] = i + 1
+  return out
+
+
+@pytest.mark.parametrize("docs,pad,max_runs", [(1, 0, 1), (4, 0, 4), (5, 7, 8), (9, 3, 4)])
+def test_document_runs_place_every_position_in_its_document(docs, pad, max_runs):
+  """The packed layout read back position by position gives each position's run: the same positions as the segment
+  ids' equality, slots past a row's runs at −1, and the count of runs, also when it exceeds the slots (then only
+  the first max_runs are laid out)."""
+  seg = _segment_ids(docs * 10 + pad, 3, 37, docs, pad)
+  offsets, lengths, runs = (np.asarray(a) for a in mla.document_runs(jnp.asarray(seg), max_runs))
+  n = docs + (pad > 0)
+  assert offsets.shape == (3, max_runs + 1) and lengths.shape == (3, max_runs)
+  np.testing.assert_array_equal(runs, n)
+  kept = min(n, max_runs)
+  assert (offsets[:, kept:] == -1).all() and (lengths[:, kept:] == -1).all()
+  for b in range(3):
+    run_of = np.full(37, -1)
+    for r in range(kept):
+      assert lengths[b, r] > 0
+      run_of[offsets[b, r]:offsets[b, r] + lengths[b, r]] = r
+    covered = run_of >= 0
+    if n <= max_runs:
+      assert covered.all()
+    same_run = (run_of[:, None] == run_of[None]) & covered[:, None] & covered[None]
+    same_doc = (seg[b][:, None] == seg[b][None]) & covered[:, None] & covered[None]
+    np.testing.assert_array_equal(same_run, same_doc)
+
+
+def _causal_reference(q, k, v, seg, scale):
+  """float64 NumPy: query t attends to keys s ≤ t with the same segment id."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  s = np.einsum("bthd,bshd->bhts", q, k) * scale
+  T = q.shape[1]
+  allowed = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((T, T), bool))[None]
+  s = np.where(allowed[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  return np.einsum("bhts,bshv->bthv", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("with_segments", [False, True])
+def test_causal_attention_is_the_formula_within_documents(with_segments):
+  """The XLA path with Dv ≠ Dqk (the zero-padding to one head dim is undone) and an odd length."""
+  T = 29
+  ks = jax.random.split(jax.random.PRNGKey(3), 3)
+  q, k = (jax.random.normal(kk, (B, T, H, D)) for kk in ks[:2])
+  v = jax.random.normal(ks[2], (B, T, H, DV))
+  seg = _segment_ids(5, B, T, 3, 4) if with_segments else np.ones((B, T), np.int32)
+  with jax.default_matmul_precision("highest"):
+    o = mla.causal_attention(q, k, v, jnp.asarray(seg) if with_segments else None, scale=D ** -0.5, impl="xla")
+  assert o.shape == (B, T, H, DV)
+  assert rel_err(o, _causal_reference(q, k, v, seg, D ** -0.5)) < 1e-5
+
+
+def test_causal_attention_rejects_an_unknown_impl():
+  x = jnp.ones((1, 4, 1, 2))
+  with pytest.raises(ValueError, match="impl must be one of"):
+    mla.causal_attention(x, x, x, scale=1.0, impl="flash")

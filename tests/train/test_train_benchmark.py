@@ -3,6 +3,7 @@ curve (fp32); variants measured in turn from their own processes; curve comparis
 stage lengths; the device-time profile by kind of kernel."""
 import collections
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -49,6 +50,34 @@ def test_time_train_step_reports_finite_throughput_and_profiles_the_step_by_kind
   assert set(prof["kinds"]) == set(profile.KINDS) and prof["total_ms"] > 0 and 0 < prof["glue_share"] < 1
   assert prof["kinds"]["gemm"]["ms"] > 0 and prof["kinds"]["dispatch"]["launches"] > 0
   assert {"moe", "mla", "ffn"} <= set(prof["glue_by_scope"])  # the layers' named scopes reach the profile
+
+
+class _RecordingStep:
+  """A compiled step that keeps the segment ids of each batch it is given."""
+
+  def __init__(self, step):
+    self.step, self.segment_ids = step, []
+
+  def __call__(self, state, batch):
+    self.segment_ids.append(np.asarray(batch["segment_ids"]))
+    return self.step(state, batch)
+
+  def __getattr__(self, name):
+    return getattr(self.step, name)
+
+
+def test_time_train_step_gives_one_document_rows_when_asked():
+  config = small_tiny()
+  config.data.mix = {"stack": 1.0}
+  config.data.task_length = 8                                  # two documents a row of 16
+  run = benchmark.compile_run(benchmark.variant(config, pattern="mla", seq_len=16, tokens_per_step=128))
+  for documents, one in (("data", False), ("one", True)):
+    recording = _RecordingStep(run.step)
+    row = benchmark.time_train_step(dataclasses.replace(run, step=recording), steps=1, warmup=1, documents=documents)
+    assert row["documents"] == documents and row["finite"]
+    assert all((s == 1).all() == one for s in recording.segment_ids)
+  with pytest.raises(ValueError, match="documents must be one of"):
+    benchmark.time_train_step(run, steps=1, warmup=0, documents="packed")
 
 
 @pytest.mark.parametrize("name, target, op_name, kind", [

@@ -1,0 +1,78 @@
+"""MLA's training attention on cuDNN (`k3jax.ops.mla.causal_attention`, impl "cudnn"): documents as packed runs,
+and the dense document mask when a row has more runs than `max_documents`. bf16 inputs against the fp32 formula
+("highest"), the output and the gradients of q, k and v over real (non-padding) positions, each held to the error
+of cuDNN with the dense mask (the path before the packed runs, the anchor) on the same inputs. Cases: documents of
+random lengths and a padding tail, one document, more documents than slots (the fallback), a length no tile
+divides, Dv < Dqk. A GPU only (cuDNN).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.numerics import rel_err
+from k3jax.ops import mla
+
+pytestmark = pytest.mark.gpu
+
+ON_GPU = jax.default_backend() == "gpu"
+BF16_FLOOR = 2e-3      # bf16's rounding of a result at unit scale
+# (B, T, documents, padding, max_documents, Dv)
+CASES = {"documents and padding": (2, 1024, 5, 37, 8, 128), "one document": (3, 1000, 1, 0, 16, 128),
+         "more documents than slots": (2, 512, 9, 0, 4, 128), "Dv under Dqk": (2, 640, 3, 11, 16, 64)}
+
+
+def _segment_ids(seed, B, T, docs, pad):
+  rng = np.random.default_rng(seed)
+  out = np.zeros((B, T), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T - pad), docs - 1, replace=False))
+    for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, T - pad])):
+      out[b, lo:hi] = i + 1
+  return out
+
+
+def _reference(q, k, v, seg, scale):
+  s = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") * scale
+  T = q.shape[1]
+  allowed = (seg[:, :, None] == seg[:, None, :])[:, None] & jnp.tril(jnp.ones((T, T), bool))
+  p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)
+  return jnp.einsum("bhts,bshv->bthv", p, v, precision="highest")
+
+
+def _outputs_and_grads(attend, q, k, v, seg, do):
+  def loss(q, k, v):
+    o = attend(q, k, v, seg)
+    return jnp.sum(o.astype(jnp.float32) * do), o
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return (o, *grads)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_documents_are_held_to_the_dense_masks_error(case):
+  if not ON_GPU:
+    pytest.skip("cuDNN attention needs a GPU")
+  B, T, docs, pad, max_documents, Dv = CASES[case]
+  H, D = 2, 128
+  ks = jax.random.split(jax.random.PRNGKey(T + docs), 4)
+  q, k = (jax.random.normal(kk, (B, T, H, D), jnp.float32) for kk in ks[:2])
+  v = jax.random.normal(ks[2], (B, T, H, Dv), jnp.float32)
+  do = jax.random.normal(ks[3], (B, T, H, Dv), jnp.float32)
+  seg = jnp.asarray(_segment_ids(T, B, T, docs, pad))
+  _, _, runs = mla.document_runs(seg, max_documents)
+  assert (int(runs.max()) > max_documents) == (case == "more documents than slots")
+  scale = D ** -0.5
+  ref = _outputs_and_grads(lambda *a: _reference(*a[:3], a[3], scale), q, k, v, seg, do)
+  bf16 = tuple(a.astype(jnp.bfloat16) for a in (q, k, v))
+  packed = _outputs_and_grads(lambda q, k, v, s: mla.causal_attention(
+      q, k, v, s, scale=scale, impl="cudnn", max_documents=max_documents), *bf16, seg, do)
+  dense = _outputs_and_grads(lambda q, k, v, s: jax.nn.dot_product_attention(
+      *(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, D - a.shape[-1]))) for a in (q, k, v)),
+      mask=mla.document_mask(s), is_causal=True, scale=scale, implementation="cudnn")[..., :Dv], *bf16, seg, do)
+  real = np.asarray(seg != 0)
+  for name, ours, anchor, want in zip(("o", "dq", "dk", "dv"), packed, dense, ref):
+    want = np.asarray(want, np.float32)[real]
+    err = rel_err(np.asarray(ours.astype(jnp.float32))[real], want)
+    anchor_err = rel_err(np.asarray(anchor.astype(jnp.float32))[real], want)
+    assert err <= 2 * anchor_err + BF16_FLOOR, (name, err, anchor_err)
+
