@@ -78,7 +78,9 @@ def causal_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: floa
     return cudnn.dot_product_attention(q, k, v, None, None, lengths, lengths, offsets, offsets, scale=scale,
                                        mask_type=cudnn.MaskType.PADDING_CAUSAL)
 
-  return jax.lax.cond(jnp.max(runs_B) <= max_documents, packed, dense)[..., :Dv]
+  # The dense branch recomputes its mask in the backward pass: a `[B,1,T,T]` residual of one branch would be
+  # carried (zeros) by the other too, an O(T²) write on every step.
+  return jax.lax.cond(jnp.max(runs_B) <= max_documents, packed, jax.checkpoint(dense))[..., :Dv]
 
 
 def document_mask(segment_ids_BT):

@@ -76,3 +76,32 @@ def test_packed_documents_are_held_to_the_dense_masks_error(case):
     anchor_err = rel_err(np.asarray(anchor.astype(jnp.float32))[real], want)
     assert err <= 2 * anchor_err + BF16_FLOOR, (name, err, anchor_err)
 
+
+def test_the_backward_carries_no_quadratic_residual():
+  """The fallback branch's `[B,1,T,T]` mask is recomputed in the backward pass, not carried: a residual of one
+  branch of the `lax.cond` is written (as zeros) by the other too, and at T = 65,536 that was 5 ms a layer."""
+  if not ON_GPU:
+    pytest.skip("cuDNN attention needs a GPU (it is traced only where cuDNN is found)")
+  B, T, H, D = 1, 512, 2, 128
+  x = jnp.ones((B, T, H, D), jnp.bfloat16)
+  seg = jnp.asarray(_segment_ids(0, B, T, 3, 5))
+
+  def forward_and_backward(q, k, v):
+    o, vjp = jax.vjp(lambda *a: mla.causal_attention(*a, seg, scale=D ** -0.5, impl="cudnn"), q, k, v)
+    return vjp(o)
+
+  conds = [e for e in _equations(jax.make_jaxpr(forward_and_backward)(x, x, x).jaxpr) if e.primitive.name == "cond"]
+  assert conds, "no cond: the dense fallback is gone from the program, and this test with it"
+  sizes = [int(np.prod(v.aval.shape)) for e in conds for v in e.outvars]
+  assert max(sizes) < T * T, sizes
+
+
+def _equations(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs inside its equations."""
+  for e in jaxpr.eqns:
+    yield e
+    for param in e.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
