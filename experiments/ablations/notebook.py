@@ -166,11 +166,13 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
   Jupyter needed; plots are only saved); "kernel" executes the .ipynb beside it in a Jupyter kernel (`execute_ipynb`;
   needs nbclient and ipykernel, the `test` extras) and writes it with its outputs to `out/<name>.ipynb`. Returns
   {"notebook", "executor", "returncode" (None: timed out), "wall_s", "cpu_s" (user + system of it and its
-  children), "output" (its stdout and stderr)}; `log` receives the output too (a text file)."""
+  children), "output" (its stdout and stderr)}; `log` (a text file) receives the output line by line as it comes,
+  so a run stopped from outside still shows how far it got."""
   import resource
   import signal
   import subprocess
   import sys
+  import threading
   import time
 
   if executor not in EXECUTORS:
@@ -178,7 +180,7 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
   path = pathlib.Path(path).resolve()
   out = pathlib.Path(out).resolve()
   child_env = {**os.environ, **(env or {}), SCALE_ENV: scale, OUT_ENV: str(out),
-               WORKDIR_ENV: str(pathlib.Path(workdir).resolve())}
+               WORKDIR_ENV: str(pathlib.Path(workdir).resolve()), "PYTHONUNBUFFERED": "1"}
   if executor == "script":
     child_env["MPLBACKEND"] = "Agg"
     command = [sys.executable, "-c", _SCRIPT, str(path)]
@@ -191,17 +193,27 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
   start = time.perf_counter()
   proc = subprocess.Popen(command, cwd=path.parent.parent, env=child_env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  lines = []
+
+  def pump():
+    for line in proc.stdout:
+      lines.append(line)
+      if log is not None:
+        log.write(line)
+        log.flush()
+
+  reader = threading.Thread(target=pump, daemon=True)
+  reader.start()
   try:
-    output, _ = proc.communicate(timeout=timeout_s)
-    returncode = proc.returncode
+    returncode = proc.wait(timeout=timeout_s)
   except subprocess.TimeoutExpired:
     os.killpg(proc.pid, signal.SIGKILL)
-    output, _ = proc.communicate()
+    proc.wait()
     returncode = None
+  reader.join()
+  output = "".join(lines)
   wall = time.perf_counter() - start
   after = resource.getrusage(resource.RUSAGE_CHILDREN)
-  if log is not None:
-    log.write(output)
   cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
   return {"notebook": path.stem, "executor": executor, "returncode": returncode, "wall_s": wall, "cpu_s": cpu,
           "output": output}

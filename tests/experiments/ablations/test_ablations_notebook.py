@@ -5,6 +5,8 @@ notebook runner's exit status, time bound and CPU time."""
 import importlib.util
 import json
 import pathlib
+import threading
+import time
 
 import pytest
 
@@ -150,6 +152,22 @@ def test_script_runner_reports_exit_status_time_bound_and_cpu_time(tmp_path):
   assert row["returncode"] is None and row["wall_s"] < 30
   with pytest.raises(ValueError, match="executor"):
     notebook.run_notebook(nb, scale="cpu", out=tmp_path, workdir=tmp_path, timeout_s=5, executor="papermill")
+
+
+def test_script_runner_writes_its_log_while_the_notebook_runs(tmp_path):
+  """A run stopped from outside (a device call's time limit) must still show how far it got: the log has the first
+  cell's output while the second still runs."""
+  nb = _fake_notebook(tmp_path)
+  log_path = tmp_path / "01_x.log"
+  with open(log_path, "w") as log:
+    runner = threading.Thread(target=notebook.run_notebook, args=(nb,), kwargs=dict(
+        scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=20, log=log, env={"HANG": "1"}))
+    runner.start()
+    deadline = time.monotonic() + 15
+    while "done" not in log_path.read_text() and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert "done" in log_path.read_text() and runner.is_alive()
+    runner.join()
 
 
 def test_kernel_runner_executes_the_ipynb_and_keeps_its_outputs(tmp_path):
