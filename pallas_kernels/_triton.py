@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.extend
+import jax.numpy as jnp
+from jax.interpreters import batching, mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -19,12 +22,92 @@ def interpret_mode() -> bool:
 
 
 def traced_once(fn, *, static_argnums: tuple[int, ...]):
-  """`fn` under `jax.jit`: inside a traced program, its calls with equal static arguments and input types (a model's
-  layers, a forward and its recomputation) share one traced program, so each kernel in it is lowered once and XLA
-  compiles one copy, not one per call (per layer, per pass). The interpret mode, which kernels read while tracing,
-  is a static argument too: a process that switches it gets a fresh trace."""
-  jitted = jax.jit(lambda interpret, *args: fn(*args), static_argnums=(0, *(i + 1 for i in static_argnums)))
-  return functools.wraps(fn)(lambda *args: jitted(interpret_mode(), *args))
+  """`fn` as one opaque call, lowered once per program: inside a traced program, its calls with equal static
+  arguments and input types (a model's layers, a forward and its recomputation, the scanned layers and the unrolled
+  ones) become one function of the lowered module, so each kernel in it is lowered once and XLA compiles one copy.
+
+  The call is a primitive whose parameter is a `_Call` (the function and its static arguments): JAX's
+  transformations copy it as it is, and its program, traced once per input types, is lowered through one
+  `jax.jit` function, which the module lowers once. A `jax.jit` around `fn` was not enough: JAX rebuilds a jit's
+  traced program under each transformation (the scan's partial evaluation, the remat's, the linearisation), equal
+  programs that are distinct objects were lowered once each, and each Mosaic GPU lowering names its kernel with a
+  process-wide counter, so XLA compiled every copy. `fn` is not differentiated through this call (put it inside a
+  custom VJP's forward and backward); it can be batched (`jax.vmap` traces it again). The interpret mode, which
+  kernels read while tracing, is part of the call: a process that switches it gets a fresh one. A program with
+  effects (interpreted Mosaic GPU kernels call back to Python) runs inline instead, as traced."""
+  static_argnums = tuple(sorted(static_argnums))
+
+  @functools.wraps(fn)
+  def call(*args):
+    static = tuple(args[i] for i in static_argnums)
+    dynamic = [a for i, a in enumerate(args) if i not in static_argnums]
+    leaves, in_tree = jax.tree.flatten(dynamic)
+    c = _Call.get(fn, static_argnums, static, in_tree, interpret_mode())
+    program = c.program(tuple(jax.typeof(x) for x in leaves))
+    if program.jaxpr.effects:   # the interpreters' callbacks (interpret mode): run inline, as traced
+      return jax.tree.unflatten(program.out_tree, jax.extend.core.jaxpr_as_fun(program.jaxpr)(*leaves))
+    return jax.tree.unflatten(program.out_tree, _call_p.bind(*leaves, call=c, jaxpr=program.jaxpr))
+  return call
+
+
+class _Program(NamedTuple):
+  jaxpr: Any          # the call's program for one tuple of input types (a ClosedJaxpr)
+  out_tree: Any       # its output's structure
+  jitted: Callable    # the program as a jitted function of flat inputs: one object, so one function per module
+
+
+class _Call:
+  """One function with its static arguments, as a hashable primitive parameter. `get` returns one object per
+  (function, static arguments, input structure, interpret mode); `program` traces the function once per input
+  types."""
+  _made: dict = {}   # process-wide, as jit's caches: one entry per distinct kernel call
+
+  @classmethod
+  def get(cls, fn, static_argnums, static, in_tree, interpret: bool) -> "_Call":
+    key = (fn, static_argnums, static, in_tree, interpret)
+    if key not in cls._made:
+      cls._made[key] = cls(fn, static_argnums, static, in_tree)
+    return cls._made[key]
+
+  def __init__(self, fn, static_argnums, static, in_tree):
+    self.fn, self.static_argnums, self.static, self.in_tree = fn, static_argnums, static, in_tree
+    self._programs = {}
+
+  def program(self, avals) -> _Program:
+    if avals not in self._programs:
+      jaxpr, out_shape = jax.make_jaxpr(self._flat_in, return_shape=True)(*avals)
+      run = jax.extend.core.jaxpr_as_fun(jaxpr)
+      named = functools.wraps(self.fn)(lambda *leaves: run(*leaves))   # the module's function is named for fn
+      self._programs[avals] = _Program(jaxpr, jax.tree.structure(out_shape), jax.jit(named))
+    return self._programs[avals]
+
+  def flat(self, *leaves):
+    """`fn` on flat input leaves, returning flat output leaves."""
+    return jax.tree.leaves(self._flat_in(*leaves))
+
+  def _flat_in(self, *leaves):
+    dynamic = jax.tree.unflatten(self.in_tree, leaves)
+    parts = (iter(self.static), iter(dynamic))
+    n = len(self.static) + len(dynamic)
+    return self.fn(*[next(parts[i not in self.static_argnums]) for i in range(n)])
+
+
+_call_p = jax.extend.core.Primitive("traced_once")
+_call_p.multiple_results = True
+# `jaxpr` (the program, one object per call and input types) is a parameter so that whoever walks a traced
+# program's nested jaxprs (`jax.extend.core.jaxprs_in_params`) finds the kernels inside.
+_call_p.def_abstract_eval(lambda *avals, call, jaxpr: jaxpr.out_avals)
+_call_p.def_impl(lambda *args, call, jaxpr: call.program(tuple(jax.typeof(a) for a in args)).jitted(*args))
+mlir.register_lowering(_call_p, lambda ctx, *args, call, jaxpr: mlir.lower_fun(
+    call.program(tuple(ctx.avals_in)).jitted, multiple_results=True)(ctx, *args))
+
+
+def _call_batching(args, dims, *, call: _Call, jaxpr):
+  out = jax.vmap(call.flat, in_axes=dims)(*args)
+  return out, [0] * len(out)
+
+
+batching.primitive_batchers[_call_p] = _call_batching
 
 
 def fp32_products():

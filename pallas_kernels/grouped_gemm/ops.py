@@ -56,7 +56,7 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, backend: str = "auto", configs
   if x_MK.dtype != w_GKN.dtype or not jnp.issubdtype(x_MK.dtype, jnp.floating):
     raise ValueError(f"x and w must share one floating dtype, got {x_MK.dtype} and {w_GKN.dtype}")
   impl = products(backend, x_MK.shape[1], w_GKN.shape[2], x_MK.dtype, configs)
-  return _gmm_once(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), impl)
+  return _gmm(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), impl)
 
 
 def products(backend: str, k: int, n: int, dtype, configs: mosaic.Configs | None = None):
@@ -108,23 +108,33 @@ class MosaicProducts:
 SCOPE = "grouped_gemm"  # the named scope of the three products (profiles find the kernels by it)
 
 
+# The product and its two gradients each run as one call lowered once per program (`traced_once`): one compiled
+# copy of each kernel, however many layers, passes and recomputations call it.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-@jax.named_scope(SCOPE)
 def _gmm(x, w, gs, impl):
+  return _product_once(x, w, gs, impl)
+
+
+def _gmm_fwd(x, w, gs, impl):
+  return _product_once(x, w, gs, impl), (x, w, gs)
+
+
+def _gmm_bwd(impl, res, dy):
+  x, w, gs = res
+  return (*_gradients_once(x, w, gs, dy, impl), None)
+
+
+@jax.named_scope(SCOPE)
+def _product(x, w, gs, impl):
   return impl.fwd(x, w, gs)
 
 
 @jax.named_scope(SCOPE)
-def _gmm_fwd(x, w, gs, impl):
-  return impl.fwd(x, w, gs), (x, w, gs)
-
-
-@jax.named_scope(SCOPE)
-def _gmm_bwd(impl, res, dy):
-  x, w, gs = res
+def _gradients(x, w, gs, dy, impl):
   dy = dy.astype(x.dtype)
-  return impl.dx(dy, w, gs), impl.dw(x, dy, gs).astype(w.dtype), None
+  return impl.dx(dy, w, gs), impl.dw(x, dy, gs).astype(w.dtype)
 
 
+_product_once = traced_once(_product, static_argnums=(3,))
+_gradients_once = traced_once(_gradients, static_argnums=(4,))
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
-_gmm_once = traced_once(_gmm, static_argnums=(3,))   # one compiled copy of each kernel, however many layers call it

@@ -100,13 +100,15 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_sta
   plan = Plan(scale=float(scale), lower_bound=float(lower_bound), valid_len=T if pad else None,
               has_state=S0 is not None, block_v_fwd=options.block_v or default_block_v(B * segments, H, V),
               block_v_bwd=options.block_v or default_block_v(B, H, V), segments=segments, options=options)
-  o, S = _kda_once(plan, q, k, v, g, beta, gate, S0, reset)
+  o, S = _kda(plan, q, k, v, g, beta, gate, S0, reset)
   return o[:, :T], (S if output_final_state else None)
 
 
+# The forward and the backward each run as one call lowered once per program (`traced_once`): one compiled copy of
+# each kernel, however many layers, passes and recomputations call it.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda(plan, q, k, v, g, beta, gate, S0, reset):
-  return _forward(plan, q, k, v, g, beta, gate, S0, reset, save=False)[0]
+  return _forward_once(plan, False, q, k, v, g, beta, gate, S0, reset)[0]
 
 
 def inverts_diagonal(options, dtype, K, V, *, save):
@@ -133,10 +135,14 @@ def _forward(plan, q, k, v, g, beta, gate, S0, reset, *, save):
 
 
 def _kda_fwd(plan, q, k, v, g, beta, gate, S0, reset):
-  return _forward(plan, q, k, v, g, beta, gate, S0, reset, save=True)
+  return _forward_once(plan, True, q, k, v, g, beta, gate, S0, reset)
 
 
 def _kda_bwd(plan, res: Residuals, cotangents):
+  return _backward_once(plan, res, cotangents)
+
+
+def _backward(plan, res: Residuals, cotangents):
   opts = plan.options
   do, dS_T = cotangents
   do = do.astype(res.q.dtype)
@@ -162,5 +168,10 @@ def _kda_bwd(plan, res: Residuals, cotangents):
   return dq, dk, dv, dg, dbeta, (dA_log, ddt_bias), dS0, None
 
 
+def _kda_forward(plan, save, *args):
+  return _forward(plan, *args, save=save)
+
+
+_forward_once = traced_once(_kda_forward, static_argnums=(0, 1))
+_backward_once = traced_once(_backward, static_argnums=(0,))
 _kda.defvjp(_kda_fwd, _kda_bwd)
-_kda_once = traced_once(_kda, static_argnums=(0,))   # one compiled copy of each kernel, however many layers call it

@@ -178,12 +178,12 @@ def test_layers_of_equal_shapes_trace_the_products_as_often_as_one_layer(monkeyp
     monkeypatch.setattr(ops.XlaProducts, name,
                         lambda self, *a, _name=name, _f=original: traced.append(_name) or _f(self, *a))
   kx, kw = jax.random.split(jax.random.key(0))
-  x, w = jax.random.normal(kx, (32, 16)), jax.random.normal(kw, (16, 16))
   sizes = jnp.array([10, 12, 10], jnp.int32)
 
   def traces(layers):
     traced.clear()
-    jax.clear_caches()   # each count from a fresh trace cache
+    d = 16 + layers   # each count from shapes of its own: nothing traced before
+    x, w = jax.random.normal(kx, (32, d)), jax.random.normal(kw, (d, d))
     def loss(x, w):
       for _ in range(layers):
         x = jnp.tanh(grouped_matmul(x, jnp.stack([w, 2 * w, -w]), sizes, backend="xla"))

@@ -226,18 +226,23 @@ def test_kernels_lower_to_triton_for_the_gpu(monkeypatch):
 
 
 def test_layers_share_one_lowered_copy_of_each_kernel(monkeypatch):
-  """A program of 2 or 5 KDA layers (forward and backward, as lowered for the GPU) holds the same number of copies of
-  each kernel: calls of equal shapes share one traced program, so XLA compiles each kernel once, not per layer."""
+  """A program of one KDA layer and one of five (two unrolled, one rematerialised, two scanned), forward and backward
+  as lowered for the GPU, hold the same copies of each kernel: however JAX's transformations copy the calls, each
+  kernel is lowered once, so XLA compiles it once, not per layer, per scan or per recomputation."""
   B, T, H, D = 1, 128, 2, 64
   args = ([jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 4 + [jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)]
           + [jax.ShapeDtypeStruct((H,), jnp.float32), jax.ShapeDtypeStruct((H, D), jnp.float32)])
 
   def copies(layers):
     def loss(q, k, v, g, beta, A_log, dt_bias):
-      for _ in range(layers):
-        v = v + kda.fused_kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=-5.0, backend="pallas")[0]
+      layer = lambda v: v + kda.fused_kda(q, k, v, g, beta, A_log, dt_bias, lower_bound=-5.0, backend="pallas")[0]
+      v = layer(v)
+      if layers > 1:
+        v = jax.checkpoint(layer)(layer(v))
+        v = jax.lax.scan(lambda v, _: (layer(v), None), v, length=2)[0]
       return v.astype(jnp.float32).sum()
     text = cuda_module_text(monkeypatch, jax.grad(loss, argnums=tuple(range(7))), *args)
     return collections.Counter(re.findall(r'name = "(kda_\w+)"', text))
-  two, five = copies(2), copies(5)
-  assert two == five and {"kda_prepare", "kda_state_bwd", "kda_intra_bwd_cols"} <= set(two), (two, five)
+  one, five = copies(1), copies(5)
+  assert one == five and {"kda_prepare", "kda_state_bwd", "kda_intra_bwd_cols"} <= set(one), (one, five)
+  assert set(one.values()) == {1}, one
