@@ -154,14 +154,20 @@ class KDALayer(nnx.Module):
     return self._output(o, x_B1D), KDACache(conv, S)
 
   def _projections(self, x_BTD, conv_state, segment_ids_BT):
-    """((q, k, v after the short conv, gate input z, β logits), the new conv state); q and k not yet normalised."""
+    """((q, k, v after the short conv, gate input z, β logits), the new conv state); q and k not yet normalised.
+
+    One product gives the pre-conv q|k|v; the conv (depthwise, so channel by channel) runs on q, k and v apart, each
+    writing its own array: the kernels take q, k and v whole, and splitting one conv output would copy all three."""
     B, T, _ = x_BTD.shape
     H, K, V = self.H, self.K, self.V
-    qkv, conv_state = short_conv(self.w_qkv(x_BTD), self.conv[...], conv_state, segment_ids_BT)
-    q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+    cuts = [H * K, 2 * H * K]
+    states = [None] * 3 if conv_state is None else jnp.split(conv_state, cuts, axis=-1)
+    convs = [short_conv(x, w, state, segment_ids_BT) for x, w, state in
+             zip(jnp.split(self.w_qkv(x_BTD), cuts, axis=-1), jnp.split(self.conv[...], cuts, axis=-1), states)]
+    (q, q_state), (k, k_state), (v, v_state) = convs
     raw = (q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V),
            self.w_f(x_BTD).reshape(B, T, H, K), self.w_beta(x_BTD))
-    return raw, conv_state
+    return raw, jnp.concatenate([q_state, k_state, v_state], axis=-1)
 
   def _output(self, o_BTHV, x_BTD):
     B, T, _ = x_BTD.shape
