@@ -93,6 +93,18 @@ def segments(B, lengths):
   return jnp.broadcast_to(ids, (B, ids.shape[0]))
 
 
+def random_segments(seed, B, T, docs, pad):
+  """Segment ids `[B, T]` (NumPy): per row `docs` documents of random lengths ≥ 1 (ids 1..docs), then `pad`
+  padding positions (id 0)."""
+  rng = np.random.default_rng(seed)
+  out = np.zeros((B, T), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T - pad), docs - 1, replace=False))
+    for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, T - pad])):
+      out[b, lo:hi] = i + 1
+  return out
+
+
 def abstract(factory, fn, *args):
   """Shapes and dtypes of `fn(module, *args)` for `module = factory(rngs)`, never allocated: nothing compiles."""
   module = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))

@@ -12,6 +12,7 @@ import pytest
 
 from k3jax.numerics import rel_err
 from k3jax.ops import mla
+from model_testing import random_segments
 
 pytestmark = pytest.mark.gpu
 
@@ -20,16 +21,6 @@ BF16_FLOOR = 2e-3      # bf16's rounding of a result at unit scale
 # (B, T, documents, padding, max_documents, Dv)
 CASES = {"documents and padding": (2, 1024, 5, 37, 8, 128), "one document": (3, 1000, 1, 0, 16, 128),
          "more documents than slots": (2, 512, 9, 0, 4, 128), "Dv under Dqk": (2, 640, 3, 11, 16, 64)}
-
-
-def _segment_ids(seed, B, T, docs, pad):
-  rng = np.random.default_rng(seed)
-  out = np.zeros((B, T), np.int32)
-  for b in range(B):
-    cuts = np.sort(rng.choice(np.arange(1, T - pad), docs - 1, replace=False))
-    for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, T - pad])):
-      out[b, lo:hi] = i + 1
-  return out
 
 
 def _reference(q, k, v, seg, scale):
@@ -58,7 +49,7 @@ def test_packed_documents_are_held_to_the_dense_masks_error(case):
   q, k = (jax.random.normal(kk, (B, T, H, D), jnp.float32) for kk in ks[:2])
   v = jax.random.normal(ks[2], (B, T, H, Dv), jnp.float32)
   do = jax.random.normal(ks[3], (B, T, H, Dv), jnp.float32)
-  seg = jnp.asarray(_segment_ids(T, B, T, docs, pad))
+  seg = jnp.asarray(random_segments(T, B, T, docs, pad))
   _, _, runs = mla.document_runs(seg, max_documents)
   assert (int(runs.max()) > max_documents) == (case == "more documents than slots")
   scale = D ** -0.5
@@ -84,7 +75,7 @@ def test_the_backward_carries_no_quadratic_residual():
     pytest.skip("cuDNN attention needs a GPU (it is traced only where cuDNN is found)")
   B, T, H, D = 1, 512, 2, 128
   x = jnp.ones((B, T, H, D), jnp.bfloat16)
-  seg = jnp.asarray(_segment_ids(0, B, T, 3, 5))
+  seg = jnp.asarray(random_segments(0, B, T, 3, 5))
 
   def forward_and_backward(q, k, v):
     o, vjp = jax.vjp(lambda *a: mla.causal_attention(*a, seg, scale=D ** -0.5, impl="cudnn"), q, k, v)

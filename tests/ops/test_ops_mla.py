@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops import mla
 from k3jax.numerics import rel_err
+from k3jax.ops import mla
+from model_testing import random_segments
 
 B, H, D, DV, R = 3, 2, 8, 6, 12
 
@@ -119,23 +120,12 @@ def test_decode_impl_choice_and_refusals():
                          impl="cuda")
 
 
-def _segment_ids(seed, B, T, docs, pad):
-  """Rows of `docs` documents (ids 1..docs, random lengths ≥ 1) then `pad` padding positions (id 0)."""
-  rng = np.random.default_rng(seed)
-  out = np.zeros((B, T), np.int32)
-  for b in range(B):
-    cuts = np.sort(rng.choice(np.arange(1, T - pad), docs - 1, replace=False))
-    for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, T - pad])):
-      out[b, lo:hi] = i + 1
-  return out
-
-
 @pytest.mark.parametrize("docs,pad,max_runs", [(1, 0, 1), (4, 0, 4), (5, 7, 8), (9, 3, 4)])
 def test_document_runs_place_every_position_in_its_document(docs, pad, max_runs):
   """The packed layout read back position by position gives each position's run: the same positions as the segment
   ids' equality, slots past a row's runs at −1, and the count of runs, also when it exceeds the slots (then only
   the first max_runs are laid out)."""
-  seg = _segment_ids(docs * 10 + pad, 3, 37, docs, pad)
+  seg = random_segments(docs * 10 + pad, 3, 37, docs, pad)
   offsets, lengths, runs = (np.asarray(a) for a in mla.document_runs(jnp.asarray(seg), max_runs))
   n = docs + (pad > 0)
   assert offsets.shape == (3, max_runs + 1) and lengths.shape == (3, max_runs)
@@ -173,7 +163,7 @@ def test_causal_attention_is_the_formula_within_documents(with_segments):
   ks = jax.random.split(jax.random.PRNGKey(3), 3)
   q, k = (jax.random.normal(kk, (B, T, H, D)) for kk in ks[:2])
   v = jax.random.normal(ks[2], (B, T, H, DV))
-  seg = _segment_ids(5, B, T, 3, 4) if with_segments else np.ones((B, T), np.int32)
+  seg = random_segments(5, B, T, 3, 4) if with_segments else np.ones((B, T), np.int32)
   with jax.default_matmul_precision("highest"):
     o = mla.causal_attention(q, k, v, jnp.asarray(seg) if with_segments else None, scale=D ** -0.5, impl="xla")
   assert o.shape == (B, T, H, DV)
