@@ -93,7 +93,8 @@ class RLRun:
     return out
 
   def collect(self, state, iteration: int):
-    """The iteration's episodes played by the policy: (episodes, trajectories, rewards `[R]`)."""
+    """The iteration's episodes played by the policy: (episodes, trajectories, rewards `[R]`, the session's
+    `sampler.Timing`)."""
     r = self.config.rl
     episodes = [envs.reset(name, self.train_seed, index, r.length, max_turns=r.max_turns)
                 for name, index in self.problems(iteration) for _ in range(r.group_size)]
@@ -104,7 +105,7 @@ class RLRun:
         rewards.group_rewards([ep.outcome() for ep in episodes[g:g + r.group_size]],
                               [t.response_tokens for t in trajectories[g:g + r.group_size]], self.reward_cfg)
         for g in range(0, len(episodes), r.group_size)])
-    return episodes, trajectories, reward_R
+    return episodes, trajectories, reward_R, session.timing
 
   def update(self, state, ref, trajectories, reward_R):
     """The iteration's optimizer steps (`ref`: the reference's `model_variables`); returns (state, metrics averaged
@@ -129,7 +130,7 @@ class RLRun:
   def iteration(self, state, ref, iteration: int):
     """One rollout + update; returns (state, the metrics record)."""
     start = time.perf_counter()
-    episodes, trajectories, reward_R = self.collect(state, iteration)
+    episodes, trajectories, reward_R, timing = self.collect(state, iteration)
     rolled = time.perf_counter()
     state, m = self.update(state, ref, trajectories, reward_R)
     jax.block_until_ready(state)
@@ -139,7 +140,8 @@ class RLRun:
     record = {"step": iteration + 1, "reward_mean": float(reward_R.mean()),
               **evaluate.episode_stats(episodes, trajectories), **m,
               "groups_with_signal": float(np.mean(std > 0)), "rollout_s": rolled - start, "update_s": done - rolled,
-              "rollout_tokens_per_s": generated / (rolled - start)}
+              "rollout_share": (rolled - start) / (done - start), "rollout_tokens_per_s": generated / (rolled - start),
+              **timing.rates()}
     return state, record
 
   # -- the run ---------------------------------------------------------------------------------------------------
@@ -296,5 +298,7 @@ class RLRun:
       if logged:
         print(f"rl: {len(logged)} logged iterations, {rollout_s + update_s:.0f} s: generation "
               f"{rollout_s / (rollout_s + update_s):.0%}, training {update_s / (rollout_s + update_s):.0%}; "
-              f"{np.mean([x['rollout_tokens_per_s'] for x in logged]):,.0f} sampled tokens/s", flush=True)
+              f"{np.mean([x['rollout_tokens_per_s'] for x in logged]):,.0f} sampled tokens/s (prefill "
+              f"{np.mean([x['prefill_tokens_per_s'] for x in logged]):,.0f}, decode "
+              f"{np.mean([x['decode_tokens_per_s'] for x in logged]):,.0f} tokens/s)", flush=True)
     return {"before": before, "after": after}

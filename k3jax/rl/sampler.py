@@ -9,10 +9,14 @@ loop does not feed, and the result) are prefilled from the cache: the KDA state 
 history is never run again.
 
 A session compiles three programs, once per (rows, max_len): the prompt's chunk step (`prefill_chunk` tokens), the
-continuation's chunk step (`append_chunk` tokens) and the decode loop (`turn_tokens` steps, these options).
+continuation's chunk step (`append_chunk` tokens) and the decode loop (`turn_tokens` steps, these options). Its
+`timing` counts the tokens and seconds of each kind of work: prefill (prompts and what is appended to them) and
+decode (the sampled tokens), each waited for before its clock stops.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Protocol, Sequence
 
 import jax
@@ -72,6 +76,22 @@ class Sampler:
     return CachedSession(self, prompts, max_len)
 
 
+@dataclasses.dataclass
+class Timing:
+  """Tokens and seconds a session spent prefilling (prompts, appended results; real tokens, not padding) and
+  decoding (the tokens sampled for the rows asked)."""
+  prefill_tokens: int = 0
+  prefill_s: float = 0.0
+  decode_tokens: int = 0
+  decode_s: float = 0.0
+
+  def rates(self) -> dict[str, float]:
+    """{"prefill_tokens_per_s", "decode_tokens_per_s"} (0 where nothing ran)."""
+    rate = lambda n, s: n / s if s > 0 else 0.0
+    return {"prefill_tokens_per_s": rate(self.prefill_tokens, self.prefill_s),
+            "decode_tokens_per_s": rate(self.decode_tokens, self.decode_s)}
+
+
 class CachedSession:
   """A `Session` over a `generate_lib` cache (see the module docstring)."""
 
@@ -82,9 +102,12 @@ class CachedSession:
       raise ValueError(f"prompts must be non-empty and at most max_len={max_len} tokens, got lengths "
                        f"{[len(c) for c in self.contexts]}")
     self.queued = [np.zeros(0, np.int32) for _ in self.contexts]   # each row's tokens not yet in its cache
+    self.timing = Timing()
+    start = time.perf_counter()
     self.logits, self.cache = generate_lib.prefill_chunked(
         sampler.model, jnp.asarray(_padded(self.contexts, sampler.prefill_chunk)),
         np.array([len(c) for c in self.contexts]), chunk=sampler.prefill_chunk, max_len=self.max_len)
+    self._count_prefill(sum(len(c) for c in self.contexts), start)
 
   def context(self, row: int) -> np.ndarray:
     return self.contexts[row]
@@ -102,10 +125,17 @@ class CachedSession:
     if not lengths.any():
       return
     s = self.sampler
+    start = time.perf_counter()
     self.logits, self.cache = generate_lib.prefill_chunked(
         s.model, jnp.asarray(_padded(self.queued, s.append_chunk)), lengths, chunk=s.append_chunk,
         cache=self.cache, logits_BV=self.logits)
+    self._count_prefill(int(lengths.sum()), start)
     self.queued = [np.zeros(0, np.int32) for _ in self.queued]
+
+  def _count_prefill(self, tokens: int, start: float) -> None:
+    jax.block_until_ready(self.logits)
+    self.timing.prefill_tokens += tokens
+    self.timing.prefill_s += time.perf_counter() - start
 
   def generate(self, rows, max_new, rng) -> list[np.ndarray]:
     rows, max_new = [int(r) for r in rows], [int(n) for n in max_new]
@@ -119,11 +149,14 @@ class CachedSession:
     self._feed_queued()
     budget_B = np.zeros(len(self.contexts), np.int32)
     budget_B[rows] = max_new
+    start = time.perf_counter()
     out_BN, got_B, self.cache = generate_lib.decode_loop(s.model, self.logits, self.cache, rng,
                                                          max_new=s.turn_tokens, max_new_B=budget_B,
                                                          options=s.options)
     out_BN, got_B = jax.device_get((out_BN, got_B))
     new = [out_BN[r, :got_B[r]].astype(np.int32) for r in rows]
+    self.timing.decode_tokens += sum(len(t) for t in new)
+    self.timing.decode_s += time.perf_counter() - start
     for r, t in zip(rows, new):
       self.contexts[r] = np.concatenate([self.contexts[r], t])
       self.queued[r] = t[-1:]   # the decode loop feeds every token but the last

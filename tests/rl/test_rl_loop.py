@@ -25,7 +25,8 @@ from k3jax.train import batches, interrupt, workdir as workdir_lib
 pytestmark = pytest.mark.xdist_group("rl_loop")
 LENGTH, ITERATIONS = 240, 3
 REQUIRED = ("step", "reward_mean", "success_rate", "kl", "response_tokens", "tool_calls", "invalid_calls")
-TIMING = ("rollout_s", "update_s", "rollout_tokens_per_s")
+TIMING = ("rollout_s", "update_s", "rollout_share", "rollout_tokens_per_s", "prefill_tokens_per_s",
+          "decode_tokens_per_s")
 
 
 def make_config():

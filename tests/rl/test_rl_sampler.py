@@ -82,6 +82,24 @@ def test_greedy_episodes_continued_after_tool_results_equal_a_full_forward_over_
     np.testing.assert_array_equal(traj.tokens[own], greedy[row, own - 1])
 
 
+def test_timing_counts_the_real_tokens_prefilled_and_sampled():
+  """Prompts and appended results count as prefill (their real tokens, not the chunks' padding); the sampled tokens
+  of the rows asked count as decode; both with positive seconds."""
+  prompts = _prompts()
+  session = _session(sampling.SamplingOptions(pad_id=tok.PAD))
+  assert session.timing.prefill_tokens == sum(len(p) for p in prompts) and session.timing.decode_tokens == 0
+  first = session.generate([0, 2], [9, 12], jax.random.PRNGKey(0))
+  result = tok.encode("<result>ab</result>")
+  session.append(0, result)
+  second = session.generate([0], [5], jax.random.PRNGKey(1))
+  t = session.timing
+  assert t.decode_tokens == sum(len(n) for n in first + second)
+  # before the second turn: row 0's last sampled token and its result, row 2's last sampled token
+  assert t.prefill_tokens == sum(len(p) for p in prompts) + 1 + len(result) + 1
+  rates = t.rates()
+  assert t.prefill_s > 0 and t.decode_s > 0 and rates["prefill_tokens_per_s"] > 0 and rates["decode_tokens_per_s"] > 0
+
+
 def test_turns_stop_after_a_stop_string_or_a_stop_token():
   model, prompts = shared_model(CHANGES), _prompts()
   free = [_greedy_reference(model, p, TURN) for p in prompts]
