@@ -2,7 +2,7 @@
 own Python with a time limit; their JSON and PNGs go to `--out/<scale>/`, each one's output to `--out/<name>.log`;
 prints a table of the runs, then the results table of docs/results.md for that scale.
 
-  python -m experiments.run_notebooks --scale=gpu --out=$OUT/notebooks     # all six on one H200 (1-5: ~8 minutes)
+  python -m experiments.run_notebooks --scale=gpu --out=$OUT/notebooks     # all six on one H200
   python -m experiments.run_notebooks --scale=cpu --notebooks=01,05        # the CPU smoke setting, two of them
 
 At the GPU scale every program that the notebooks' training runs compile (each variant's init per seed, train step

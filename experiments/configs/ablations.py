@@ -2,8 +2,9 @@
 
 - "cpu": a smoke run, a minute or two per notebook on a 2-core CPU: it shows that the notebook runs end to end, not
   what the answer is (a model this small, trained this briefly, says nothing about K3's claims).
-- "gpu": research scale on one H200, sized so that notebooks 1-5 together run in about 8 minutes
-  (`python -m experiments.run_notebooks --scale=gpu`, which compiles every notebook's programs at once first): a
+- "gpu": research scale on one H200, meant to run in minutes per notebook (`python -m
+  experiments.run_notebooks --scale=gpu`, which compiles every notebook's programs at once first; not yet seen to
+  finish: notebook 01's variants compiled in 68-77 s and the notebook then ran past a 4-minute limit): a
   3:1 KDA/MLA model of d = 512 and 4 layers (about 12M parameters besides the embeddings; dense FFNs, except in the
   balancing study; 8 narrower layers where depth or the ratio is the question) trained on 16,384 tokens per step
   for 100-150 steps, two seeds. That is a few million tokens per run: enough to separate large effects (load
