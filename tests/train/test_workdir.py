@@ -43,9 +43,11 @@ def test_free_fields_pass_and_an_allowed_change_is_recorded(tmp_path):
   started(tmp_path, tiny.get_config())
   c = tiny.get_config()
   c.log_every, c.checkpoint_every, c.keep_checkpoints, c.eval.lengths = 1, 5, 9, (64, 512)
+  c.model.mla.max_documents = 4
   record = workdir_lib.check_resume(tmp_path, c)
   assert record["allowed"] is False and set(record["changes"]) == {"log_every", "checkpoint_every",
-                                                                   "keep_checkpoints", "eval.lengths"}
+                                                                   "keep_checkpoints", "eval.lengths",
+                                                                   "model.mla.max_documents"}
   c.optimizer.lr = 1e-3
   record = workdir_lib.check_resume(tmp_path, c, allow_change=True)
   assert record["allowed"] and record["at_step"] == 40 and record["changes"]["optimizer.lr"] == [3e-3, 1e-3]
