@@ -5,6 +5,7 @@ ShapeDtypeStruct, so this measures the Python side of compilation: building the 
 (forward, backward, optimizer, balancer update) to a jaxpr, and lowering it to StableHLO; optionally XLA's compile.
 The script is experiments/lower_train_step.py.
 """
+import re
 import time
 
 import jax
@@ -39,9 +40,10 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
   t_trace = clock.lap()
   lowered = traced.lower()
   t_lower = clock.lap()
+  text = lowered.as_text()
   out = {"state_s": t_state[0], "trace_s": t_trace[0], "lower_s": t_lower[0], "trace_lower_s": t_trace[0] + t_lower[0],
-         "trace_lower_cpu_s": t_trace[1] + t_lower[1], "stablehlo_mb": len(lowered.as_text().encode()) / 1e6,
-         "jaxpr_eqns": len(traced.jaxpr.eqns)}
+         "trace_lower_cpu_s": t_trace[1] + t_lower[1], "stablehlo_mb": len(text.encode()) / 1e6,
+         "jaxpr_eqns": len(traced.jaxpr.eqns), **kernel_calls(text)}
   if compile_too:
     clock.lap()
     mem = lowered.compile().memory_analysis()
@@ -49,6 +51,14 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
     if mem is not None:  # XLA's own count for the step: its temporaries (activations and the like)
       out["temp_gib"] = mem.temp_size_in_bytes / 2 ** 30
   return out
+
+
+def kernel_calls(stablehlo_text: str) -> dict[str, int]:
+  """The GPU kernels a lowered program launches (none in interpret mode): Triton custom calls, Mosaic GPU custom
+  calls and their distinct kernels (by kernel hash: XLA compiles each distinct one, in series)."""
+  mosaic = re.findall(r'custom_call @mosaic_gpu_v2\(.*?kernel_hash = "((?:[^"\\]|\\.)*)"', stablehlo_text)
+  return {"triton_calls": len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(", stablehlo_text)),
+          "mosaic_gpu_calls": len(mosaic), "mosaic_gpu_kernels": len(set(mosaic))}
 
 
 class _Clock:
