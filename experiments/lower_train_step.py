@@ -34,7 +34,7 @@ def main(argv):
   print(f"{_CONFIG.value}: {config.model.num_layers} layers, {_MICRO.value} x {_BATCH.value} x {_SEQ_LEN.value} "
         f"tokens, mesh {_MESH.value} on {jax.devices()[0].platform}")
   for k, v in r.items():
-    print(f"  {k:<16}{v:>10.2f}" if isinstance(v, float) else f"  {k:<16}{v:>10}")
+    print(f"  {k:<20}{v:>10.2f}" if isinstance(v, float) else f"  {k:<20}{v:>10}")
 
 
 if __name__ == "__main__":
