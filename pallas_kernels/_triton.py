@@ -86,6 +86,7 @@ class _Call:
     return jax.tree.leaves(self._flat_in(*leaves))
 
   def _flat_in(self, *leaves):
+    """`fn` on flat input leaves (the static arguments put back in their places), returning its own output."""
     dynamic = jax.tree.unflatten(self.in_tree, leaves)
     parts = (iter(self.static), iter(dynamic))
     n = len(self.static) + len(dynamic)
