@@ -10,6 +10,7 @@ one at a time (`benchmark.measure_in_turn`):
 config's tokens per step. `--profile` also traces a few steps per variant and prints their device time by kind of
 kernel (GEMM, grouped GEMM, attention, KDA, dispatch, collective, other) with launch counts and the glue's share
 (`k3jax/train/profile.py`); `--profile_compile` traces each compile and prints XLA's phases by seconds.
+`--documents=data --documents=one` times each compiled step on the mixture's rows and on rows of one document each.
 "compile s" is the train step's, from tracing to compiled (the JSON also has its trace and lower, and the init's
 compile). MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in
 k3jax/train/flops.py; a CPU reports no MFU.
@@ -40,8 +41,9 @@ _PROFILE_COMPILE = flags.DEFINE_bool("profile_compile", False, "trace each varia
 _OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
 _CACHE = flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun "
                              "skips them (every variant's process uses it)")
-_DOCUMENTS = flags.DEFINE_enum("documents", "data", list(benchmark.DOCUMENTS), "data: the rows as the mixture packs "
-                                "them; one: each row one document, attention at a context of the row's length")
+_DOCUMENTS = flags.DEFINE_multi_enum("documents", ["data"], list(benchmark.DOCUMENTS), "rows to time each step on "
+                                     "(repeat the flag for both): data, as the mixture packs them; one, each row one "
+                                     "document (attention at a context of the row's length)")
 flags.mark_flags_as_required(["config"])
 
 

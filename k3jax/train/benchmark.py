@@ -253,39 +253,51 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
 
 
 def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | None = None, steps: int, warmup: int,
-                  profile_steps: int = 0, profile_compile: bool = False, remats=(None,), documents: str = "data",
+                  profile_steps: int = 0, profile_compile: bool = False, remats=(None,), documents=("data",),
                   on_row: Callable[[list[dict]], None] | None = None):
   """`time_train_step` of `config` with each layer pattern of `patterns` and each remat policy of `remats` (None:
   the config's) at each (seq_len, tokens per step) of `stage_lengths(config, seq_lens, tokens_per_step)`, every
   variant in its own process (`measure_in_turn`); prints each row (and its profiles: `profile_steps`,
-  `profile_compile`) as it comes and calls `on_row(rows so far)` after each; `documents` as in `time_train_step`.
-  Returns (the rows, each with "variant": its pattern, and "/policy" when a remat policy was given; the (variant,
-  seq_len) of the variants that failed)."""
+  `profile_compile`) as it comes and calls `on_row(rows so far)` after each. Each variant's compiled step is timed on
+  the rows of each of `documents` (as in `time_train_step`). Returns (the rows, each with "variant": its pattern,
+  "/policy" when a remat policy was given, "/documents" when several were; the (variant, seq_len) of the variants
+  that failed)."""
+  documents = tuple(documents)
+  bad = [d for d in documents if d not in DOCUMENTS]
+  if not documents or bad:
+    raise ValueError(f"documents must be some of {DOCUMENTS}, got {documents}")
   names = [(p + (f"/{r}" if r else ""), p, r, t, n) for p in patterns for r in remats
            for t, n in stage_lengths(config, seq_lens, tokens_per_step)]
   configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n, remat=r) for _, p, r, t, n in names]
   print(f"compiling {len(configs)} variants, one process each: "
         + ", ".join(f"{name} T={t} B={n // t}" for name, _, _, t, n in names), flush=True)
-  measure = functools.partial(time_train_step, steps=steps, warmup=warmup, profile_steps=profile_steps,
-                              documents=documents)
+  measure = functools.partial(_time_on_each, documents=documents, steps=steps, warmup=warmup,
+                              profile_steps=profile_steps)
   rows, failed = [], []
-  for (name, *_, seq_len, _), row in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
-    if "error" in row:
+  for (name, *_, seq_len, _), result in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
+    if "error" in result:
       failed.append((name, seq_len))
-      print(f"{name} at T={seq_len} failed:\n{row['error']}", flush=True)
+      print(f"{name} at T={seq_len} failed:\n{result['error']}", flush=True)
       continue
-    rows.append({"variant": name, **row})
-    print(format_table(rows[-1:]).splitlines()[-1], flush=True)
-    if "profile" in row:
-      kernels = [profile.Kernel(**k) for k in row["profile"]["kernels"]]
-      print(f"profile of {name} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
-            flush=True)
-    if "compile_phases" in row:
-      print(f"compile of {name} at T={seq_len} by phase (summed over threads):\n"
-            f"{profile.format_compile_phases(row['compile_phases'])}", flush=True)
-    if on_row is not None:
-      on_row(rows)
+    for row in result["rows"]:
+      label = name + (f"/{row['documents']}" if len(documents) > 1 else "")
+      rows.append({"variant": label, **row})
+      print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+      if "profile" in row:
+        kernels = [profile.Kernel(**k) for k in row["profile"]["kernels"]]
+        print(f"profile of {label} at T={seq_len}, per step:\n{profile.format_breakdown(row['profile'], kernels)}",
+              flush=True)
+      if "compile_phases" in row and row is result["rows"][0]:   # one compile, however many row kinds
+        print(f"compile of {name} at T={seq_len} by phase (summed over threads):\n"
+              f"{profile.format_compile_phases(row['compile_phases'])}", flush=True)
+      if on_row is not None:
+        on_row(rows)
   return rows, failed
+
+
+def _time_on_each(c: CompiledRun, *, documents, **timing) -> dict:
+  """{"rows": `time_train_step` of one compiled step on the rows of each of `documents`}."""
+  return {"rows": [time_train_step(c, documents=d, **timing) for d in documents]}
 
 
 def loss_curve(c: CompiledRun, *, steps: int, warmup: int = 5) -> dict:

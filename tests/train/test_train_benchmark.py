@@ -78,6 +78,8 @@ def test_time_train_step_gives_one_document_rows_when_asked():
     assert all((s == 1).all() == one for s in recording.segment_ids)
   with pytest.raises(ValueError, match="documents must be one of"):
     benchmark.time_train_step(run, steps=1, warmup=0, documents="packed")
+  with pytest.raises(ValueError, match="documents must be some of"):
+    benchmark.time_variants(config, patterns=["mla"], steps=1, warmup=0, documents=("data", "packed"))
 
 
 @pytest.mark.parametrize("name, target, op_name, kind", [
@@ -220,10 +222,12 @@ def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
   assert bad.returncode != 0 and "no config of that name" in bad.stderr and "'tiny'" in bad.stderr, bad.stderr[-2000:]
   done = run("--config=tiny", "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=4",
              "--patterns=config", "--steps=1", "--warmup=1", "--profile", "--profile_steps=1",
-             f"--out={tmp_path / 'rows.json'}")
+             "--documents=data", "--documents=one", f"--out={tmp_path / 'rows.json'}")
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   assert "config T=16 B=4" in done.stdout and "glue by scope" in done.stdout
-  assert "profile" in json.loads((tmp_path / "rows.json").read_text())[0]
+  rows = json.loads((tmp_path / "rows.json").read_text())   # one compiled step, timed on both kinds of rows
+  assert [(r["variant"], r["documents"]) for r in rows] == [("config/data", "data"), ("config/one", "one")]
+  assert all("profile" in r for r in rows)
 
 
 def test_compile_in_threads_gives_each_lowered_program_compiled_under_its_key():
