@@ -8,7 +8,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.extend
-import jax.numpy as jnp
 from jax.interpreters import batching, mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
