@@ -19,8 +19,9 @@ Rows have their own lengths: the query of row b at position p attends to positio
   "xla" masks the scores with the `[B,1,T,T]` document mask. "cudnn" gives cuDNN each row's runs of equal segment
   ids as packed sequences (`document_runs`: offsets and lengths, at most `max_documents` a row), so it computes no
   score across documents and reads no mask: the dense mask, which cuDNN takes as an additive bias, doubles the
-  attention of one document and is O(T²) memory. A batch with a row of more runs takes the dense mask instead
-  (both are in the program; `lax.cond` picks), so the result never depends on the bound.
+  attention of one document and is O(T²) memory. A batch with a row of more runs takes `blocked_attention` instead
+  (an fp32 online softmax over blocks, O(T) memory, slow; both are in the program and `lax.cond` picks, so XLA
+  plans memory for both), and the result never depends on the bound.
 - `decode_attention` (one token) is absorbed: q̃_h = W_uk,h q_h scores the latents (multi-query attention with
   one shared key/value head of width R) and the result is the attention-weighted latent; decoding is bound by
   reading the cache, which this reads once per step (the Pallas kernel) instead of materialising keys and values.
@@ -57,7 +58,7 @@ def causal_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: floa
   """softmax(scale · q kᵀ) v with query t of a row attending to keys s ≤ t of its document: the same segment id
   (runs of equal ids; padding, id 0, is one more run). q, k `[B, T, H, Dqk]`, v `[B, T, H, Dv]`; returns
   `[B, T, H, Dv]` in q's dtype. `impl` "xla" (a dense mask) or "cudnn" (packed runs, at most `max_documents` a row,
-  else the dense mask; bf16 or fp16, a GPU)."""
+  else `blocked_attention`; bf16 or fp16, a GPU)."""
   if impl not in CAUSAL_IMPLS:
     raise ValueError(f"impl must be one of {CAUSAL_IMPLS}, got {impl!r}")
   Dv = v_BTHV.shape[-1]
@@ -78,9 +79,104 @@ def causal_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: floa
     return cudnn.dot_product_attention(q, k, v, None, None, lengths, lengths, offsets, offsets, scale=scale,
                                        mask_type=cudnn.MaskType.PADDING_CAUSAL)
 
-  # The dense branch recomputes its mask in the backward pass: a `[B,1,T,T]` residual of one branch would be
-  # carried (zeros) by the other too, an O(T²) write on every step.
-  return jax.lax.cond(jnp.max(runs_B) <= max_documents, packed, jax.checkpoint(dense))[..., :Dv]
+  def blocked():   # O(T) memory: XLA plans both branches' temporaries, and the fallback must not need T² of them
+    return blocked_attention(q, k, v, segment_ids_BT, scale=scale)
+
+  return jax.lax.cond(jnp.max(runs_B) <= max_documents, packed, blocked)[..., :Dv]
+
+
+def blocked_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, *, scale: float, block: int = 256):
+  """`causal_attention`'s result by blocks of `block` queries and keys with an online softmax (FlashAttention's),
+  in fp32: exact, O(T) memory besides one block pair, every pair at or below the diagonal computed (no document
+  skipped). The backward recomputes the blocks from the saved log-sum-exps. Slow; it is the cuDNN path's fallback
+  for rows of more documents than slots, where the dense mask would be O(T²) memory."""
+  B, T, H, _ = q_BTHD.shape
+  Tp = -(-T // block) * block
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  # Padding positions are a document of their own (−1): no real query sees them, and each sees itself.
+  seg = jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)
+  heads = lambda a: pad(a).transpose(0, 2, 1, 3).astype(jnp.float32)                    # [B, H, Tp, D]
+  o = _blocked(heads(q_BTHD), heads(k_BTHD), heads(v_BTHV), seg, float(scale), int(block))
+  return o.transpose(0, 2, 1, 3)[:, :T].astype(q_BTHD.dtype)
+
+
+def _block_scores(q_blk, k_blk, seg, i, j, scale, block):
+  """Scores of query block i against key block j, and which pairs may attend (causal, same document)."""
+  take = lambda a, n: jax.lax.dynamic_slice_in_dim(a, n * block, block, axis=a.ndim - 1)
+  s = jnp.einsum("bhqd,bhkd->bhqk", q_blk, k_blk, precision=jax.lax.Precision.HIGHEST) * scale
+  pos = jnp.arange(block)
+  ok = (take(seg, i)[:, None, :, None] == take(seg, j)[:, None, None, :]) & (
+      (i * block + pos)[:, None] >= (j * block + pos)[None, :])
+  return s, ok
+
+
+def _rows(a, n, block):
+  return jax.lax.dynamic_slice_in_dim(a, n * block, block, axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blocked(q, k, v, seg, scale, block):
+  return _blocked_fwd(q, k, v, seg, scale, block)[0]
+
+
+def _blocked_fwd(q, k, v, seg, scale, block):
+  B, H, Tp, Dv = v.shape
+  dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+
+  def query_block(i):
+    qi = _rows(q, i, block)
+
+    def key_block(j, carry):
+      m, l, acc = carry
+      s, ok = _block_scores(qi, _rows(k, j, block), seg, i, j, scale, block)
+      m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
+      p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+      correction = jnp.exp(m - m_new)
+      return m_new, l * correction + p.sum(-1), acc * correction[..., None] + dot("bhqk,bhkd->bhqd", p, _rows(v, j, block))
+
+    start = (jnp.full((B, H, block), -1e30, jnp.float32), jnp.zeros((B, H, block), jnp.float32),
+             jnp.zeros((B, H, block, Dv), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, start)   # each query sees itself: l > 0
+    return acc / l[..., None], m + jnp.log(l)
+
+  o, lse = jax.lax.map(query_block, jnp.arange(Tp // block))          # [n, B, H, block, ·]
+  o = jnp.moveaxis(o, 0, 2).reshape(B, H, Tp, Dv)
+  lse = jnp.moveaxis(lse, 0, 2).reshape(B, H, Tp)
+  return o, (q, k, v, seg, o, lse)
+
+
+def _blocked_bwd(scale, block, res, do):
+  q, k, v, seg, o, lse = res
+  n = q.shape[2] // block
+  dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+  delta = jnp.sum(do * o, axis=-1)                                      # [B, H, Tp]
+
+  def pair(i, j):
+    """(p, ds) of query block i and key block j."""
+    s, ok = _block_scores(_rows(q, i, block), _rows(k, j, block), seg, i, j, scale, block)
+    p = jnp.where(ok, jnp.exp(s - _rows(lse[..., None], i, block)), 0.0)
+    dp = dot("bhqd,bhkd->bhqk", _rows(do, i, block), _rows(v, j, block))
+    return p, p * (dp - _rows(delta[..., None], i, block))
+
+  def dq_block(i):
+    step = lambda j, dq: dq + dot("bhqk,bhkd->bhqd", pair(i, j)[1], _rows(k, j, block)) * scale
+    return jax.lax.fori_loop(0, i + 1, step, jnp.zeros_like(_rows(q, i, block)))
+
+  def dkv_block(j):
+    def step(i, carry):
+      dk, dv = carry
+      p, ds = pair(i, j)
+      return (dk + dot("bhqk,bhqd->bhkd", ds, _rows(q, i, block)) * scale,
+              dv + dot("bhqk,bhqd->bhkd", p, _rows(do, i, block)))
+    return jax.lax.fori_loop(j, n, step, (jnp.zeros_like(_rows(k, j, block)), jnp.zeros_like(_rows(v, j, block))))
+
+  merge = lambda blocks: jnp.moveaxis(blocks, 0, 2).reshape(blocks.shape[1], blocks.shape[2], -1, blocks.shape[-1])
+  dq = merge(jax.lax.map(dq_block, jnp.arange(n)))
+  dk, dv = (merge(b) for b in jax.lax.map(dkv_block, jnp.arange(n)))
+  return dq, dk, dv, None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def document_mask(segment_ids_BT):

@@ -1,9 +1,9 @@
 """MLA's training attention on cuDNN (`k3jax.ops.mla.causal_attention`, impl "cudnn"): documents as packed runs,
-and the dense document mask when a row has more runs than `max_documents`. bf16 inputs against the fp32 formula
-("highest"), the output and the gradients of q, k and v over real (non-padding) positions, each held to the error
-of cuDNN with the dense mask (the path before the packed runs, the anchor) on the same inputs. Cases: documents of
-random lengths and a padding tail, one document, more documents than slots (the fallback), a length no tile
-divides, Dv < Dqk. A GPU only (cuDNN).
+and `blocked_attention` (fp32, by blocks) when a row has more runs than `max_documents`. bf16 inputs against the
+fp32 formula ("highest"), the output and the gradients of q, k and v over real (non-padding) positions, each held to
+the error of cuDNN with the dense mask (the path before the packed runs, the anchor) on the same inputs. Cases:
+documents of random lengths and a padding tail, one document, more documents than slots (the fallback), a length no
+tile divides, Dv < Dqk. A GPU only (cuDNN).
 """
 import jax
 import jax.numpy as jnp
@@ -69,8 +69,8 @@ def test_packed_documents_are_held_to_the_dense_masks_error(case):
 
 
 def test_the_backward_carries_no_quadratic_residual():
-  """The fallback branch's `[B,1,T,T]` mask is recomputed in the backward pass, not carried: a residual of one
-  branch of the `lax.cond` is written (as zeros) by the other too, and at T = 65,536 that was 5 ms a layer."""
+  """Neither branch of the `lax.cond` carries an O(T²) residual into the backward pass: a residual of one branch is
+  written (as zeros) by the other too, and the dense mask's, at T = 65,536, was 5 ms a layer."""
   if not ON_GPU:
     pytest.skip("cuDNN attention needs a GPU (it is traced only where cuDNN is found)")
   B, T, H, D = 1, 512, 2, 128
@@ -82,7 +82,7 @@ def test_the_backward_carries_no_quadratic_residual():
     return vjp(o)
 
   conds = [e for e in _equations(jax.make_jaxpr(forward_and_backward)(x, x, x).jaxpr) if e.primitive.name == "cond"]
-  assert conds, "no cond: the dense fallback is gone from the program, and this test with it"
+  assert conds, "no cond: the fallback is gone from the program, and this test with it"
   sizes = [int(np.prod(v.aval.shape)) for e in conds for v in e.outvars]
   assert max(sizes) < T * T, sizes
 
