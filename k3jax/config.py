@@ -68,7 +68,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.mla.q_lora_rank = None                # None: full-rank W_q
   m.mla.attention_impl = "auto"           # auto: cudnn on GPU in bf16/fp16, xla otherwise
   m.mla.decode_impl = "auto"              # absorbed decode: auto = the Pallas split-K kernel on GPU, xla otherwise
-  m.mla.max_documents = 16               # cuDNN packs at most this many documents (and padding) a row; more: dense mask
+  m.mla.max_documents = 16               # cuDNN packs at most this many documents (and padding) a row; more: blocked
 
   m.moe = ml_collections.ConfigDict()
   m.moe.enabled = False

@@ -105,6 +105,16 @@ def random_segments(seed, B, T, docs, pad):
   return out
 
 
+def causal_attention_reference(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale):
+  """Causal attention within documents (equal segment ids) as its formula in fp32 with exact products
+  (differentiable: the reference for attention's gradients)."""
+  s = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BTHD, precision="highest") * scale
+  T = q_BTHD.shape[1]
+  allowed = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None] & jnp.tril(jnp.ones((T, T), bool))
+  p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)
+  return jnp.einsum("bhts,bshv->bthv", p, v_BTHV, precision="highest")
+
+
 def abstract(factory, fn, *args):
   """Shapes and dtypes of `fn(module, *args)` for `module = factory(rngs)`, never allocated: nothing compiles."""
   module = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))

@@ -47,10 +47,7 @@ def write_latents(ckv_BLR, c_BTR, start_B, lengths_B):
   return ckv_BLR.at[rows_BT, pos_BT].set(c_BTR.astype(ckv_BLR.dtype), mode="drop")
 
 
-CHUNK_IMPLS = ("xla", "cudnn")
-
-
-CAUSAL_IMPLS = ("xla", "cudnn")
+IMPLS = ("xla", "cudnn")   # of `causal_attention` and `chunk_attention`
 
 
 def causal_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: float, impl: str = "xla",
@@ -59,19 +56,17 @@ def causal_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: floa
   (runs of equal ids; padding, id 0, is one more run). q, k `[B, T, H, Dqk]`, v `[B, T, H, Dv]`; returns
   `[B, T, H, Dv]` in q's dtype. `impl` "xla" (a dense mask) or "cudnn" (packed runs, at most `max_documents` a row,
   else `blocked_attention`; bf16 or fp16, a GPU)."""
-  if impl not in CAUSAL_IMPLS:
-    raise ValueError(f"impl must be one of {CAUSAL_IMPLS}, got {impl!r}")
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   Dv = v_BTHV.shape[-1]
   D = max(q_BTHD.shape[-1], Dv)
   # The fused attentions want one head dim for q, k and v: zero-pad to the larger (scores and outputs unchanged).
   q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, D - a.shape[-1]))) for a in (q_BTHD, k_BTHD, v_BTHV))
 
-  def dense():
-    mask = None if segment_ids_BT is None else document_mask(segment_ids_BT)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale, implementation=impl)
-
   if impl == "xla" or segment_ids_BT is None:
-    return dense()[..., :Dv]
+    mask = None if segment_ids_BT is None else document_mask(segment_ids_BT)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
+                                        implementation=impl)[..., :Dv]
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
   offsets, lengths, runs_B = document_runs(segment_ids_BT, max_documents)
 
@@ -100,10 +95,13 @@ def blocked_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, *, scale: float, b
   return o.transpose(0, 2, 1, 3)[:, :T].astype(q_BTHD.dtype)
 
 
+_dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)   # the blocked attention's fp32 products
+
+
 def _block_scores(q_blk, k_blk, seg, i, j, scale, block):
   """Scores of query block i against key block j, and which pairs may attend (causal, same document)."""
   take = lambda a, n: jax.lax.dynamic_slice_in_dim(a, n * block, block, axis=a.ndim - 1)
-  s = jnp.einsum("bhqd,bhkd->bhqk", q_blk, k_blk, precision=jax.lax.Precision.HIGHEST) * scale
+  s = _dot("bhqd,bhkd->bhqk", q_blk, k_blk) * scale
   pos = jnp.arange(block)
   ok = (take(seg, i)[:, None, :, None] == take(seg, j)[:, None, None, :]) & (
       (i * block + pos)[:, None] >= (j * block + pos)[None, :])
@@ -121,7 +119,6 @@ def _blocked(q, k, v, seg, scale, block):
 
 def _blocked_fwd(q, k, v, seg, scale, block):
   B, H, Tp, Dv = v.shape
-  dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
   def query_block(i):
     qi = _rows(q, i, block)
@@ -132,7 +129,8 @@ def _blocked_fwd(q, k, v, seg, scale, block):
       m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
       p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
       correction = jnp.exp(m - m_new)
-      return m_new, l * correction + p.sum(-1), acc * correction[..., None] + dot("bhqk,bhkd->bhqd", p, _rows(v, j, block))
+      acc = acc * correction[..., None] + _dot("bhqk,bhkd->bhqd", p, _rows(v, j, block))
+      return m_new, l * correction + p.sum(-1), acc
 
     start = (jnp.full((B, H, block), -1e30, jnp.float32), jnp.zeros((B, H, block), jnp.float32),
              jnp.zeros((B, H, block, Dv), jnp.float32))
@@ -148,26 +146,25 @@ def _blocked_fwd(q, k, v, seg, scale, block):
 def _blocked_bwd(scale, block, res, do):
   q, k, v, seg, o, lse = res
   n = q.shape[2] // block
-  dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
   delta = jnp.sum(do * o, axis=-1)                                      # [B, H, Tp]
 
   def pair(i, j):
     """(p, ds) of query block i and key block j."""
     s, ok = _block_scores(_rows(q, i, block), _rows(k, j, block), seg, i, j, scale, block)
     p = jnp.where(ok, jnp.exp(s - _rows(lse[..., None], i, block)), 0.0)
-    dp = dot("bhqd,bhkd->bhqk", _rows(do, i, block), _rows(v, j, block))
+    dp = _dot("bhqd,bhkd->bhqk", _rows(do, i, block), _rows(v, j, block))
     return p, p * (dp - _rows(delta[..., None], i, block))
 
   def dq_block(i):
-    step = lambda j, dq: dq + dot("bhqk,bhkd->bhqd", pair(i, j)[1], _rows(k, j, block)) * scale
+    step = lambda j, dq: dq + _dot("bhqk,bhkd->bhqd", pair(i, j)[1], _rows(k, j, block)) * scale
     return jax.lax.fori_loop(0, i + 1, step, jnp.zeros_like(_rows(q, i, block)))
 
   def dkv_block(j):
     def step(i, carry):
       dk, dv = carry
       p, ds = pair(i, j)
-      return (dk + dot("bhqk,bhqd->bhkd", ds, _rows(q, i, block)) * scale,
-              dv + dot("bhqk,bhqd->bhkd", p, _rows(do, i, block)))
+      return (dk + _dot("bhqk,bhqd->bhkd", ds, _rows(q, i, block)) * scale,
+              dv + _dot("bhqk,bhqd->bhkd", p, _rows(do, i, block)))
     return jax.lax.fori_loop(j, n, step, (jnp.zeros_like(_rows(k, j, block)), jnp.zeros_like(_rows(v, j, block))))
 
   merge = lambda blocks: jnp.moveaxis(blocks, 0, 2).reshape(blocks.shape[1], blocks.shape[2], -1, blocks.shape[-1])
@@ -216,7 +213,7 @@ def chunk_attention(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, *, scale: floa
     return chunk_attention_blocked(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, scale=scale)
   if impl == "cudnn":
     return chunk_attention_split(q_BTHD, ckv_BLR, start_B, w_uk_RHD, w_uv_RHV, scale=scale, attend=cudnn_attend)
-  raise ValueError(f"impl must be one of {CHUNK_IMPLS}, got {impl!r}")
+  raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 SCORE_BYTES = 1 << 29   # fp32 scores of one (query tile, key block) step, B·H·Tq·Bk·4: 512 MiB

@@ -12,7 +12,7 @@ import pytest
 
 from k3jax.numerics import rel_err
 from k3jax.ops import mla
-from model_testing import random_segments
+from model_testing import causal_attention_reference, random_segments
 
 pytestmark = pytest.mark.gpu
 
@@ -21,14 +21,6 @@ BF16_FLOOR = 2e-3      # bf16's rounding of a result at unit scale
 # (B, T, documents, padding, max_documents, Dv)
 CASES = {"documents and padding": (2, 1024, 5, 37, 8, 128), "one document": (3, 1000, 1, 0, 16, 128),
          "more documents than slots": (2, 512, 9, 0, 4, 128), "Dv under Dqk": (2, 640, 3, 11, 16, 64)}
-
-
-def _reference(q, k, v, seg, scale):
-  s = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") * scale
-  T = q.shape[1]
-  allowed = (seg[:, :, None] == seg[:, None, :])[:, None] & jnp.tril(jnp.ones((T, T), bool))
-  p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)
-  return jnp.einsum("bhts,bshv->bthv", p, v, precision="highest")
 
 
 def _outputs_and_grads(attend, q, k, v, seg, do):
@@ -53,7 +45,7 @@ def test_packed_documents_are_held_to_the_dense_masks_error(case):
   _, _, runs = mla.document_runs(seg, max_documents)
   assert (int(runs.max()) > max_documents) == (case == "more documents than slots")
   scale = D ** -0.5
-  ref = _outputs_and_grads(lambda *a: _reference(*a[:3], a[3], scale), q, k, v, seg, do)
+  ref = _outputs_and_grads(lambda *a: causal_attention_reference(*a[:3], a[3], scale), q, k, v, seg, do)
   bf16 = tuple(a.astype(jnp.bfloat16) for a in (q, k, v))
   packed = _outputs_and_grads(lambda q, k, v, s: mla.causal_attention(
       q, k, v, s, scale=scale, impl="cudnn", max_documents=max_documents), *bf16, seg, do)
