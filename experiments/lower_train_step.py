@@ -7,12 +7,16 @@ ShapeDtypeStruct, so this measures the Python side of compilation: building the 
 (forward, backward, optimizer, balancer update) to a jaxpr, and lowering it to StableHLO. `--compile` also runs
 XLA's compile (only sensible for small configs). The mesh defaults to every local device on `data` (on the CPU
 run it with XLA_FLAGS=--xla_force_host_platform_device_count=8 to see the expert-parallel path with
-`--mesh=data:1,expert:8`). The measurement is `k3jax.train.lowering.lower_train_step`.
+`--mesh=data:1,expert:8`). `--compile --profile_compile` prints XLA's compile by phase (passes, autotuning, each
+kernel's compile) without initialising or running anything, e.g. on the GPU for `small`'s step with every layer
+MLA: `--config=small --seq_len=4096 --batch=16 --pattern=mla --compile --profile_compile`. The measurement is
+`k3jax.train.lowering.lower_train_step`.
 """
 import jax
 from absl import app, flags
 
 from experiments import configs, harness
+from k3jax.train import benchmark, profile
 from k3jax.train.lowering import lower_train_step
 
 _CONFIG = flags.DEFINE_string("config", "k3_full", "config name under experiments/configs/, or a .py path")
@@ -22,19 +26,27 @@ _MICRO = flags.DEFINE_integer("micro_batches", 1, "micro-batches per step")
 _MESH = flags.DEFINE_string("mesh", "data:-1,expert:1", "device mesh (see k3jax.parallel.mesh_from_string)")
 _COMPILE = flags.DEFINE_bool("compile", False, "also compile the lowered step with XLA (and report its temp memory)")
 _SCAN = flags.DEFINE_bool("scan_layers", None, "override the config's model.scan_layers")
+_PATTERN = flags.DEFINE_enum("pattern", "config", list(benchmark.PATTERNS), "every layer of this type ('config': "
+                             "the config's own pattern), as bench_train's --patterns")
+_PHASES = flags.DEFINE_bool("profile_compile", False, "with --compile: trace XLA's compile and print it by phase")
+_OUT = flags.DEFINE_string("out", None, "JSON file for the results")
 
 
 def main(argv):
   harness.check_argv(argv)
-  config = configs.load(_CONFIG.value)
+  config = benchmark.variant(configs.load(_CONFIG.value), pattern=_PATTERN.value)
   if _SCAN.value is not None:
     config.model.scan_layers = _SCAN.value
   r = lower_train_step(config, seq_len=_SEQ_LEN.value, batch=_BATCH.value, micro_batches=_MICRO.value,
-                       mesh_spec=_MESH.value, compile_too=_COMPILE.value)
+                       mesh_spec=_MESH.value, compile_too=_COMPILE.value, compile_phases=_PHASES.value)
   print(f"{_CONFIG.value}: {config.model.num_layers} layers, {_MICRO.value} x {_BATCH.value} x {_SEQ_LEN.value} "
         f"tokens, mesh {_MESH.value} on {jax.devices()[0].platform}")
+  phases = r.pop("compile_phases", None)
   for k, v in r.items():
     print(f"  {k:<20}{v:>10.2f}" if isinstance(v, float) else f"  {k:<20}{v:>10}")
+  if phases is not None:
+    print("XLA's compile by phase (summed over threads):\n" + profile.format_compile_phases(phases))
+  harness.write_json(_OUT.value, {"config": _CONFIG.value, "pattern": _PATTERN.value, **r, "compile_phases": phases})
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import parallel
-from k3jax.train import batches, optimizer, stages as stages_lib, state as state_lib, step as step_lib
+from k3jax.train import batches, optimizer, profile, stages as stages_lib, state as state_lib, step as step_lib
 
 
 def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, mesh_spec: str,
-                     compile_too: bool = False) -> dict:
+                     compile_too: bool = False, compile_phases: bool = False) -> dict:
   """Wall seconds to build the abstract state, trace and lower the train step (and compile it), the process-CPU
-  seconds of trace + lower, and the StableHLO size."""
+  seconds of trace + lower, and the StableHLO size. `compile_phases` (with `compile_too`): the compile runs under
+  the profiler and `out["compile_phases"]` holds XLA's phases (`profile.trace_compile`), with no init and no step
+  run, the quickest way to see where a GPU compile goes."""
+  if compile_phases and not compile_too:
+    raise ValueError("compile_phases needs compile_too")
   config = config.copy_and_resolve_references()
   config.mesh = mesh_spec
   config.stages, config.seq_len, config.batch_size = (), seq_len, batch * micro_batches
@@ -46,10 +50,13 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
          "jaxpr_eqns": len(traced.jaxpr.eqns), **kernel_calls(text)}
   if compile_too:
     clock.lap()
-    mem = lowered.compile().memory_analysis()
+    compiled, phases = profile.trace_compile(lowered.compile) if compile_phases else (lowered.compile(), None)
+    mem = compiled.memory_analysis()
     out["compile_s"], out["compile_cpu_s"] = clock.lap()
     if mem is not None:  # XLA's own count for the step: its temporaries (activations and the like)
       out["temp_gib"] = mem.temp_size_in_bytes / 2 ** 30
+    if phases is not None:
+      out["compile_phases"] = phases
   return out
 
 

@@ -2,6 +2,7 @@
 program does not grow with the number of groups; the GPU kernels of a lowered program are counted."""
 import jax
 import jax.numpy as jnp
+import pytest
 
 from experiments import configs
 from k3jax.ops import kda
@@ -38,3 +39,15 @@ def test_kernel_calls_counts_a_lowered_programs_gpu_kernels_and_their_distinct_c
   assert calls["triton_calls"] > 0 and calls["mosaic_gpu_calls"] > 0, calls
   assert calls["mosaic_gpu_kernels"] == calls["mosaic_gpu_calls"], calls
   assert kernel_calls("module {}") == {"triton_calls": 0, "mosaic_gpu_calls": 0, "mosaic_gpu_kernels": 0}
+
+
+def test_compile_phases_name_xlas_passes_and_need_a_compile():
+  c = configs.load("tiny")
+  r = lower_train_step(c, seq_len=32, batch=2, micro_batches=1, mesh_spec="data:1,expert:1", compile_too=True,
+                       compile_phases=True)
+  names = {p["name"] for p in r["compile_phases"]}
+  assert all(p["s"] >= 0 and p["count"] >= 1 for p in r["compile_phases"]), r["compile_phases"]
+  assert any("HloPass" in n or "jit_train_step" in n for n in names), names   # XLA's own events, not ours
+  assert r["compile_s"] > 0
+  with pytest.raises(ValueError, match="compile_too"):
+    lower_train_step(c, seq_len=32, batch=2, micro_batches=1, mesh_spec="data:1,expert:1", compile_phases=True)
