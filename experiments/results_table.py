@@ -13,10 +13,10 @@ from absl import app, flags
 
 from experiments import harness
 from experiments.configs import ablations
-from experiments.ablations import verdicts
+from experiments.ablations import notebook, verdicts
 
 _RESULTS = flags.DEFINE_string("results", "notebooks/results", "directory holding <scale>/<notebook>.json")
-_SCALE = flags.DEFINE_enum("scale", "gpu", ["cpu", "gpu"], "which results")
+_SCALE = flags.DEFINE_enum("scale", "gpu", list(notebook.SCALES), "which results")
 _WRITE = flags.DEFINE_bool("write", False, "write the tables into docs/results.md between their markers")
 _DOC = flags.DEFINE_string("doc", str(pathlib.Path(__file__).resolve().parent.parent / "docs" / "results.md"),
                            "the results page")

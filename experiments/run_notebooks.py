@@ -53,7 +53,7 @@ def main(argv):
     env = {"JAX_COMPILATION_CACHE_DIR": str(workdir / "xla_cache"), notebook.PRECOMPILED_ENV: "1"}
     harness.enable_compilation_cache(env["JAX_COMPILATION_CACHE_DIR"])
     summary["precompile"] = notebook.precompile_studies({p.stem: ablations.NOTEBOOKS[p.stem](scale) for p in paths},
-                                                        workdir)
+                                                        workdir, out / scale)
   start = time.perf_counter()
   for path in paths:
     print(f"== {path.stem} at scale {scale}", flush=True)

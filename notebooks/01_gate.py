@@ -48,7 +48,7 @@ from experiments.benchmarks import kda as kda_benchmark
 from experiments.configs import ablations
 from experiments.ablations import gate, notebook, runs
 
-SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
+SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": minutes on one H200; "research": hours
 study = ablations.gate(SCALE)
 session = notebook.Session("01_gate", study)   # prints the settings; turns the compilation cache on
 OUT, WORKDIR, results = session.out, session.workdir, session.results
@@ -105,9 +105,10 @@ plt.show()
 
 # %%
 # On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
-# per variant (minutes each otherwise; on a CPU of two cores that gains nothing).
+# per variant (minutes each otherwise; on a CPU of two cores that gains nothing). A run recorded under
+# session.records (by an earlier run of this notebook, here or on another machine) is read, not trained again.
 histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds,
-                               precompile=notebook.precompile(SCALE))
+                               precompile=notebook.precompile(SCALE), records=session.records)
 training = results["training"] = runs.summarize(histories)
 session.save()
 for name, r in training.items():

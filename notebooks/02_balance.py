@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt
 from experiments.configs import ablations
 from experiments.ablations import balance, notebook
 
-SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
+SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": minutes on one H200; "research": hours
 study = ablations.balance(SCALE)
 session = notebook.Session("02_balance", study)   # prints the settings; turns the compilation cache on
 OUT, WORKDIR, results = session.out, session.workdir, session.results
@@ -52,9 +52,10 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 
 # %%
 # On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
-# per method (minutes each otherwise; on a CPU of two cores that gains nothing).
+# per method (minutes each otherwise; on a CPU of two cores that gains nothing). A run recorded under
+# session.records (by an earlier run of this notebook, here or on another machine) is read, not trained again.
 table = balance.train_methods(study.configs(), WORKDIR, seeds=study.seeds, data_seed=study.settings["data_seed"],
-                              precompile=notebook.precompile(SCALE))
+                              precompile=notebook.precompile(SCALE), records=session.records)
 print(balance.format_table(table))
 
 # %%

@@ -39,7 +39,7 @@ from experiments.configs import ablations
 from experiments.ablations import notebook, residual, runs
 from k3jax.data import pipeline
 
-SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
+SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": minutes on one H200; "research": hours
 study = ablations.residual(SCALE)
 session = notebook.Session("03_residual", study)   # prints the settings; turns the compilation cache on
 OUT, WORKDIR, results = session.out, session.workdir, session.results
@@ -50,10 +50,24 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # Same seeds and batches for the three residual schemes; held-out loss at the end on the held-out split.
 
 # %%
+# The depth weights are read from seed 0's block and full models right after each trains (`measure`), averaged
+# over the tokens of held-out rows; they are kept with the run's record, so a rerun needs no checkpoint.
+rows = pipeline.Mixture(study.base.data, study.base.seq_len, pipeline.derive_seed(0, 0, "heldout"),
+                        vocab_size=study.base.model.vocab_size, split="heldout")
+batch = rows.rows(0, study.settings["depth_weight_rows"])
+
+
+def measure(name, seed, directory):
+  if name in ("block", "full") and seed == study.seeds[0]:
+    _, model = runs.trained_model(directory)
+    return {"depth_weights": residual.depth_weights(model, batch["tokens"], segment_ids_BT=batch["segment_ids"])}
+
+
 # On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
-# per variant (minutes each otherwise; on a CPU of two cores that gains nothing).
+# per variant (minutes each otherwise; on a CPU of two cores that gains nothing). A run recorded under
+# session.records (by an earlier run of this notebook, here or on another machine) is read, not trained again.
 histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds,
-                               precompile=notebook.precompile(SCALE))
+                               precompile=notebook.precompile(SCALE), records=session.records, measure=measure)
 training = results["training"] = runs.summarize(histories)
 for name in training:
   s = training[name]["heldout_loss"]
@@ -76,13 +90,7 @@ plt.show()
 # averaged over the tokens of held-out rows (seed 0's model).
 
 # %%
-rows = pipeline.Mixture(study.base.data, study.base.seq_len, pipeline.derive_seed(0, 0, "heldout"),
-                        vocab_size=study.base.model.vocab_size, split="heldout")
-batch = rows.rows(0, study.settings["depth_weight_rows"])
-depth = {}
-for name in ("block", "full"):
-  _, model = runs.trained_model(runs.run_dir(WORKDIR, name, study.seeds[0]))
-  depth[name] = residual.depth_weights(model, batch["tokens"], segment_ids_BT=batch["segment_ids"])
+depth = {name: histories[name][0]["measured"]["depth_weights"] for name in ("block", "full")}
 results["depth_weights"] = depth
 session.save()
 

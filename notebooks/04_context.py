@@ -38,7 +38,7 @@ import numpy as np
 from experiments.configs import ablations
 from experiments.ablations import notebook, runs
 
-SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
+SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": minutes on one H200; "research": hours
 study = ablations.context(SCALE)
 session = notebook.Session("04_context", study)   # prints the settings; turns the compilation cache on
 OUT, WORKDIR, results = session.out, session.workdir, session.results
@@ -51,9 +51,10 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 
 # %%
 # On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
-# per variant (minutes each otherwise; on a CPU of two cores that gains nothing).
+# per variant (minutes each otherwise; on a CPU of two cores that gains nothing). A run recorded under
+# session.records (by an earlier run of this notebook, here or on another machine) is read, not trained again.
 histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds,
-                               precompile=notebook.precompile(SCALE))
+                               precompile=notebook.precompile(SCALE), records=session.records)
 tasks = study.base.eval.tasks
 lengths = study.settings["eval_lengths"]
 final_length = lengths[0]

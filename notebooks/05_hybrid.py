@@ -38,7 +38,7 @@ import numpy as np
 from experiments.configs import ablations
 from experiments.ablations import notebook, runs, throughput
 
-SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": research scale on one H200
+SCALE = notebook.scale("cpu")   # "cpu": smoke run, minutes on a CPU; "gpu": minutes on one H200; "research": hours
 study = ablations.hybrid(SCALE)
 session = notebook.Session("05_hybrid", study)   # prints the settings; turns the compilation cache on
 OUT, WORKDIR, results = session.out, session.workdir, session.results
@@ -50,9 +50,10 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 
 # %%
 # On a GPU every program of every run (inits, train steps, evaluations) first compiles side by side, one process
-# per variant (minutes each otherwise; on a CPU of two cores that gains nothing).
+# per variant (minutes each otherwise; on a CPU of two cores that gains nothing). A run recorded under
+# session.records (by an earlier run of this notebook, here or on another machine) is read, not trained again.
 histories = runs.train_variants(study.configs(), WORKDIR, seeds=study.seeds,
-                               precompile=notebook.precompile(SCALE))
+                               precompile=notebook.precompile(SCALE), records=session.records)
 training = results["training"] = runs.summarize(histories)
 recall = results["recall"] = {}
 for name in histories:
@@ -65,11 +66,12 @@ session.save()
 # %% [markdown]
 # ## Forward tokens/s against length
 #
-# Each pattern's trained model (seed 0), `tokens // T` rows of T tokens per call, median of several calls after one
-# untimed call (every program compiles first, all at once).
+# Each pattern's model as initialised (dense layers take the same time whatever their weights, so the speeds need
+# no checkpoint and are measured in one process), `tokens // T` rows of T tokens per call, median of several calls
+# after one untimed call (every program compiles first, all at once).
 
 # %%
-models = {name: runs.trained_model(runs.run_dir(WORKDIR, name, study.seeds[0]))[1] for name in study.variants}
+models = throughput.models_at_init(study.configs())
 speed = throughput.forward_tokens_per_s(models, study.settings["throughput_lengths"],
                                         tokens=study.settings["throughput_tokens"], repeats=study.settings["repeats"])
 for name, rows in speed.items():

@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt
 from experiments.configs import ablations
 from experiments.ablations import notebook, rl
 
-SCALE = notebook.scale("cpu")   # "cpu": smoke run, a minute or two on a CPU; "gpu": research scale on one H200
+SCALE = notebook.scale("cpu")   # "cpu": smoke run, a minute or two on a CPU; "gpu": one H200; "research": hours
 study = ablations.rl(SCALE)
 session = notebook.Session("06_rl", study)   # prints the settings; turns the compilation cache on
 OUT, WORKDIR, results = session.out, session.workdir, session.results
@@ -53,10 +53,11 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 # `k3jax.rl.runner.RLRun.run` trains the SFT stage (`<run>/sft`), evaluates that policy on the held-out problems,
 # runs the RL iterations from its final checkpoint (`<run>/rl`: a checkpoint every few iterations, metrics.jsonl,
 # eval.jsonl) and evaluates the final policy. The RL programs compile in background threads while SFT trains.
-# Running this cell again reuses what finished and continues an interrupted run where it stopped.
+# Running this cell again reuses what finished and continues an interrupted run where it stopped; a run recorded
+# under session.records (by an earlier run of this notebook, here or on another machine) is read, not run again.
 
 # %%
-results.update(rl.train(study, WORKDIR))
+results.update(rl.train(study, WORKDIR, records=session.records))
 session.save()
 print(rl.format_table(results))
 

@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from experiments.ablations import notebook
+from experiments.configs import ablations
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -190,4 +191,27 @@ def test_notebook_runs_top_to_bottom_at_its_cpu_setting(path, tmp_path):
   executed = json.loads((tmp_path / "out" / f"{path.stem}.ipynb").read_text())
   images = sum("image/png" in o.get("data", {}) for c in executed["cells"] for o in c.get("outputs", ()))
   assert images == len(CHECKS[path.stem](out)), "every plot is shown inline"
+  study = ablations.NOTEBOOKS[path.stem]("cpu")
+  recorded = sorted(p.relative_to(out / "records" / path.stem).as_posix()
+                    for p in (out / "records" / path.stem).glob("*/*.json"))
+  assert recorded == sorted(f"{v}/seed_{s}.json" for v in study.variants for s in study.seeds), recorded
   print(f"{path.stem}: {row['wall_s']:.0f} s wall, {row['cpu_s']:.0f} s CPU")
+
+
+def test_a_notebook_run_again_on_a_machine_without_its_runs_reads_its_records_and_gives_the_same_results(tmp_path):
+  """03_residual, whose depth weights come from the trained models: run once, then again with an empty work
+  directory (a fresh machine) and the first run's records: nothing trains, and the results are the same."""
+  path = ROOT / "notebooks" / "03_residual.py"
+  flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+  first = notebook.run_notebook(path, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "runs_a",
+                                timeout_s=TIME_LIMIT_S, env=flags)
+  assert first["returncode"] == 0, first["output"][-8000:]
+  before = json.loads((tmp_path / "out" / "cpu" / "03_residual.json").read_text())
+  again = notebook.run_notebook(path, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "runs_b",
+                                timeout_s=TIME_LIMIT_S, env=flags)
+  assert again["returncode"] == 0, again["output"][-8000:]
+  study = ablations.residual("cpu")
+  assert again["output"].count("recorded in") == len(study.variants) * len(study.seeds)
+  assert not list((tmp_path / "runs_b").glob("03_residual/cpu/*/seed_*")), "a recorded run trained again"
+  after = json.loads((tmp_path / "out" / "cpu" / "03_residual.json").read_text())
+  assert after["training"] == before["training"] and after["depth_weights"] == before["depth_weights"]

@@ -144,16 +144,16 @@ def run_ablation(config, workdir, methods: Sequence[str], *, steps: int, seeds: 
 
 
 def train_methods(configs, workdir, *, seeds: Sequence[int] = (0,), data_seed: int | None = None,
-                  precompile: bool = False) -> dict:
+                  precompile: bool = False, records=None) -> dict:
   """Trains each config of `configs` ({method: config}, equal but for the balancer) once per seed
-  (`runs.train_variants`, `precompile` as there) and returns the table (see `format_table`): per method and seed
-  the loss and MaxVio per step, and their summaries over seeds. `data_seed`: the chain the shards hold (its own
-  loss is then reported as the floor), None for other data."""
+  (`runs.train_variants`, `precompile` and `records` as there) and returns the table (see `format_table`): per
+  method and seed the loss and MaxVio per step, and their summaries over seeds. `data_seed`: the chain the shards
+  hold (its own loss is then reported as the floor), None for other data."""
   config = next(iter(configs.values()), None)
   if config is None or config.steps < 2 or len({c.steps for c in configs.values()}) != 1:
     raise ValueError("configs must be non-empty with equal steps >= 2 (the summary averages the last half)")
   model, steps = config.model, config.steps
-  histories = runs.train_variants(configs, workdir, seeds=seeds, precompile=precompile)
+  histories = runs.train_variants(configs, workdir, seeds=seeds, precompile=precompile, records=records)
   table = {"steps": steps, "seeds": list(seeds), "data_seed": data_seed,
            "optimal_loss": None if data_seed is None else markov_tokens(data_seed)[2],
            "moe_layers": list(spec_lib.model_spec(model).moe_layers),

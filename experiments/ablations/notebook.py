@@ -3,7 +3,9 @@
 A notebook picks its scale in one cell (`SCALE = notebook.scale("cpu")`); the environment variable
 K3JAX_NOTEBOOK_SCALE, when set, wins (experiments/run_notebooks.py runs the notebooks that way). Results (JSON and
 PNGs) go to `$K3JAX_NOTEBOOK_OUT/<scale>/` (default `results/<scale>/`), training runs to
-`$K3JAX_NOTEBOOK_WORKDIR/<notebook>/<scale>/` (default `runs/...`), both relative to the working directory.
+`$K3JAX_NOTEBOOK_WORKDIR/<notebook>/<scale>/` (default `runs/...`), both relative to the working directory. Each
+finished training run is also recorded under `<results>/records/<notebook>/` (`experiments.ablations.records`): a
+notebook run again, on any machine with those files, skips the runs recorded there.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import os
 import pathlib
 
-SCALES = ("cpu", "gpu")
+SCALES = ("cpu", "gpu", "research")
 SCALE_ENV, OUT_ENV, WORKDIR_ENV = "K3JAX_NOTEBOOK_SCALE", "K3JAX_NOTEBOOK_OUT", "K3JAX_NOTEBOOK_WORKDIR"
 PRECOMPILED_ENV = "K3JAX_NOTEBOOK_PRECOMPILED"
 
@@ -40,6 +42,41 @@ def directories(name: str, scale: str) -> tuple[pathlib.Path, pathlib.Path]:
   return out, work
 
 
+def records_dir(out, name: str) -> pathlib.Path:
+  """Where notebook `name` records its finished runs, under its results directory `out` (`directories`)."""
+  return pathlib.Path(out) / "records" / name
+
+
+def research_hours(study, gpu_records) -> dict[str, float | None]:
+  """{variant: estimated hours of one training run of `study` (at the research scale)} on the GPU the GPU scale ran
+  on: the training tokens/s of that variant's runs recorded under `gpu_records` (the notebook's records at scale
+  "gpu"; the mean over the last half of each run's logged steps, then over its seeds), times the ratio of FLOPs per
+  token between the two configs (`k3jax.train.flops.flops_per_token` at each one's final length), over the research
+  run's tokens. An estimate: it assumes the same share of the GPU's peak at both sizes. None for a variant with no
+  recorded GPU run, or whose records log no training tokens/s (the RL study's)."""
+  from experiments.ablations import records, runs
+  from k3jax.train import flops, stages as stages_lib, workdir as workdir_lib
+
+  out = {}
+  for variant, config in study.configs().items():
+    rates = []
+    for record in records.of_variant(gpu_records, variant):
+      logged = record["result"].get("metrics", {}).get("tokens_per_s")
+      if logged and any(x is not None for x in logged):
+        gpu = workdir_lib.config_from_json(record["config"])
+        rates.append(runs.tail_mean(logged, 0.5) * flops.flops_per_token(gpu.model, _final_length(gpu)))
+    plan = stages_lib.training_plan(config)
+    work = sum(s.steps * s.batch_size * s.seq_len * flops.flops_per_token(config.model, s.seq_len)
+               for s in plan.stages)
+    out[variant] = work / (sum(rates) / len(rates)) / 3600 if rates else None
+  return out
+
+
+def _final_length(config) -> int:
+  from k3jax.train import stages as stages_lib
+  return stages_lib.training_plan(config).stages[-1].seq_len
+
+
 def pick(paths, names) -> list[pathlib.Path]:
   """The notebook sources among `paths` named by stem ("01_gate") or number ("01"), in the order named; all of
   `paths` when `names` is empty. ValueError for a name that picks none."""
@@ -53,15 +90,15 @@ def pick(paths, names) -> list[pathlib.Path]:
   return picked or paths
 
 
-def precompile_studies(studies, workdir) -> dict:
-  """Compiles the programs of every unfinished training run of `studies` ({notebook: Study}) at once
+def precompile_studies(studies, workdir, out) -> dict:
+  """Compiles the programs of every training run of `studies` ({notebook: Study}) still to train at once
   (`runs.precompile_variants`: each variant once, with the seeds it has still to train; of an RL study, its SFT
-  stage), the runs where the notebooks put them under `workdir` (`directories`); needs JAX's persistent
-  compilation cache on. Returns
+  stage), the runs where the notebooks put them under `workdir` and `out` (the results directory of the scale,
+  whose records count as trained; `directories`); needs JAX's persistent compilation cache on. Returns
   {"wall_s", "variants": {notebook/variant: compile seconds or the error}}."""
   import time
 
-  from experiments.ablations import runs
+  from experiments.ablations import records, runs
   from k3jax.data import corpus
 
   configs, seeds = {}, {}
@@ -69,7 +106,8 @@ def precompile_studies(studies, workdir) -> dict:
     for variant, config in study.configs().items():
       directory = lambda s: runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s)
       todo = [s for s in study.seeds
-              if not runs.finished(_trained_dir(directory(s), config), _trained(runs.with_seed(config, s)))]
+              if not records.path(records_dir(out, name), variant, s).exists()
+              and not runs.finished(_trained_dir(directory(s), config), _trained(runs.with_seed(config, s)))]
       if todo:
         configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = _trained(config), todo
   start = time.perf_counter()
@@ -112,14 +150,21 @@ class Session:
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
       jax.config.update("jax_compilation_cache_dir", str(self.workdir / "xla_cache"))
     device = jax.devices()[0]
+    # At the research scale, the hours each run should take, from the GPU scale's recorded runs when there are any.
+    hours = research_hours(study, records_dir(self.out.parent / "gpu", name)) if study.scale == "research" else None
     self.results = {"scale": study.scale, "platform": jax.default_backend(), "device": device.device_kind,
-                    "run": study.summary(), "study": study.describe()}
+                    "run": study.summary(), "study": study.describe(hours)}
     print(f"JAX {jax.__version__} on {jax.default_backend()} ({device.device_kind}); results in {self.out}")
-    print(study.describe())
+    print(self.results["study"])
 
   @property
   def path(self) -> pathlib.Path:
     return self.out / f"{self.name}.json"
+
+  @property
+  def records(self) -> pathlib.Path:
+    """Where the notebook's finished runs are recorded (`runs.train_variants(records=...)`)."""
+    return records_dir(self.out, self.name)
 
   def save(self) -> pathlib.Path:
     self.path.write_text(json.dumps(self.results, indent=2) + "\n")

@@ -2,7 +2,9 @@
 plots.
 
 Each seed's run lives in `runs.run_dir(workdir, variant, seed)` (`sft/` and `rl/`, the runner's layout); calling
-`train` again reuses the finished stages and continues an interrupted one, as the runner does.
+`train` again reuses the finished stages and continues an interrupted one, as the runner does. With `records`, each
+finished run's result is also kept as one small JSON file (`experiments.ablations.records`), which a later call, on
+this machine or another, reads instead of running it again.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 
 import numpy as np
 
+from experiments.ablations import records as records_lib
 from experiments.ablations import runs, verdicts
 from k3jax.rl import runner
 
@@ -25,22 +28,30 @@ def describe(config) -> str:
           f"envs {dict(r.envs)}")
 
 
-def train(study, workdir) -> dict:
-  """Runs SFT then RL for every (variant, seed) of `study` (the RL notebook's: one variant) under `workdir`.
-  Returns {"rl_run" (`describe`), "train_length", "eval_examples", "points": ["env@length", ...], "runs":
-  [{"variant", "seed", "before", "after" (the held-out evaluations of the SFT and final policies), "sft": {"step",
-  "loss"}, "rl": {"step", and each of CURVES}, "wall_s"}], "success": {"env@length": {"before": spread, "after":
-  spread}} over the runs}."""
+def train(study, workdir, *, records=None) -> dict:
+  """Runs SFT then RL for every (variant, seed) of `study` (the RL notebook's: one variant) under `workdir`, each
+  one recorded under `records` when given (and not run when recorded there). Returns {"rl_run" (`describe`),
+  "train_length", "eval_examples", "points": ["env@length", ...], "runs": [{"variant", "seed", "before", "after"
+  (the held-out evaluations of the SFT and final policies), "sft": {"step", "loss"}, "rl": {"step", and each of
+  CURVES}, "wall_s"}], "success": {"env@length": {"before": spread, "after": spread}} over the runs}."""
+  plan = [(variant, seed, runs.with_seed(config, seed)) for variant, config in study.configs().items()
+          for seed in study.seeds]
+  recorded = {(v, s): records_lib.load(records, v, s, c) for v, s, c in plan} if records is not None else {}
   out_runs = []
-  for variant, config in study.configs().items():
-    for seed in study.seeds:
-      config_s = runs.with_seed(config, seed)
-      directory = runs.run_dir(workdir, variant, seed)
-      print(f"== {variant}, seed {seed}: {directory}", flush=True)
-      start = time.perf_counter()
-      result = runner.RLRun(config_s).run(directory)
-      out_runs.append({"variant": variant, "seed": seed, **result, "sft": _curves(directory / "sft", ("loss",)),
-                       "rl": _curves(directory / "rl", CURVES), "wall_s": time.perf_counter() - start})
+  for variant, seed, config_s in plan:
+    if recorded.get((variant, seed)) is not None:
+      print(f"== {variant}, seed {seed}: recorded in {records_lib.path(records, variant, seed)}", flush=True)
+      out_runs.append(recorded[variant, seed])
+      continue
+    directory = runs.run_dir(workdir, variant, seed)
+    print(f"== {variant}, seed {seed}: {directory}", flush=True)
+    start = time.perf_counter()
+    result = runner.RLRun(config_s).run(directory)
+    run = records_lib.plain({"variant": variant, "seed": seed, **result, "sft": _curves(directory / "sft", ("loss",)),
+                             "rl": _curves(directory / "rl", CURVES), "wall_s": time.perf_counter() - start})
+    if records is not None:
+      records_lib.save(records, variant, seed, config_s, run)
+    out_runs.append(run)
   r = study.base.rl
   points = list(out_runs[0]["after"])
   success = {p: {when: runs.spread(x[when][p]["success_rate"] for x in out_runs) for when in ("before", "after")}

@@ -3,7 +3,9 @@
 `train_variants({"a": config_a, "b": config_b}, workdir, seeds=(0, 1))` trains each config once per seed with
 `k3jax.train.trainer.Run`, in `workdir/<name>/seed_<s>/` (a run directory: config.json, metrics.jsonl, eval.jsonl,
 checkpoints), and returns every run's history. Calling it again reuses the finished runs and continues unfinished
-ones; a directory that holds a run of another config is an error, raised before anything trains.
+ones; a directory that holds a run of another config is an error, raised before anything trains. With `records`,
+each finished run's history (and what `measure` took from its model) is also kept as one small JSON file
+(`experiments.ablations.records`), which a later call, on this machine or another, reads instead of training.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from experiments.ablations import records as records_lib
 from k3jax.data import pipeline
 from k3jax.train import batches, benchmark, checkpoint, evaluate, metrics as metrics_lib
 from k3jax.train import stages as stages_lib
@@ -49,8 +52,9 @@ class Study:
       self.setup()
     return {name: override(self.base, dict(o)) for name, o in self.variants.items()}
 
-  def describe(self) -> str:
-    """The study as text: the base model and training sizes, each variant's overrides and training tokens."""
+  def describe(self, hours: Mapping[str, float | None] | None = None) -> str:
+    """The study as text: the base model and training sizes, each variant's overrides and training tokens, and
+    with `hours` ({variant: estimated hours of one run, or None}) those estimates and their total over seeds."""
     c, m = self.base, self.base.model
     lines = [f"{self.name} at scale {self.scale!r}, seeds {list(self.seeds)}",
              f"model: d={m.d_model}, {_layers(m)} {'/'.join(m.layer_pattern)} (last: {m.last_layer}), "
@@ -59,8 +63,16 @@ class Study:
     for name, config in self.configs().items():
       stages = ", ".join(f"{s.seq_len}x{s.batch_size}x{s.steps}" for s in stages_lib.training_plan(config).stages)
       overrides = ", ".join(f"{k}={v}" for k, v in self.variants[name].items() if k not in ("stages", "steps"))
+      estimate = "" if hours is None else \
+          "; hours a run: " + ("not estimated" if hours.get(name) is None else f"≈ {hours[name]:.1f}")
       lines.append(f"  {name}: {overrides or 'the base config'}; stages (T x rows x steps) {stages}; "
-                   f"{train_tokens(config):,} tokens")
+                   f"{train_tokens(config):,} tokens{estimate}")
+    if hours is not None:
+      known = [h for h in hours.values() if h is not None]
+      lines.append("  hours, every variant and seed: " + (
+          f"≈ {len(self.seeds) * sum(known):.1f}" + ("" if len(known) == len(self.variants) else
+                                                      " (the variants estimated only)") if known else
+          "not estimated (no training throughput recorded at the GPU scale: run it there first)"))
     lines += [f"  {k}: {v}" for k, v in self.settings.items()]
     return "\n".join(lines)
 
@@ -95,12 +107,17 @@ def with_seed(config, seed: int):
   return c
 
 
-def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
-                   precompile: bool = False) -> dict[str, list[dict]]:
+def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,), precompile: bool = False,
+                   records=None, measure: Callable | None = None) -> dict[str, list[dict]]:
   """Trains every config of `configs` ({name: config}) once per seed (the seed replaces `config.seed`); returns
-  {name: [history of each seed, in `seeds` order]}, each history as `read_history` gives it plus `wall_s` (this
-  call's time on the run, compilation included; small for a run that was already finished). `precompile`: first
-  compile the unfinished variants' train steps all at once (`precompile_variants`; needs the persistent cache)."""
+  {name: [history of each seed, in `seeds` order]}, each history as `read_history` gives it plus `wall_s` (the
+  time spent on the run by this call, or by the call that recorded it; compilation included, small for a run found
+  finished in its directory). `precompile`: first
+  compile the unfinished variants' train steps all at once (`precompile_variants`; needs the persistent cache).
+  `records`: a directory of finished runs' records (`experiments.ablations.records`); a run recorded there is not
+  trained and its history is the record's, a run trained here is recorded as soon as it finishes. `measure(name,
+  seed, run directory)`: what to take from a run's trained model (a JSON-able dict, or None) right after it trains,
+  while its checkpoint is at hand; it goes into the history and the record as "measured"."""
   if not configs:
     raise ValueError("configs is empty")
   bad = [n for n in configs if not isinstance(n, str) or not _NAME.match(n)]
@@ -110,12 +127,15 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
   if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) and s >= 0 for s in seeds):
     raise ValueError(f"seeds must be distinct non-negative ints, got {seeds}")
   plan = [(name, s, run_dir(workdir, name, s), with_seed(c, s)) for name, c in configs.items() for s in seeds]
-  for _, _, directory, c in plan:
+  recorded = {}
+  for name, s, directory, c in plan:   # every check before anything trains
     workdir_lib.check_resume(directory, c)
+    if records is not None and (r := records_lib.load(records, name, s, c)) is not None:
+      recorded[name, s] = r
   if precompile:
     todo = {}
     for name, s, directory, c in plan:
-      if not finished(directory, c):
+      if (name, s) not in recorded and not finished(directory, c):
         todo.setdefault(name, (configs[name], []))[1].append(s)   # the seeds share all but their init
     if todo:
       print(f"precompiling {len(todo)} variants, one process each: {sorted(todo)}", flush=True)
@@ -123,10 +143,19 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,),
             flush=True)
   out = {name: [] for name in configs}
   for name, s, directory, c in plan:
+    if (name, s) in recorded:
+      print(f"== {name}, seed {s}: recorded in {records_lib.path(records, name, s)}", flush=True)
+      out[name].append(recorded[name, s])
+      continue
     print(f"== {name}, seed {s}: {directory}", flush=True)
     start = time.perf_counter()
     trainer.Run(c).train(directory)
-    out[name].append({**read_history(directory), "wall_s": time.perf_counter() - start})
+    history = {**read_history(directory), "wall_s": time.perf_counter() - start}
+    if measure is not None:
+      history["measured"] = records_lib.plain(measure(name, s, directory))
+    if records is not None:
+      records_lib.save(records, name, s, c, history)
+    out[name].append(history)
   return out
 
 

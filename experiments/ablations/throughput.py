@@ -4,6 +4,8 @@ The cost of a KDA layer per token does not depend on the length; an MLA layer's 
 (model, length) pair is its own program: all are lowered first, then compiled at once on threads (XLA compiles
 outside the GIL; a GPU program takes tens of seconds), then timed one after another. A call runs `tokens // length`
 rows of random tokens through the model to its logits and reduces them to one number, so the whole forward is timed.
+A dense model's forward takes the same time whatever its weights, so `models_at_init` gives models to time without
+a trained checkpoint (an MoE model's routing, and so its expert loads, would differ from a trained one's).
 """
 from __future__ import annotations
 
@@ -16,7 +18,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.model import K3Model
 from k3jax.train import benchmark
+
+
+def models_at_init(configs: Mapping) -> dict:
+  """{name: the model of `configs[name]` (a training config) as its run initialises it from `config.seed`}, on
+  one device; ValueError for a config with MoE layers, whose time depends on where training routes the tokens."""
+  moe = [name for name, c in configs.items() if c.model.moe.enabled]
+  if moe:
+    raise ValueError(f"models at init are timed as trained ones only without MoE; {moe} route tokens to experts")
+  return {name: nnx.jit(lambda c=c: K3Model(c.model, rngs=nnx.Rngs(c.seed)))() for name, c in configs.items()}
 
 
 @functools.partial(jax.jit, static_argnums=0)

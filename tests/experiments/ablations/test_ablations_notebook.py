@@ -12,8 +12,8 @@ import pytest
 
 from experiments.configs import ablations
 from k3jax import config as config_lib
-from experiments.ablations import notebook, runs
-from k3jax.train import trainer
+from experiments.ablations import notebook, records, runs
+from k3jax.train import flops, trainer
 
 STUDIES = ("gate", "balance", "residual", "context", "hybrid")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -43,8 +43,8 @@ def test_variants_change_only_their_overrides_and_train_equal_tokens(name, scale
     changed = {k for k, v in _flat(config).items() if base.get(k) != v}
     assert changed <= set(study.variants[variant]) | {"stages", "steps"}, (variant, changed)
   assert len({runs.train_tokens(c) for c in configs.values()}) == 1
-  if scale == "gpu":
-    assert len(study.seeds) >= 2   # the research setting reports a spread
+  if scale != "cpu" and name != "rl":
+    assert len(study.seeds) >= {"gpu": 2, "research": 3}[scale]   # a spread over seeds
   for config in configs.values():
     # The balance study's shards exist (configs() wrote them); one device, as the notebooks run.
     run = trainer.Run(runs.override(config, {"mesh": "data:1,expert:1"}))   # validates model, stages, data and evaluation; builds the abstract state
@@ -89,7 +89,7 @@ def test_precompile_compiles_the_sft_stage_of_an_rl_study_where_the_runner_train
   monkeypatch.setattr(runs, "precompile_variants", lambda configs, seeds: asked.update(configs=configs, seeds=seeds)
                       or {n: 1.0 for n in configs})
   monkeypatch.setattr(runs, "finished", lambda directory, config: looked.append((directory, config)) or False)
-  notebook.precompile_studies({"06_rl": ablations.rl("cpu")}, tmp_path)
+  notebook.precompile_studies({"06_rl": ablations.rl("cpu")}, tmp_path, tmp_path / "results")
   ((directory, config),) = looked
   assert directory == tmp_path / "06_rl" / "cpu" / "grpo" / "seed_0" / "sft" and "rl" not in config
   assert list(asked["configs"]) == ["06_rl/grpo"] and "rl" not in asked["configs"]["06_rl/grpo"]
@@ -204,14 +204,37 @@ def test_notebooks_are_picked_by_number_or_stem_in_the_order_named():
       notebook.pick(paths, bad)
 
 
-def test_precompile_asks_for_each_unfinished_variant_with_its_remaining_seeds(monkeypatch, tmp_path):
+def test_precompile_asks_for_each_variant_with_the_seeds_neither_finished_nor_recorded(monkeypatch, tmp_path):
   asked = {}
   monkeypatch.setattr(runs, "precompile_variants", lambda configs, seeds: asked.update(configs=configs, seeds=seeds)
                       or {n: 1.0 for n in configs})
-  done = {("bounded", 1), ("softplus", 0), ("softplus", 1)}   # finished runs: nothing to compile for softplus
+  done = {("bounded", 1), ("softplus", 0)}   # finished runs; softplus's seed 1 is recorded: nothing for softplus
   monkeypatch.setattr(runs, "finished", lambda directory, config: (directory.parent.name,
                                                                    int(directory.name.split("_")[1])) in done)
-  out = notebook.precompile_studies({"01_gate": ablations.gate("gpu")}, tmp_path)
+  study = ablations.gate("gpu")
+  results = tmp_path / "results"
+  records.save(notebook.records_dir(results, "01_gate"), "softplus", 1, study.configs()["softplus"], {})
+  out = notebook.precompile_studies({"01_gate": study}, tmp_path, results)
   assert list(asked["configs"]) == ["01_gate/bounded"] and asked["seeds"] == {"01_gate/bounded": [0]}
   assert asked["configs"]["01_gate/bounded"].model.kda.gate == "bounded"
   assert out["variants"] == {"01_gate/bounded": 1.0} and out["wall_s"] >= 0
+
+
+def test_research_hours_scale_the_gpu_runs_recorded_throughput_by_the_flops_per_token(tmp_path, monkeypatch):
+  monkeypatch.setenv(notebook.OUT_ENV, str(tmp_path))
+  gpu, research = ablations.gate("gpu"), ablations.gate("research")
+  records_gpu = notebook.records_dir(tmp_path / "gpu", "01_gate")
+  for seed, rate in ((0, 1000.0), (1, 3000.0)):   # the mean of each run's last half, then over seeds: 2,000 tokens/s
+    records.save(records_gpu, "bounded", seed, runs.with_seed(gpu.configs()["bounded"], seed),
+                 {"metrics": {"tokens_per_s": [None, 5.0, rate, rate]}})
+  hours = notebook.research_hours(research, records_gpu)
+  g, r = gpu.configs()["bounded"], research.configs()["bounded"]
+  expected = (runs.train_tokens(r) * flops.flops_per_token(r.model, r.seq_len)
+              / (2000.0 * flops.flops_per_token(g.model, g.seq_len)) / 3600)
+  assert hours == {"bounded": pytest.approx(expected, rel=1e-9), "softplus": None}
+  assert expected > 1.0   # hours, at 2,000 tokens/s of the small model
+  session = notebook.Session("01_gate", research)
+  assert f"hours a run: ≈ {expected:.1f}" in session.results["study"]
+  assert f"hours, every variant and seed: ≈ {3 * expected:.1f} (the variants estimated only)" in \
+      session.results["study"]
+  assert "not estimated (no training throughput" in research.describe(notebook.research_hours(research, tmp_path))

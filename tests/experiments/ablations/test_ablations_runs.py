@@ -95,6 +95,44 @@ def test_a_run_stopped_between_its_last_checkpoint_and_its_evaluation_is_evaluat
   assert h["evals"][0]["heldout_loss"] == pytest.approx(histories["block"][0]["evals"][0]["heldout_loss"], rel=1e-6)
 
 
+def test_records_let_another_machine_skip_finished_runs_and_keep_what_measure_took(trained, tmp_path, monkeypatch):
+  """A copy of the finished run's directory stands for its training (the fixture trained it); `measure` reads its
+  checkpoint. The second call has a new, empty work directory, as a fresh GPU machine would."""
+  workdir, histories = trained
+  config = study().configs()["block"]
+  shutil.copytree(runs.run_dir(workdir, "block", 0), runs.run_dir(tmp_path / "a", "block", 0))
+  seen = []
+
+  def measure(name, seed, directory):
+    seen.append((name, seed))
+    _, model = runs.trained_model(directory)
+    return {"depth_weights": residual.depth_weights(model, np.arange(32)[None] % 7),
+            "final_norm": np.asarray(model.final_norm.weight[...])}   # an array: records hold it as a list
+
+  records = tmp_path / "records"
+  (h,) = runs.train_variants({"block": config}, tmp_path / "a", records=records, measure=measure)["block"]
+  assert seen == [("block", 0)] and h["measured"]["depth_weights"][0]["name"]
+  record = json.loads((records / "block" / "seed_0.json").read_text())
+  assert record["result"] == h and record["config"]["seed"] == 0
+  assert isinstance(h["measured"]["final_norm"], list) and len(h["measured"]["final_norm"]) == config.model.d_model
+  assert h["metrics"] == histories["block"][0]["metrics"]
+
+  def no_training(*args, **kwargs):
+    raise AssertionError("a recorded run trained again")
+  monkeypatch.setattr(runs.trainer, "Run", no_training)
+  moved = study().configs()["block"]
+  moved.data.cache_dir = str(tmp_path / "elsewhere")           # where files live may differ
+  (again,) = runs.train_variants({"block": moved}, tmp_path / "b", records=records, measure=measure)["block"]
+  assert again == record["result"] and seen == [("block", 0)]
+  assert not runs.run_dir(tmp_path / "b", "block", 0).exists()
+
+  other = study().configs()["block"]
+  other.optimizer.lr = 1e-3
+  with pytest.raises(workdir_lib.ConfigChanged, match="optimizer.lr"):
+    runs.train_variants({"block": other}, tmp_path / "c", records=records)
+  assert not (tmp_path / "c").exists()   # refused before anything was written
+
+
 def test_trained_model_reproduces_the_runs_held_out_loss(trained):
   workdir, histories = trained
   config, model = runs.trained_model(runs.run_dir(workdir, "block", 0))

@@ -1,0 +1,104 @@
+"""A study's finished runs as small JSON files, so that a study resumes on another machine.
+
+A study's training runs (checkpoints and all) live in a work directory that a GPU machine loses when it is given
+back. What a notebook reads of a finished run (its logged history, and what `measure` took from its trained model)
+is small, so each finished run also writes `<records>/<variant>/seed_<s>.json`: the config it trained, the result,
+the commit and the time. A study run again finds its finished runs there and does not train them again; the files
+can be copied back from a GPU machine and committed (notebooks/results/<scale>/records/), and a machine with a copy
+of the repository then continues where the last one stopped.
+
+A record of another config is an error (`workdir.ConfigChanged`, listing the fields), raised before anything
+trains, as for a run directory; only where a file lives may differ (`MACHINE_FIELDS`: the data cache, and the
+token shards, compared by file name).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import time
+
+from k3jax.train import workdir as workdir_lib
+
+# Fields that name places on a machine, not what a run computes; the token shards (comma-separated paths) are
+# compared by their file names.
+MACHINE_FIELDS = ("data.cache_dir",)
+SHARD_FIELDS = ("data.shards", "data.heldout_shards")
+COMMIT_ENV = "K3JAX_COMMIT"
+
+
+def path(records, variant: str, seed: int) -> pathlib.Path:
+  return pathlib.Path(records) / variant / f"seed_{seed}.json"
+
+
+def read(records, variant: str, seed: int) -> dict | None:
+  """The whole record of (`variant`, `seed`) ({"config", "commit", "time", "result"}), or None."""
+  p = path(records, variant, seed)
+  return json.loads(p.read_text()) if p.exists() else None
+
+
+def of_variant(records, variant: str) -> list[dict]:
+  """Every record of `variant` under `records` (whole, as `read` gives them), by seed."""
+  found = pathlib.Path(records, variant).glob("seed_*.json")
+  return [json.loads(p.read_text()) for p in sorted(found, key=lambda p: int(p.stem.removeprefix("seed_")))]
+
+
+def load(records, variant: str, seed: int, config) -> dict | None:
+  """The result recorded for (`variant`, `seed`), or None when there is no record; ConfigChanged when the record
+  holds a run of another config."""
+  record = read(records, variant, seed)
+  if record is None:
+    return None
+  p = path(records, variant, seed)
+  diff = workdir_lib.differences(_comparable(record["config"]), _comparable(workdir_lib.as_json(config)))
+  if diff:
+    listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+    raise workdir_lib.ConfigChanged(f"{p} records a run of another config; these fields differ:\n{listing}\n"
+                                    f"Delete the record to train the run again with this config.")
+  return record["result"]
+
+
+def save(records, variant: str, seed: int, config, result: dict) -> pathlib.Path:
+  """Writes the record of a finished run (the file appears whole or not at all) and returns its path."""
+  p = path(records, variant, seed)
+  p.parent.mkdir(parents=True, exist_ok=True)
+  record = {"config": workdir_lib.as_json(config), "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "result": result}
+  tmp = p.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(record, default=_plain) + "\n")
+  os.replace(tmp, p)
+  return p
+
+
+def plain(obj):
+  """`obj` as it reads back from a record: NumPy and JAX numbers and arrays become JSON numbers and lists, tuples
+  lists (so a run's result is the same whether it was just trained or read from its record)."""
+  return json.loads(json.dumps(obj, default=_plain))
+
+
+def _plain(x):
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  raise TypeError(f"a record holds JSON values; got {type(x).__name__}")
+
+
+def _comparable(config_json: dict) -> dict:
+  flat = workdir_lib.flatten(config_json)
+  out = {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in MACHINE_FIELDS)}
+  for k in SHARD_FIELDS:
+    if out.get(k):
+      out[k] = ",".join(pathlib.PurePath(p.strip()).name for p in out[k].split(","))
+  return out
+
+
+def _commit() -> str | None:
+  """$K3JAX_COMMIT when set (a copy of the repository on a GPU machine has no .git), else the checkout's commit;
+  None when neither is known."""
+  if os.environ.get(COMMIT_ENV):
+    return os.environ[COMMIT_ENV]
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=pathlib.Path(__file__).parent,
+                          capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    return None

@@ -1,0 +1,42 @@
+"""experiments.ablations.records: a finished run's record reads back only for the same config (where files live
+may differ), with its commit; values read back as they were written."""
+import numpy as np
+import pytest
+
+from experiments.ablations import records
+from experiments.configs import tiny
+from k3jax.train import workdir as workdir_lib
+
+
+def config(shards="/machine_a/data/train_0.bin,/machine_a/data/train_1.bin"):
+  c = tiny.get_config()
+  c.data.shards = shards
+  return c
+
+
+def test_a_record_reads_back_for_the_same_config_wherever_its_files_live(tmp_path, monkeypatch):
+  monkeypatch.setenv(records.COMMIT_ENV, "abc1234")
+  assert records.load(tmp_path, "a", 0, config()) is None
+  path = records.save(tmp_path, "a", 0, config(), {"loss": np.float32(1.5), "curve": np.arange(3), "pair": (1, 2)})
+  assert path == tmp_path / "a" / "seed_0.json" and [p.name for p in path.parent.iterdir()] == ["seed_0.json"]
+  moved = config("/machine_b/elsewhere/train_0.bin, /machine_b/train_1.bin")
+  moved.data.cache_dir = "/machine_b/cache"
+  assert records.load(tmp_path, "a", 0, moved) == {"loss": 1.5, "curve": [0, 1, 2], "pair": [1, 2]}
+  assert records.load(tmp_path, "a", 1, moved) is None   # another seed has no record
+  assert '"commit": "abc1234"' in path.read_text()
+
+
+@pytest.mark.parametrize("field, value", [("data.shards", "/machine_a/data/train_0.bin"), ("optimizer.lr", 1.0),
+                                          ("seed", 7)])
+def test_a_record_of_another_config_is_refused_naming_the_field(tmp_path, field, value):
+  records.save(tmp_path, "a", 0, config(), {})
+  other = workdir_lib.override(config(), {field: value})
+  with pytest.raises(workdir_lib.ConfigChanged, match=field.replace(".", r"\.")):
+    records.load(tmp_path, "a", 0, other)
+
+
+def test_plain_is_what_a_record_reads_back_and_other_objects_are_refused(tmp_path):
+  assert records.plain({"x": np.ones(2, np.float32), "n": np.int64(3)}) == {"x": [1.0, 1.0], "n": 3}
+  with pytest.raises(TypeError, match="JSON values"):
+    records.save(tmp_path, "a", 0, config(), {"x": object()})
+  assert not (tmp_path / "a" / "seed_0.json").exists()
