@@ -64,17 +64,13 @@ def research_hours(study, gpu_records) -> dict[str, float | None]:
       logged = record["result"].get("metrics", {}).get("tokens_per_s")
       if logged and any(x is not None for x in logged):
         gpu = workdir_lib.config_from_json(record["config"])
-        rates.append(runs.tail_mean(logged, 0.5) * flops.flops_per_token(gpu.model, _final_length(gpu)))
+        final_length = stages_lib.training_plan(gpu).stages[-1].seq_len
+        rates.append(runs.tail_mean(logged, 0.5) * flops.flops_per_token(gpu.model, final_length))
     plan = stages_lib.training_plan(config)
     work = sum(s.steps * s.batch_size * s.seq_len * flops.flops_per_token(config.model, s.seq_len)
                for s in plan.stages)
     out[variant] = work / (sum(rates) / len(rates)) / 3600 if rates else None
   return out
-
-
-def _final_length(config) -> int:
-  from k3jax.train import stages as stages_lib
-  return stages_lib.training_plan(config).stages[-1].seq_len
 
 
 def pick(paths, names) -> list[pathlib.Path]:

@@ -112,8 +112,8 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,), pr
   """Trains every config of `configs` ({name: config}) once per seed (the seed replaces `config.seed`); returns
   {name: [history of each seed, in `seeds` order]}, each history as `read_history` gives it plus `wall_s` (the
   time spent on the run by this call, or by the call that recorded it; compilation included, small for a run found
-  finished in its directory). `precompile`: first
-  compile the unfinished variants' train steps all at once (`precompile_variants`; needs the persistent cache).
+  finished in its directory). `precompile`: first compile the unfinished variants' train steps all at once
+  (`precompile_variants`; needs the persistent cache).
   `records`: a directory of finished runs' records (`experiments.ablations.records`); a run recorded there is not
   trained and its history is the record's, a run trained here is recorded as soon as it finishes. `measure(name,
   seed, run directory)`: what to take from a run's trained model (a JSON-able dict, or None) right after it trains,
