@@ -85,7 +85,7 @@ def _plain(x):
 
 def _comparable(config_json: dict) -> dict:
   flat = workdir_lib.flatten(config_json)
-  out = {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in MACHINE_FIELDS)}
+  out = {k: v for k, v in flat.items() if not workdir_lib.under(k, MACHINE_FIELDS)}
   for k in SHARD_FIELDS:
     if out.get(k):
       out[k] = ",".join(pathlib.PurePath(p.strip()).name for p in out[k].split(","))

@@ -100,16 +100,16 @@ _dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)   # th
 
 def _block_scores(q_blk, k_blk, seg, i, j, scale, block):
   """Scores of query block i against key block j, and which pairs may attend (causal, same document)."""
-  take = lambda a, n: jax.lax.dynamic_slice_in_dim(a, n * block, block, axis=a.ndim - 1)
   s = _dot("bhqd,bhkd->bhqk", q_blk, k_blk) * scale
   pos = jnp.arange(block)
-  ok = (take(seg, i)[:, None, :, None] == take(seg, j)[:, None, None, :]) & (
+  ok = (_rows(seg, i, block, axis=1)[:, None, :, None] == _rows(seg, j, block, axis=1)[:, None, None, :]) & (
       (i * block + pos)[:, None] >= (j * block + pos)[None, :])
   return s, ok
 
 
-def _rows(a, n, block):
-  return jax.lax.dynamic_slice_in_dim(a, n * block, block, axis=2)
+def _rows(a, n, block, axis=2):
+  """Block `n` of `a` along `axis` (the positions of `[B, H, Tp, ·]`, or of segment ids `[B, Tp]` with axis 1)."""
+  return jax.lax.dynamic_slice_in_dim(a, n * block, block, axis=axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -102,7 +102,8 @@ def differences(old: dict, new: dict) -> dict[str, tuple]:
   return {k: (x, y) for k, (x, y) in pairs.items() if x != y}
 
 
-def _under(field: str, prefixes) -> bool:
+def under(field: str, prefixes) -> bool:
+  """Whether dotted `field` is one of `prefixes` or a subfield of one."""
   return any(field == p or field.startswith(p + ".") for p in prefixes)
 
 
@@ -153,7 +154,7 @@ def check_resume(workdir, config, *, allow_change: bool = False, rules: ResumeRu
   diff = differences(old, as_json(config))
   if not diff:
     return None
-  blocking = {k: v for k, v in diff.items() if not _under(k, rules.resumable)}
+  blocking = {k: v for k, v in diff.items() if not under(k, rules.resumable)}
   listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in (blocking or diff).items())
   step = latest_step(workdir)
   if blocking and not allow_change:
@@ -162,7 +163,7 @@ def check_resume(workdir, config, *, allow_change: bool = False, rules: ResumeRu
         f"{listing}\nResuming would mix two runs. Use a new --workdir, or pass --allow_config_change "
         f"(allow_config_change=True) to continue with the new values deliberately (the change is recorded in "
         f"{CHANGES}). Fields that may change freely: {', '.join(rules.resumable)}.")
-  if blocking and any(_under(k, rules.schedule) for k in blocking):
+  if blocking and any(under(k, rules.schedule) for k in blocking):
     _check_schedule(old, config, step, rules.learning_rate)
   return {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "at_step": step, "allowed": bool(blocking),
           "changes": {k: list(v) for k, v in diff.items()}}

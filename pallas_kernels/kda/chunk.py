@@ -138,10 +138,6 @@ def _kda_fwd(plan, q, k, v, g, beta, gate, S0, reset):
   return _forward_once(plan, True, q, k, v, g, beta, gate, S0, reset)
 
 
-def _kda_bwd(plan, res: Residuals, cotangents):
-  return _backward_once(plan, res, cotangents)
-
-
 def _backward(plan, res: Residuals, cotangents):
   opts = plan.options
   do, dS_T = cotangents
@@ -174,4 +170,4 @@ def _kda_forward(plan, save, *args):
 
 _forward_once = traced_once(_kda_forward, static_argnums=(0, 1))
 _backward_once = traced_once(_backward, static_argnums=(0,))
-_kda.defvjp(_kda_fwd, _kda_bwd)
+_kda.defvjp(_kda_fwd, _backward_once)
