@@ -59,11 +59,10 @@ def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
   valid_N = jnp.concatenate([valid_C, valid_E])
   s_N = jnp.where(valid_N[:, None, None], a_N * r_N, -jnp.inf)
   w_N = jax.nn.softmax(s_N, axis=0)
-  # Elementwise products and sums, no matrix unit (whose fp32 may be TF32); a slot that is not valid adds an exact 0.
-  # The buffer is one reduction over its slots: summed slice by slice, the sum of C + E terms tripled XLA's
-  # priority-fusion time for the train step.
-  h = jnp.sum(w_N[:buffer_CBTD.shape[0], ..., None] * buffer_CBTD, axis=0)
-  h = h + sum(w_N[buffer_CBTD.shape[0] + i][..., None] * v for i, v in enumerate(values))
+  # Summed value by value in order (one fusion; no matrix unit, whose fp32 may be TF32): a `Stream` and the `Carry`
+  # holding the same sources give the same sum, since a slot that is not valid adds an exact 0.
+  all_values = [buffer_CBTD[i] for i in range(buffer_CBTD.shape[0])] + list(values)
+  h = sum(w_N[i][..., None] * v for i, v in enumerate(all_values))
   return h, w_N, a_N, r_N
 
 
