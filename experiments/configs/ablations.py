@@ -39,6 +39,8 @@ from k3jax.data.tokenizer import VOCAB_SIZE
 from k3jax.rl import config as rl_config_lib
 
 KDA, MLA = "kda", "mla"
+# The seeds every study but the RL one trains at each scale.
+SEEDS = {"cpu": (0,), "gpu": (0, 1), "research": (0, 1, 2)}
 
 
 def model_and_training(scale: str, *, num_layers: int | None = None, pattern=(KDA, KDA, KDA, MLA),
@@ -95,14 +97,12 @@ def gate(scale: str) -> Study:
     c = model_and_training(scale, num_layers=1, pattern=(KDA,), last_layer=None)   # the gate acts in KDA layers
     settings = {"timed_shapes": [(1, 256, 2, 32)], "timed_dtype": "float32", "repeats": 3,
                 "long_shape": (1, 1024, 2, 32), "long_dtype": "float32"}
-    seeds = (0,)
   else:
     c = model_and_training(scale)
     settings = {"timed_shapes": [(8, 4096, 16, 128)], "timed_dtype": "bfloat16",
                 "repeats": 20, "long_shape": (1, 65536, 16, 128), "long_dtype": "bfloat16"}
-    seeds = (0, 1) if scale == "gpu" else (0, 1, 2)
   return Study("gate", scale, c, {"bounded": {"model.kda.gate": "bounded"},
-                                  "softplus": {"model.kda.gate": "softplus"}}, seeds, settings)
+                                  "softplus": {"model.kda.gate": "softplus"}}, SEEDS[scale], settings)
 
 
 def balance(scale: str) -> Study:
@@ -111,19 +111,16 @@ def balance(scale: str) -> Study:
   if scale == "cpu":
     c = model_and_training(scale, num_layers=1, pattern=(MLA,), last_layer=None)  # one MoE layer
     moe = dict(num_experts=8, top_k=2, latent_dim=32, expert_hidden=32, shared_hidden=64, first_dense_layers=0)
-    seeds = (0,)
   elif scale == "gpu":
     c = model_and_training(scale)      # a dense FFN, then three MoE layers
     c.steps = 100                      # the balancers act within tens of steps
     moe = dict(num_experts=64, top_k=4, latent_dim=256, expert_hidden=256, shared_hidden=512, routed_scaling=2.5,
                first_dense_layers=1)
-    seeds = (0, 1)
   else:
     c = model_and_training(scale)      # a dense FFN, then seven MoE layers
     c.steps = 1000
     moe = dict(num_experts=128, top_k=8, latent_dim=512, expert_hidden=384, shared_hidden=1024, routed_scaling=2.5,
                first_dense_layers=1)
-    seeds = (0, 1, 2)
   c.model.moe.enabled = True
   c.model.moe.num_shared_experts = 1
   for k, v in moe.items():
@@ -132,7 +129,7 @@ def balance(scale: str) -> Study:
   c = ablation_config(c)
   data_seed, directory = 0, corpus.default_cache_dir() / "markov"
   c.data.shards, c.data.heldout_shards = markov_paths(data_seed, directory)
-  return Study("balance", scale, c, METHODS, seeds, {"data_seed": data_seed},
+  return Study("balance", scale, c, METHODS, SEEDS[scale], {"data_seed": data_seed},
                setup=functools.partial(markov_shards, data_seed, directory))
 
 
@@ -142,20 +139,17 @@ def residual(scale: str) -> Study:
     # Two AttnRes blocks of one layer; MLA layers, which compile faster than KDA on a CPU (the mixer is not ablated).
     c = model_and_training(scale, num_layers=2, pattern=(MLA,), last_layer=None)
     c.model.residual.block_size = 1
-    seeds = (0,)
   elif scale == "gpu":
     c = model_and_training(scale, num_layers=8)     # four blocks of two layers, narrower: depth is the question
     c.model.d_model, c.model.ffn_hidden = 384, 1024
     c.model.kda.num_heads = c.model.mla.num_heads = 3
-    seeds = (0, 1)
   else:
     c = model_and_training(scale, num_layers=16)    # eight blocks of two layers
     c.model.d_model, c.model.ffn_hidden = 768, 2048
     c.model.kda.num_heads = c.model.mla.num_heads = 6
-    seeds = (0, 1, 2)
   variants = {"block": {"model.residual.mode": "block"}, "full": {"model.residual.mode": "full"},
               "prenorm": {"model.residual.mode": "none"}}
-  return Study("residual", scale, c, variants, seeds, {"depth_weight_rows": 8})
+  return Study("residual", scale, c, variants, SEEDS[scale], {"depth_weight_rows": 8})
 
 
 def context(scale: str) -> Study:
@@ -179,8 +173,7 @@ def context(scale: str) -> Study:
   staged = tuple(dict(seq_len=t, steps=n, batch_size=b) for t, b, n in zip(lengths, rows, steps))
   direct = (dict(seq_len=final, steps=sum(steps), batch_size=rows[-1]),)
   variants = {"staged": {"stages": staged, "steps": sum(steps)}, "direct": {"stages": direct, "steps": sum(steps)}}
-  seeds = {"cpu": (0,), "gpu": (0, 1), "research": (0, 1, 2)}[scale]
-  return Study("context", scale, c, variants, seeds, {"eval_lengths": c.eval.lengths})
+  return Study("context", scale, c, variants, SEEDS[scale], {"eval_lengths": c.eval.lengths})
 
 
 def hybrid(scale: str) -> Study:
@@ -196,7 +189,6 @@ def hybrid(scale: str) -> Study:
     c.eval.examples, c.eval.batches = 8, 0
     c.eval.lengths = (64,)
     settings = {"throughput_lengths": (64, 256), "throughput_tokens": 2048, "repeats": 3}
-    seeds = (0,)
   elif scale == "gpu":
     c.model.d_model, c.model.ffn_hidden, c.model.mla.kv_lora_rank = 256, 768, 64
     c.model.kda.num_heads = c.model.mla.num_heads = 2
@@ -204,18 +196,16 @@ def hybrid(scale: str) -> Study:
     c.eval.examples, c.eval.batches = 64, 0
     c.eval.lengths = (1024, 4096)
     settings = {"throughput_lengths": (2048, 8192, 32768), "throughput_tokens": 65536, "repeats": 10}
-    seeds = (0, 1)
   else:
     c.steps = 2000
     c.eval.examples, c.eval.batches = 256, 0
     c.eval.lengths = (4096, 16384)
     settings = {"throughput_lengths": (4096, 16384, 65536, 131072), "throughput_tokens": 131072, "repeats": 10}
-    seeds = (0, 1, 2)
   variants = {"3to1": {"model.layer_pattern": (KDA, KDA, KDA, MLA), "model.last_layer": MLA},
               "7to1": {"model.layer_pattern": (KDA,) * 7 + (MLA,), "model.last_layer": MLA},
               "all_kda": {"model.layer_pattern": (KDA,), "model.last_layer": None},
               "all_mla": {"model.layer_pattern": (MLA,), "model.last_layer": None}}
-  return Study("hybrid", scale, c, variants, seeds, settings)
+  return Study("hybrid", scale, c, variants, SEEDS[scale], settings)
 
 
 def rl(scale: str) -> Study:
