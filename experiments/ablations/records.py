@@ -59,6 +59,15 @@ def load(records, variant: str, seed: int, config) -> dict | None:
   return record["result"]
 
 
+def load_plan(records, plan) -> dict:
+  """{(variant, seed): result} of the runs of `plan` ((variant, seed, config) triples) recorded under `records`,
+  each checked as `load` does (so a changed config is an error before anything runs); {} when `records` is None."""
+  if records is None:
+    return {}
+  found = {(variant, seed): load(records, variant, seed, config) for variant, seed, config in plan}
+  return {key: result for key, result in found.items() if result is not None}
+
+
 def save(records, variant: str, seed: int, config, result: dict) -> pathlib.Path:
   """Writes the record of a finished run (the file appears whole or not at all) and returns its path."""
   p = path(records, variant, seed)

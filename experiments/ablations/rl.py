@@ -36,10 +36,10 @@ def train(study, workdir, *, records=None) -> dict:
   CURVES}, "wall_s"}], "success": {"env@length": {"before": spread, "after": spread}} over the runs}."""
   plan = [(variant, seed, runs.with_seed(config, seed)) for variant, config in study.configs().items()
           for seed in study.seeds]
-  recorded = {(v, s): records_lib.load(records, v, s, c) for v, s, c in plan} if records is not None else {}
+  recorded = records_lib.load_plan(records, plan)
   out_runs = []
   for variant, seed, config_s in plan:
-    if recorded.get((variant, seed)) is not None:
+    if (variant, seed) in recorded:
       print(f"== {variant}, seed {seed}: recorded in {records_lib.path(records, variant, seed)}", flush=True)
       out_runs.append(recorded[variant, seed])
       continue

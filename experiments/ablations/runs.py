@@ -127,11 +127,9 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,), pr
   if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) and s >= 0 for s in seeds):
     raise ValueError(f"seeds must be distinct non-negative ints, got {seeds}")
   plan = [(name, s, run_dir(workdir, name, s), with_seed(c, s)) for name, c in configs.items() for s in seeds]
-  recorded = {}
-  for name, s, directory, c in plan:   # every check before anything trains
+  for _, _, directory, c in plan:   # every check before anything trains
     workdir_lib.check_resume(directory, c)
-    if records is not None and (r := records_lib.load(records, name, s, c)) is not None:
-      recorded[name, s] = r
+  recorded = records_lib.load_plan(records, [(name, s, c) for name, s, _, c in plan])
   if precompile:
     todo = {}
     for name, s, directory, c in plan:
