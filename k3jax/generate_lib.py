@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import sampling
 from k3jax.layers import attnres
@@ -53,8 +54,23 @@ def init_cache(model, batch: int, max_len: int) -> GenerationCache:
   scanned layer's comes from its position's module."""
   if batch < 1 or max_len < 1:
     raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
-  return GenerationCache(layers=tuple(m.mixer.init_cache(batch, max_len) for m, _ in _modules(model)),
-                         lengths_B=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+  cache = GenerationCache(layers=tuple(m.mixer.init_cache(batch, max_len) for m, _ in _modules(model)),
+                          lengths_B=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+  return _placed(nnx.state(model), cache)
+
+
+def _replicated(state) -> NamedSharding | None:
+  """Where the inputs of the generation programs of a model with weights `state` live: replicated on the weights'
+  mesh, as the prefill step and the decode loop return their cache and logits. So a program's first call (on a new
+  cache) and its later ones (on its own outputs), whatever the caller's arrays, take the same input shardings and
+  compile once, and `lower`'s programs are the ones the calls use. None for weights on no mesh."""
+  sharding = getattr(jax.tree.leaves(state)[0], "sharding", None)
+  return NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
+
+
+def _placed(state, tree):
+  sharding = _replicated(state)
+  return tree if sharding is None else jax.device_put(tree, sharding)
 
 
 def _modules(model) -> list:
@@ -160,7 +176,7 @@ def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: in
   logits = jnp.zeros((B, model.vocab_size), jnp.float32) if logits_BV is None else logits_BV
   for c in range(num_chunks):
     n_B = jnp.asarray(np.clip(lengths - c * chunk, 0, chunk), jnp.int32)
-    logits, cache = step(state, cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)
+    logits, cache = step(state, *_placed(state, (cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)))
     if progress is not None:
       progress(int(np.clip(lengths, 0, (c + 1) * chunk).sum()), int(lengths.sum()))
   return logits, cache
@@ -191,7 +207,7 @@ def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_n
     raise ValueError(f"logits must be [B={B}, V={model.vocab_size}], got {tuple(logits_BV.shape)}")
   graphdef, state = nnx.split(model)
   loop = loop or functools.partial(_decode_loop, graphdef, max_new=max_new, options=options)
-  return loop(state, cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))
+  return loop(state, *_placed(state, (cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))))
 
 
 def lower(model, batch: int, max_len: int, *, chunk: int | None, max_new: int,
@@ -199,15 +215,34 @@ def lower(model, batch: int, max_len: int, *, chunk: int | None, max_new: int,
   """(prefill chunk step, decode loop) lowered for `batch` rows, a cache of `max_len`, chunks of `chunk` tokens and
   `max_new` decoded tokens: `.compile()` them (in threads: XLA compiles outside the GIL) and pass them to
   `prefill_chunked(step=…)` and `decode_loop(loop=…)`. `chunk` None: no prefill step (None in its place)."""
+  step = None if chunk is None else lower_prefill(model, batch, max_len, chunk=chunk)
+  return step, lower_decode(model, batch, max_len, max_new=max_new, options=options)
+
+
+def lower_prefill(model, batch: int, max_len: int, *, chunk: int):
+  """The prefill chunk step lowered for `batch` rows, a cache of `max_len` and chunks of `chunk` tokens."""
+  graphdef, state, spec, cache = _abstract_inputs(model, batch, max_len)
+  return _prefill_step.lower(graphdef, state, cache, spec((batch, chunk), jnp.int32), spec((batch,), jnp.int32),
+                             spec((batch, model.vocab_size), jnp.float32))
+
+
+def lower_decode(model, batch: int, max_len: int, *, max_new: int,
+                 options: sampling.SamplingOptions = sampling.SamplingOptions()):
+  """The decode loop lowered for `batch` rows, a cache of `max_len`, `max_new` tokens and `options`."""
+  graphdef, state, spec, cache = _abstract_inputs(model, batch, max_len)
+  rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  return _decode_loop.lower(graphdef, state, cache, spec((batch, model.vocab_size), jnp.float32),
+                            spec(rng.shape, rng.dtype), spec((batch,), jnp.int32), max_new=max_new, options=options)
+
+
+def _abstract_inputs(model, batch: int, max_len: int):
+  """(graphdef, weights, `spec(shape, dtype)`, the cache as specs) for lowering the generation programs: each spec
+  placed as the calls place their inputs (`_placed`)."""
   graphdef, state = nnx.split(model)
-  cache = jax.eval_shape(lambda: init_cache(model, batch, max_len))
-  rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  logits = jax.ShapeDtypeStruct((batch, model.vocab_size), jnp.float32)
-  step = None if chunk is None else _prefill_step.lower(
-      graphdef, state, cache, jax.ShapeDtypeStruct((batch, chunk), jnp.int32), rows, logits)
-  loop = _decode_loop.lower(graphdef, state, cache, logits, jax.random.PRNGKey(0), rows, max_new=max_new,
-                            options=options)
-  return step, loop
+  sharding = _replicated(state)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  cache = jax.tree.map(lambda a: spec(a.shape, a.dtype), jax.eval_shape(lambda: init_cache(model, batch, max_len)))
+  return graphdef, state, spec, cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "options"), donate_argnames=("cache",))

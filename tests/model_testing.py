@@ -1,12 +1,14 @@
 """Shared helpers for the layer, model and generation tests: small fp32 configs, shared jitted calls, random inputs,
-the primitives of a jaxpr.
+the primitives of a jaxpr, the programs a block compiles.
 
 Compiles dominate these tests on CPU (the initialiser alone compiles once per parameter shape), so most tests take
 modules with NumPy-drawn random parameters (`random_module`), share them (`shared_model`), and call them through the
 jitted functions below (traced once per module structure and input shape). The real initialisers are tested where it
 matters (zero AttnRes queries, the KDA gate ranges).
 """
+import contextlib
 import functools
+import logging
 
 import jax
 import jax.extend
@@ -134,3 +136,25 @@ def equations(fn, *args):
 def primitives(fn, *args):
   """Names of the primitives in `fn`'s jaxpr, nested jaxprs (custom VJPs, checkpoints) included."""
   return [eqn.primitive.name for eqn in equations(fn, *args)]
+
+
+@contextlib.contextmanager
+def compiled_programs():
+  """The names of the jitted functions whose programs the block gets from XLA, from any thread: each call that
+  missed jit's caches (compiled, or read from the persistent compilation cache)."""
+  names = []
+
+  class Names(logging.Handler):
+    def emit(self, record):
+      message = record.getMessage()
+      if message.startswith("Finished XLA compilation of jit("):
+        names.append(message[len("Finished XLA compilation of jit("):].split(")")[0])
+
+  handler, logger, before = Names(), logging.getLogger("jax"), jax.config.jax_log_compiles
+  logger.addHandler(handler)
+  jax.config.update("jax_log_compiles", True)   # the global value: `jax.log_compiles()` is the calling thread's
+  try:
+    yield names
+  finally:
+    jax.config.update("jax_log_compiles", before)
+    logger.removeHandler(handler)

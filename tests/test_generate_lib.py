@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax import generate_lib, sampling
+from k3jax import generate_lib, parallel, sampling
 from k3jax.numerics import rel_err
-from model_testing import MODEL, SCANNED, T, shared_model
+from jax.sharding import NamedSharding, PartitionSpec as P
+from model_testing import MODEL, SCANNED, T, compiled_programs, shared_model
 
 TOL = 1e-4   # fp32 roundoff over the layers (as tests/test_model.py)
 LENGTHS, MAX_LEN, NEW = [7, 3, 10], T + 4, 6   # shared by the tests: each function compiles once per shape
@@ -195,6 +196,27 @@ def test_sampled_decoding_is_reproducible_and_depends_on_the_key():
   a, b, c = run(7), run(7), run(8)
   np.testing.assert_array_equal(a, b)
   assert not np.array_equal(a, c)
+
+
+def test_a_model_on_a_mesh_gets_each_program_once_for_a_new_cache_and_for_its_own():
+  """On a mesh (as the trainer places a model), a prompt of three chunks, a decode and a second prefill on the
+  decoded cache: the prefill step is compiled once (a new cache is placed as the programs return theirs), the
+  decode loop once, and `lower`'s programs are those the calls use. Shapes of this test only (2 rows, 19
+  positions), so no other test compiled them first."""
+  graphdef, state = nnx.split(shared_model())
+  mesh = parallel.mesh_from_string("data:1,expert:1", jax.devices()[:1])
+  model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))
+  rows, max_len, chunk = 2, 19, 4
+  with compiled_programs() as ahead:
+    for program in generate_lib.lower(model, rows, max_len, chunk=chunk, max_new=3):
+      program.compile()
+  assert sorted(ahead) == ["_decode_loop", "_prefill_step"]
+  tokens = _prompts(9)[:rows, :11]
+  with compiled_programs() as calls:
+    logits, cache = generate_lib.prefill_chunked(model, tokens, chunk=chunk, max_len=max_len)
+    new, _, cache = generate_lib.decode_loop(model, logits, cache, jax.random.PRNGKey(0), max_new=3)
+    generate_lib.prefill_chunked(model, new[:, -1:], chunk=chunk, cache=cache, logits_BV=logits)
+  assert not {"_decode_loop", "_prefill_step"} & set(calls), calls
 
 
 @pytest.mark.parametrize("kwargs,match", [
