@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax import envs
+from k3jax import envs, generate_lib
 from k3jax.data import pipeline, tokenizer as tok
 from k3jax.envs.trajectory import Trajectory
 from k3jax.rl import config as rl_config_lib
@@ -107,17 +107,22 @@ class RLRun:
         for g in range(0, len(episodes), r.group_size)])
     return episodes, trajectories, reward_R, session.timing
 
-  def update(self, state, ref, trajectories, reward_R):
-    """The iteration's optimizer steps (`ref`: the reference's `model_variables`); returns (state, metrics averaged
-    over them)."""
+  def minibatches(self, trajectories, reward_R) -> list[dict[str, np.ndarray]]:
+    """The iteration's episodes as host rows (`rollout.episode_batch` and the advantages), cut into `minibatches`
+    consecutive slices."""
     r = self.config.rl
     rows = rollout.episode_batch(trajectories, r.length)
     rows["advantages"] = np.asarray(grpo.group_advantages(reward_R, r.group_size))
     size = len(trajectories) // r.minibatches
+    return [{n: v[k * size:(k + 1) * size] for n, v in rows.items()} for k in range(r.minibatches)]
+
+  def update(self, state, ref, trajectories, reward_R):
+    """The iteration's optimizer steps (`ref`: the reference's `model_variables`); returns (state, metrics averaged
+    over them)."""
     sharding = batches.rows_sharding(self.mesh)
     minibatches = []
-    for k in range(r.minibatches):
-      mb = batches.to_device({n: v[k * size:(k + 1) * size] for n, v in rows.items()}, sharding)
+    for rows in self.minibatches(trajectories, reward_R):
+      mb = batches.to_device(rows, sharding)
       minibatches.append(dict(mb, logp_old=self.logprobs(rl_step_lib.model_variables(state), mb),
                               logp_ref=self.logprobs(ref, mb)))
     steps = []
@@ -154,31 +159,34 @@ class RLRun:
                             turn_tokens=r.turn_tokens, interrupt=None if stop is None else lambda: stop.check(step))
 
   def compile_ahead(self) -> background.Background:
-    """Compiles every program of the RL iterations and evaluations in background threads, each by running the
-    code that uses it once on zeros of the real shapes: one thread for the update (log-probs and GRPO step), one
-    per (rows, length) of the rollout and evaluation sessions (prompt prefill, decode loop, tool-result prefill,
-    a turn after it)."""
+    """Compiles every program of the RL iterations and evaluations in background threads, each lowered for the
+    shapes and shardings of its calls and compiled, never run (a program run from a second thread beside the SFT
+    step failed on the H200 with `cudaErrorInvalidDevice`): one thread for the update (log-probs and GRPO step), one
+    per (rows, length) of the rollout and evaluation sessions (the prompt's and the tool result's chunk steps, the
+    decode loop for each sampling). The calls that follow in this process find them in jit's caches; a later
+    process, in the persistent compilation cache if it is on."""
     r = self.config.rl
-    zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract),
-                    out_shardings=state_lib.shardings_of(self.abstract))()
     episodes = r.prompts * r.group_size
+    model = state_lib.merge(self.graphdef, self.abstract)   # shapes and shardings only
 
     def update():
       fake = Trajectory()
       fake.add([tok.BOS], model=False)
       fake.add([tok.PAD], model=True)
-      state = self.start_state(zeros)
-      self.update(state, rl_step_lib.model_variables(zeros), [fake] * episodes, np.zeros(episodes, np.float32))
+      sharding = batches.rows_sharding(self.mesh)
+      mb = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+            for n, v in self.minibatches([fake] * episodes, np.zeros(episodes, np.float32))[0].items()}
+      logprobs = self.logprobs.lower(rl_step_lib.model_variables(self.abstract), mb).compile()
+      logp = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          jax.eval_shape(self.logprobs, rl_step_lib.model_variables(self.abstract), mb),
+                          logprobs.output_shardings)
+      self.rl_step.lower(self.abstract, dict(mb, logp_old=logp, logp_ref=logp)).compile()
 
     def sessions(rows, length, options):
-      # Two chunks of prompt and of tool result where the length allows, as the real episodes may take.
-      prompt = np.full(max(1, min(r.prefill_chunk + 1, length - r.append_chunk - 3)), tok.BOS, np.int32)
+      generate_lib.lower_prefill(model, rows, length, chunk=r.prefill_chunk).compile()
+      generate_lib.lower_prefill(model, rows, length, chunk=r.append_chunk).compile()
       for o in options:
-        session = self.sampler(zeros, o).open([prompt] * rows, length)
-        session.generate(range(rows), [1] * rows, jax.random.PRNGKey(0))
-        for row in range(rows):
-          session.append(row, np.full(r.append_chunk + 1, tok.PAD, np.int32))
-        session.generate(range(rows), [1] * rows, jax.random.PRNGKey(0))
+        generate_lib.lower_decode(model, rows, length, max_new=r.turn_tokens, options=o).compile()
 
     shapes = {(episodes, r.length): [self.sampling]}
     for _, n in rl_config_lib.eval_points(r):

@@ -1,7 +1,8 @@
 """The RL pipeline on the tiny config cut to two layers: SFT on demonstrations, then GRPO iterations that log
 finite metrics and held-out evaluations before and after; a run stopped by SIGTERM saves the iteration it reached
 and resumes into exactly the records of the uninterrupted run; a resumed run must keep its config; the GRPO step
-moves the policy toward the rewarded answer and away from the penalised one, and moves the balancer."""
+moves the policy toward the rewarded answer and away from the penalised one, and moves the balancer; the programs
+compiled ahead are the ones the iterations and evaluations call."""
 import json
 import os
 import pathlib
@@ -21,6 +22,7 @@ from k3jax.rl import rollout, runner, step as rl_step_lib
 from k3jax.rl import config as rl_config_lib
 from k3jax.rl.config import rl_config
 from k3jax.train import batches, interrupt, workdir as workdir_lib
+from model_testing import compiled_programs
 
 pytestmark = pytest.mark.xdist_group("rl_loop")
 LENGTH, ITERATIONS = 240, 3
@@ -191,6 +193,28 @@ def test_padding_feeds_neither_the_balancer_nor_max_vio(finished, rl_run):
   for a, b in zip(jax.tree.leaves(bal), jax.tree.leaves(bal_noisy)):
     np.testing.assert_allclose(b, a, atol=1e-6)
   np.testing.assert_allclose(vio_noisy, vio, atol=1e-6)
+
+
+def test_compile_ahead_compiles_what_the_iterations_and_evaluations_call(finished, tmp_path):
+  """Compiled ahead (lowered and compiled, never run: nothing executes off the main thread), the prefill steps,
+  decode loops, log-probs and GRPO step are not compiled again by an iteration and an evaluation. The config's
+  lengths and rows are this test's own, so no other test compiled these programs first."""
+  workdir, _ = finished
+  config = make_config()
+  config.rl.length, config.rl.eval_batch, config.rl.eval_examples = LENGTH + 16, 2, 2
+  config.rl.eval_at = (f"lookup@{LENGTH + 16}",)
+  run = runner.RLRun(config)
+  programs = {"_prefill_step", "_decode_loop", "logprobs", "rl_step"}
+  with compiled_programs() as ahead:
+    run.compile_ahead().wait()
+  assert programs <= set(ahead)
+  sft_state = run.sft_state(workdir)   # the same SFT config: already trained
+  state = run.start_state(sft_state)
+  with compiled_programs() as again:
+    state, record = run.iteration(state, rl_step_lib.model_variables(sft_state), 0)
+    run.evaluate(state)
+  assert record["response_tokens"] > 0
+  assert not programs & set(again), again
 
 
 def test_a_mesh_of_several_devices_is_refused_before_anything_runs():
