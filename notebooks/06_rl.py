@@ -17,8 +17,9 @@
 # episodes at 320 tokens, 8 held-out problems per point, at the trained length only): it checks that the notebook
 # runs; its numbers are not evidence (an SFT policy this brief solves nothing, so the rewards carry no signal).
 # `SCALE = "gpu"` is the research setting (`experiments/configs/rl_small.py` on one H200: the small model, ~100M
-# activated parameters, 300 SFT steps of 64 episodes at 1K tokens, then 16 GRPO iterations of 16 problems × 8
-# samples at 4K; 128 held-out problems per point, lookup also at 16K, 4× the RL length).
+# activated parameters, 300 SFT steps of 64 episodes at 1K tokens, mostly chains of one or two links / operations,
+# then 40 GRPO iterations of 16 problems × 8 samples at 4K on chains of up to four; 128 held-out problems per point
+# of the longer chains, lookup also at 16K, 4× the RL length).
 
 # %%
 # Installs k3jax where it is not importable (Colab, a fresh VM). The repository has no public URL yet: set

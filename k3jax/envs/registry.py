@@ -16,7 +16,10 @@ from k3jax.envs.episode import Episode
 from k3jax.envs.lookup import Lookup
 from k3jax.envs.trajectory import Trajectory
 
-ENVS = {"lookup": Lookup(), "calc": Arithmetic()}
+# "lookup" and "calc" (chains of one or two links / operations) are the demonstrations' default; "lookup_deep" and
+# "calc_long" reach four, so an RL stage can pose problems longer than most of its SFT stage's demonstrations.
+ENVS = {"lookup": Lookup(), "calc": Arithmetic(),
+        "lookup_deep": Lookup(max_hops=4, response_tokens=256), "calc_long": Arithmetic(max_steps=4)}
 
 
 def get(name: str):

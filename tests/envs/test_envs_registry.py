@@ -37,6 +37,16 @@ def test_solver_succeeds_on_every_problem_within_the_length(name):
       assert kinds[1::2] == [True] * len(kinds[1::2]) and kinds[2::2] == [False] * len(kinds[2::2])
 
 
+@pytest.mark.parametrize("short,long", [("lookup", "lookup_deep"), ("calc", "calc_long")])
+def test_the_long_chain_environments_pose_up_to_four_calls_where_the_short_ones_stop_at_two(short, long):
+  calls = {name: set() for name in (short, long)}
+  for name in calls:
+    for index in range(60):
+      traj = envs.demonstration(name, envs.problem_rng(name, 0, index), 1024)
+      calls[name].add(sum(model for _, model in traj.chunks) - 1)   # the model's turns but the answer
+  assert calls[short] == {1, 2} and calls[long] == {1, 2, 3, 4}
+
+
 def test_lookup_document_fills_the_context_up_to_64k_and_chains_hops():
   env = envs.get("lookup")
   for length in (1024, 65536):

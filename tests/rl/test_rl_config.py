@@ -13,9 +13,9 @@ def test_rl_configs_validate(module):
   c = configs.load(module)
   rl_config.validate(c.rl)
   sft = rl_config.sft_config(c)
-  assert "rl" not in sft and sft.is_locked and set(sft.data.mix) == set(c.rl.envs)
+  assert "rl" not in sft and sft.is_locked and set(c.rl.envs) <= set(sft.data.mix)   # SFT shows every RL task
   pipeline.Mixture(sft.data, sft.seq_len, 0, vocab_size=sft.model.vocab_size)  # the demonstrations fit the SFT rows
-  assert ("lookup", 4 * c.rl.length) in rl_config.eval_points(c.rl)
+  assert 4 * c.rl.length in {n for _, n in rl_config.eval_points(c.rl)}
   with pytest.raises(AttributeError):
     c.rl.kl_coeff = 0.1   # locked: a misspelled field is an error
 
