@@ -54,9 +54,8 @@ def init_cache(model, batch: int, max_len: int) -> GenerationCache:
   scanned layer's comes from its position's module."""
   if batch < 1 or max_len < 1:
     raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
-  cache = GenerationCache(layers=tuple(m.mixer.init_cache(batch, max_len) for m, _ in _modules(model)),
-                          lengths_B=jnp.zeros((batch,), jnp.int32), max_len=max_len)
-  return _placed(nnx.state(model), cache)
+  return GenerationCache(layers=tuple(m.mixer.init_cache(batch, max_len) for m, _ in _modules(model)),
+                         lengths_B=jnp.zeros((batch,), jnp.int32), max_len=max_len)
 
 
 def _replicated(state) -> NamedSharding | None:
@@ -68,8 +67,9 @@ def _replicated(state) -> NamedSharding | None:
   return NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
 
 
-def _placed(state, tree):
-  sharding = _replicated(state)
+def _placed(sharding: NamedSharding | None, tree):
+  """`tree` on `sharding` (`_replicated`; a no-op for arrays already there, so a donated buffer stays the one
+  donated); as it is for None."""
   return tree if sharding is None else jax.device_put(tree, sharding)
 
 
@@ -174,9 +174,10 @@ def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: in
     raise ValueError(f"logits_BV must be fp32 [B={B}, V={model.vocab_size}], got {logits_BV.dtype}"
                      f"{tuple(logits_BV.shape)}")
   logits = jnp.zeros((B, model.vocab_size), jnp.float32) if logits_BV is None else logits_BV
+  sharding = _replicated(state)
   for c in range(num_chunks):
     n_B = jnp.asarray(np.clip(lengths - c * chunk, 0, chunk), jnp.int32)
-    logits, cache = step(state, *_placed(state, (cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)))
+    logits, cache = step(state, *_placed(sharding, (cache, tokens_BT[:, c * chunk:(c + 1) * chunk], n_B, logits)))
     if progress is not None:
       progress(int(np.clip(lengths, 0, (c + 1) * chunk).sum()), int(lengths.sum()))
   return logits, cache
@@ -207,7 +208,7 @@ def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_n
     raise ValueError(f"logits must be [B={B}, V={model.vocab_size}], got {tuple(logits_BV.shape)}")
   graphdef, state = nnx.split(model)
   loop = loop or functools.partial(_decode_loop, graphdef, max_new=max_new, options=options)
-  return loop(state, *_placed(state, (cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))))
+  return loop(state, *_placed(_replicated(state), (cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))))
 
 
 def lower(model, batch: int, max_len: int, *, chunk: int | None, max_new: int,

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import generate_lib, parallel, sampling
 from k3jax.numerics import rel_err
-from jax.sharding import NamedSharding, PartitionSpec as P
 from model_testing import MODEL, SCANNED, T, compiled_programs, shared_model
 
 TOL = 1e-4   # fp32 roundoff over the layers (as tests/test_model.py)

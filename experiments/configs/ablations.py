@@ -14,11 +14,11 @@
 - "research": for a user with a GPU for hours. A 3:1 model of d = 1024 and 8 layers (about 110M parameters;
   16 narrower layers for the depth study) trained on 65,536 tokens per step for 3,000 steps (about 200M tokens a
   run; the balancing study 1,000 steps with 128 experts, top-8), three seeds; the RL study is rl_small with three
-  seeds and four times its RL iterations (160). The sizes are this project's choice (no paper gives them): percent-level loss
-  differences between two variants should then stand above the seed-to-seed spread of three runs, which the
-  GPU scale's runs are too short to show. `Study.describe` prints each variant's tokens and, once the GPU scale's
-  runs are recorded (`notebooks/results/gpu/records/`), the hours a run should take, from the training throughput
-  measured there scaled by the FLOPs per token (`notebook.research_hours`).
+  seeds and four times its RL iterations (160). The sizes are this project's choice (no paper gives them):
+  percent-level loss differences between two variants should then stand above the seed-to-seed spread of three
+  runs, which the GPU scale's runs are too short to show. `Study.describe` prints each variant's tokens and, once
+  the GPU scale's runs are recorded (`notebooks/results/gpu/records/`), the hours a run should take, from the
+  training throughput measured there scaled by the FLOPs per token (`notebook.research_hours`).
 
 Every variant of a study differs from its base config only in the overrides listed, and trains from the same
 seeds, hence the same initial model (where the variant does not change its shape) and the same batches.
@@ -212,8 +212,8 @@ def rl(scale: str) -> Study:
   """Agentic RL (k3jax.rl): SFT on the environments' demonstrations, then GRPO from its final checkpoint; held-out
   success (greedy) of the SFT policy and of the RL one. One variant, the RL run: the study is before vs after RL.
   At "gpu" it is experiments/configs/rl_small.py unchanged, at "research" rl_small with four times its RL iterations
-  and three seeds; at "cpu" rl_tiny cut to a smoke run (two dense layers, KDA then MLA, a few SFT steps and RL iterations,
-  eight held-out problems per point)."""
+  and three seeds; at "cpu" rl_tiny cut to a smoke run (two dense layers, KDA then MLA, a few SFT steps and RL
+  iterations, eight held-out problems per point)."""
   _check(scale)
   if scale == "cpu":
     c = runs.override(rl_tiny.get_config(), {

@@ -176,10 +176,7 @@ class RLRun:
       sharding = batches.rows_sharding(self.mesh)
       mb = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
             for n, v in self.minibatches([fake] * episodes, np.zeros(episodes, np.float32))[0].items()}
-      logprobs = self.logprobs.lower(rl_step_lib.model_variables(self.abstract), mb).compile()
-      logp = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          jax.eval_shape(self.logprobs, rl_step_lib.model_variables(self.abstract), mb),
-                          logprobs.output_shardings)
+      logp = self.logprobs.lower(rl_step_lib.model_variables(self.abstract), mb).compile().out_info
       self.rl_step.lower(self.abstract, dict(mb, logp_old=logp, logp_ref=logp)).compile()
 
     def sessions(rows, length, options):
