@@ -11,7 +11,7 @@ compiled at once, one process per variant, into a compilation cache under `--wor
 the notebooks then find them compiled. Training runs go to `--workdir`
 (default `--out/runs`): running the same command again reuses the finished runs and the compiled programs, so a run
 cut short continues where it stopped. `--executor=kernel` executes the .ipynb files in a Jupyter kernel (nbclient,
-as CI does) and writes them with their outputs to `--out/<name>.ipynb`; the default runs the .py sources as
+as CI does) and writes them with their outputs to `--out/<scale>/<name>.ipynb`; the default runs the .py sources as
 scripts, which needs no Jupyter.
 """
 import pathlib

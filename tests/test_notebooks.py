@@ -188,7 +188,7 @@ def test_notebook_runs_top_to_bottom_at_its_cpu_setting(path, tmp_path):
   out = tmp_path / "out" / "cpu"
   for png in CHECKS[path.stem](out):
     assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-  executed = json.loads((tmp_path / "out" / f"{path.stem}.ipynb").read_text())
+  executed = json.loads((out / f"{path.stem}.ipynb").read_text())
   images = sum("image/png" in o.get("data", {}) for c in executed["cells"] for o in c.get("outputs", ()))
   assert images == len(CHECKS[path.stem](out)), "every plot is shown inline"
   study = ablations.NOTEBOOKS[path.stem]("cpu")

@@ -205,7 +205,8 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
   working directory the repository root (the notebook's parent's parent); kills it (and what it started) after
   `timeout_s`. `executor`: "script" runs the percent-format source `path` (a `# %%` .py file) as one script (no
   Jupyter needed; plots are only saved); "kernel" executes the .ipynb beside it in a Jupyter kernel (`execute_ipynb`;
-  needs nbclient and ipykernel, the `test` extras) and writes it with its outputs to `out/<name>.ipynb`. Returns
+  needs nbclient and ipykernel, the `test` extras) and writes it with its outputs to `out/<scale>/<name>.ipynb`,
+  beside the JSON and PNGs of that scale. Returns
   {"notebook", "executor", "returncode" (None: timed out), "wall_s", "cpu_s" (user + system of it and its
   children), "output" (its stdout and stderr)}; `log` (a text file) receives the output line by line as it comes,
   so a run stopped from outside still shows how far it got."""
@@ -227,9 +228,9 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
     command = [sys.executable, "-c", _SCRIPT, str(path)]
   else:
     child_env.pop("MPLBACKEND", None)   # the kernel's inline backend puts the plots into the executed notebook
-    out.mkdir(parents=True, exist_ok=True)
+    (out / scale).mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-c", _KERNEL, str(pathlib.Path(__file__).resolve().parents[2]),
-               str(path.with_suffix(".ipynb")), str(out / f"{path.stem}.ipynb"), str(timeout_s)]
+               str(path.with_suffix(".ipynb")), str(out / scale / f"{path.stem}.ipynb"), str(timeout_s)]
   before = resource.getrusage(resource.RUSAGE_CHILDREN)
   start = time.perf_counter()
   proc = subprocess.Popen(command, cwd=path.parent.parent, env=child_env, stdout=subprocess.PIPE,

@@ -178,7 +178,7 @@ def test_kernel_runner_executes_the_ipynb_and_keeps_its_outputs(tmp_path):
   assert row["returncode"] == 0, row["output"]
   assert row["executor"] == "kernel" and f"done {tmp_path}" in row["output"] and row["cpu_s"] > 0.05
   assert (tmp_path / "out" / "gpu" / "x.json").read_text() == "__main__"
-  executed = json.loads((tmp_path / "out" / "01_x.ipynb").read_text())
+  executed = json.loads((tmp_path / "out" / "gpu" / "01_x.ipynb").read_text())
   assert ["".join(o["text"]) for o in executed["cells"][0]["outputs"]] == [f"done {tmp_path}\n"]
   failed = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=120,
                                  executor="kernel", env={"FAIL": "1"})
