@@ -16,8 +16,9 @@ reference is the SFT checkpoint, so a resumed run repeats exactly what the unint
 SIGINT / SIGTERM stop after the current iteration with a checkpoint of it (`interrupt.Interrupted`); a non-finite
 loss or gradient norm stops the run before anything of that iteration is saved (`trainer.Diverged`).
 
-While the SFT stage trains, background threads compile the RL programs (`compile_ahead`: each run once on zeros
-of the real shapes), so on a GPU their compilation overlaps SFT instead of following it.
+While the SFT stage trains, background threads compile the RL programs (`compile_ahead`: each lowered for the
+shapes and shardings of its calls and compiled, never run), so on a GPU their compilation overlaps SFT instead of
+following it.
 """
 from __future__ import annotations
 
