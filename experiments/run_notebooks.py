@@ -5,7 +5,7 @@ prints a table of the runs, then the results table of docs/results.md for that s
   python -m experiments.run_notebooks --scale=gpu --out=$OUT/notebooks     # all six on one H200
   python -m experiments.run_notebooks --scale=cpu --notebooks=01,05        # the CPU smoke setting, two of them
 
-At the GPU scale every program that the notebooks' training runs compile (each variant's init per seed, train step
+At the GPU scale every program that the notebooks' training runs compile (each variant's init, train step
 per stage, evaluations; of the RL notebook, its SFT stage: its RL programs compile while SFT trains) is first
 compiled at once, one process per variant, into a compilation cache under `--workdir` (`runs.precompile_variants`);
 the notebooks then find them compiled. Training runs go to `--workdir`

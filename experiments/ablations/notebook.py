@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 
 SCALES = ("cpu", "gpu", "research")
 SCALE_ENV, OUT_ENV, WORKDIR_ENV = "K3JAX_NOTEBOOK_SCALE", "K3JAX_NOTEBOOK_OUT", "K3JAX_NOTEBOOK_WORKDIR"
@@ -88,8 +89,7 @@ def pick(paths, names) -> list[pathlib.Path]:
 
 def precompile_studies(studies, workdir, out) -> dict:
   """Compiles the programs of every training run of `studies` ({notebook: Study}) still to train at once
-  (`runs.precompile_variants`: each variant once, with the seeds it has still to train; of an RL study, its SFT
-  stage), the runs where the notebooks put them under `workdir` and `out` (the results directory of the scale,
+  (`runs.precompile_variants`: each variant with a seed still to train, once; of an RL study, its SFT stage), the runs where the notebooks put them under `workdir` and `out` (the results directory of the scale,
   whose records count as trained; `directories`); needs JAX's persistent compilation cache on. Returns
   {"wall_s", "variants": {notebook/variant: compile seconds or the error}}."""
   import time
@@ -97,7 +97,7 @@ def precompile_studies(studies, workdir, out) -> dict:
   from experiments.ablations import records, runs
   from k3jax.data import corpus
 
-  configs, seeds = {}, {}
+  configs = {}
   for name, study in studies.items():
     for variant, config in study.configs().items():
       directory = lambda s: runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s)
@@ -105,11 +105,11 @@ def precompile_studies(studies, workdir, out) -> dict:
               if not records.path(records_dir(out, name), variant, s).exists()
               and not runs.finished(_trained_dir(directory(s), config), _trained(runs.with_seed(config, s)))]
       if todo:
-        configs[f"{name}/{variant}"], seeds[f"{name}/{variant}"] = _trained(config), todo
+        configs[f"{name}/{variant}"] = _trained(config)
   start = time.perf_counter()
   corpus.stdlib_shards()   # tokenised once here, not by every process at once
   print(f"compiling the programs of {len(configs)} variants at once: {', '.join(configs) or 'none'}", flush=True)
-  compiled = runs.precompile_variants(configs, seeds=seeds) if configs else {}
+  compiled = runs.precompile_variants(configs) if configs else {}
   for name, result in compiled.items():
     print(f"  {name}: " + (f"{result:.0f} s" if isinstance(result, float) else f"failed ({result})"), flush=True)
   return {"wall_s": time.perf_counter() - start, "variants": compiled}
@@ -193,17 +193,29 @@ def execute_ipynb(source, executed, timeout_s: float) -> None:
 
   client = nbclient.NotebookClient(nb, timeout=int(timeout_s), kernel_name="python3",
                                    resources={"metadata": {"path": os.getcwd()}}, on_cell_executed=echo)
+
+  def forward(signum, frame):
+    # The kernel runs in a session of its own (jupyter_client starts it so): a stop asked of this process (by
+    # `run_notebook`'s time limit) is passed on, so that a training run in the kernel checkpoints and stops.
+    kernel = getattr(client.km, "provisioner", None)
+    if getattr(kernel, "pgid", None) is None:
+      raise KeyboardInterrupt
+    os.killpg(kernel.pgid, signum)   # the kernel and what it started
+
+  previous = signal.signal(signal.SIGINT, forward)
   try:
     client.execute()
   finally:
+    signal.signal(signal.SIGINT, previous)
     nbformat.write(nb, executed)
 
 
 def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: str = "script", log=None,
-                 env: dict | None = None) -> dict:
+                 env: dict | None = None, grace_s: float = 60.0) -> dict:
   """Executes a notebook in a fresh Python at `scale`, its results under `out`, its runs under `workdir`, the
-  working directory the repository root (the notebook's parent's parent); kills it (and what it started) after
-  `timeout_s`. `executor`: "script" runs the percent-format source `path` (a `# %%` .py file) as one script (no
+  working directory the repository root (the notebook's parent's parent); after `timeout_s` asks it (and what it
+  started) to stop with SIGINT, on which a training run saves a checkpoint of the step it reached and stops (a
+  rerun continues from there), and kills them `grace_s` later if they are still running. `executor`: "script" runs the percent-format source `path` (a `# %%` .py file) as one script (no
   Jupyter needed; plots are only saved); "kernel" executes the .ipynb beside it in a Jupyter kernel (`execute_ipynb`;
   needs nbclient and ipykernel, the `test` extras) and writes it with its outputs to `out/<scale>/<name>.ipynb`,
   beside the JSON and PNGs of that scale. Returns
@@ -211,7 +223,6 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
   children), "output" (its stdout and stderr)}; `log` (a text file) receives the output line by line as it comes,
   so a run stopped from outside still shows how far it got."""
   import resource
-  import signal
   import subprocess
   import sys
   import threading
@@ -249,8 +260,12 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
   try:
     returncode = proc.wait(timeout=timeout_s)
   except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+      proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
     returncode = None
   reader.join()
   output = "".join(lines)

@@ -130,15 +130,12 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,), pr
   for _, _, directory, c in plan:   # every check before anything trains
     workdir_lib.check_resume(directory, c)
   recorded = records_lib.load_plan(records, [(name, s, c) for name, s, _, c in plan])
-  if precompile:
-    todo = {}
-    for name, s, directory, c in plan:
-      if (name, s) not in recorded and not finished(directory, c):
-        todo.setdefault(name, (configs[name], []))[1].append(s)   # the seeds share all but their init
+  if precompile:   # every seed of a variant runs the same programs
+    todo = {name: configs[name] for name, s, directory, c in plan
+            if (name, s) not in recorded and not finished(directory, c)}
     if todo:
       print(f"precompiling {len(todo)} variants, one process each: {sorted(todo)}", flush=True)
-      print(precompile_variants({n: c for n, (c, _) in todo.items()}, seeds={n: s for n, (_, s) in todo.items()}),
-            flush=True)
+      print(precompile_variants(todo), flush=True)
   out = {name: [] for name in configs}
   for name, s, directory, c in plan:
     if (name, s) in recorded:
@@ -235,20 +232,20 @@ def tail_mean(values, fraction: float = 0.5) -> float:
   return float(np.mean(x[min(int(len(x) * (1 - fraction)), len(x) - 1):]))
 
 
-def precompile_variants(configs: Mapping, *, seeds: Sequence[int] | Mapping[str, Sequence[int]] = (0,),
-                        timeout_s: float = 3600.0, workers: int | None = None) -> dict[str, float | str]:
-  """Compiles every program that training `configs` ({name: config}) with `train_variants` runs: the init of each
-  seed, every stage's train step and every evaluation program (`programs`), one process per config, all at once
-  (at most `workers`, default one per CPU), into JAX's persistent compilation cache (which must be on:
-  `jax_compilation_cache_dir`). `train_variants` then finds them compiled instead of compiling them one after
-  another (a GPU train step takes minutes). `seeds`: for every config, or {name: seeds}. Returns {name: compile
+def precompile_variants(configs: Mapping, *, timeout_s: float = 3600.0,
+                        workers: int | None = None) -> dict[str, float | str]:
+  """Compiles every program that training `configs` ({name: config}) with `train_variants` runs, whatever the
+  seed: the init (one program for every seed), every stage's train step and every evaluation program
+  (`programs`), one process per config, all at once (at most `workers`, default one per CPU), into JAX's
+  persistent compilation cache (which must be on: `jax_compilation_cache_dir`). `train_variants` then finds them
+  compiled instead of compiling them one after another (a GPU train step takes minutes). Returns {name: compile
   seconds, or the error text of a config whose process failed (its run then compiles as usual)}."""
   cache_dir = jax.config.jax_compilation_cache_dir
   if not cache_dir:
     raise ValueError("precompile needs JAX's persistent compilation cache: set jax_compilation_cache_dir first "
                      "(experiments.harness.enable_compilation_cache)")
   names = list(configs)
-  tasks = [(configs[n], tuple(seeds[n] if isinstance(seeds, Mapping) else seeds)) for n in names]
+  tasks = [configs[n] for n in names]
   # The processes read these at import: the cache, and (on a GPU) allocating only what each one uses.
   env = {"JAX_COMPILATION_CACHE_DIR": str(cache_dir), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   saved = {k: os.environ.get(k) for k in env}
@@ -295,16 +292,14 @@ def programs(run: trainer.Run) -> list[tuple[str, object, tuple]]:
   return out
 
 
-def _compile_programs(task) -> float:
-  """Compiles, for `task` = (config, seeds), the init of each seed, `programs` of the config and the checkpoints'
-  fingerprint of the state (in a process of `precompile_variants`)."""
-  config, seeds = task
+def _compile_programs(config) -> float:
+  """Compiles the init, `programs` of `config` and the checkpoints' fingerprint of the state (in a process of
+  `precompile_variants`)."""
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # keep every program, however quick
   start = time.perf_counter()
-  for s in seeds:
-    run = trainer.Run(with_seed(config, s))
-    init = run.init.lower().compile()
-  checkpoint.fingerprint(init())   # compiles what every checkpoint save runs on the state
+  run = trainer.Run(config)
+  init = run.init_program.lower(run.seed).compile()   # one program for every seed
+  checkpoint.fingerprint(init(run.seed))   # compiles what every checkpoint save runs on the state
   done = set()
   for _, fn, args in programs(run):
     key = (id(fn), str(jax.tree.map(lambda x: (x.shape, x.dtype), args[1])))
@@ -312,5 +307,5 @@ def _compile_programs(task) -> float:
       done.add(key)
       fn.lower(*args).compile()
   seconds = time.perf_counter() - start
-  print(f"compiled {len(done)} programs and {len(seeds)} inits in {seconds:.0f} s", flush=True)
+  print(f"compiled {len(done)} programs and the init in {seconds:.0f} s", flush=True)
   return seconds

@@ -97,7 +97,7 @@ def compile_run(config, *, trace_phases: bool = False) -> CompiledRun:
   `trace_phases`, the step's XLA compile runs under the profiler and its phases are kept (`profile.trace_compile`)."""
   run = trainer.Run(config)
   start = time.perf_counter()
-  init = run.init.lower().compile()
+  init = functools.partial(run.init_program.lower(run.seed).compile(), run.seed)
   init_s = time.perf_counter() - start
   start = time.perf_counter()
   lowered = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0))

@@ -36,14 +36,18 @@ def merge(graphdef, state: TrainState):
 
 
 def abstract_state(config, tx: optax.GradientTransformation, mesh):
-  """(graphdef, shape/dtype/sharding tree of the TrainState, the init function), without allocating."""
-  def init():
-    model = K3Model(config.model, rngs=nnx.Rngs(config.seed), mesh=mesh)
+  """(graphdef, shape/dtype/sharding tree of the TrainState, the init function), without allocating.
+
+  `init(seed)` builds the state of a seed (an int, or an int32 scalar array: under `jax.jit` one program then
+  serves every seed, where a seed taken from the config would be a constant compiled into it). The parameters are
+  those of `nnx.Rngs(seed)`."""
+  def init(seed):
+    model = K3Model(config.model, rngs=nnx.Rngs(jax.random.key(seed)), mesh=mesh)
     _, params, balancer, other = split(model)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), balancer, other)
 
-  graphdef = split(nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(config.seed), mesh=mesh)))[0]
-  shapes = jax.eval_shape(init)
+  graphdef = split(nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(0), mesh=mesh)))[0]
+  shapes = jax.eval_shape(init, jax.ShapeDtypeStruct((), jnp.int32))
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
                           _shardings(shapes, mesh))
   return graphdef, abstract, init

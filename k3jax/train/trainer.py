@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import jax
 import ml_collections
+import numpy as np
 import optax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -53,7 +54,7 @@ class StateSpec:
   tx: optax.GradientTransformation
   graphdef: Any
   abstract: state_lib.TrainState       # ShapeDtypeStructs with shardings
-  init: Callable[[], state_lib.TrainState]
+  init: Callable[[Any], state_lib.TrainState]   # seed -> fresh state (`state.abstract_state`)
 
 
 def state_spec(config, *, mesh: str | None = None) -> StateSpec:
@@ -85,6 +86,8 @@ class Run:
 
   def __init__(self, config):
     self.config = config
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2 ** 31:
+      raise ValueError(f"config.seed must be an int in [0, 2**31), got {config.seed!r}")
     for field in ("log_every", "checkpoint_every", "keep_checkpoints"):
       if isinstance(config[field], bool) or not isinstance(config[field], int) or config[field] < 1:
         raise ValueError(f"config.{field} must be an int >= 1, got {config[field]!r}")
@@ -96,7 +99,8 @@ class Run:
                                   vocab_size=config.model.vocab_size) for s in self.stages]
     evaluate.check(config, [s.seq_len for s in self.stages], self.mesh)
     shardings = state_lib.shardings_of(self.abstract)
-    self.init = jax.jit(spec.init, out_shardings=shardings)
+    # One program for every seed (the seed is its argument): a run of another seed finds it compiled.
+    self.init_program = jax.jit(spec.init, out_shardings=shardings)
     step = step_lib.make_train_step(self.graphdef, self.tx, self.plan.learning_rate, config.model)
     self.train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())))
     self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef))
@@ -104,6 +108,15 @@ class Run:
   @property
   def stages(self) -> tuple[stages_lib.Stage, ...]:
     return self.plan.stages
+
+  @property
+  def seed(self) -> np.ndarray:
+    """`config.seed` as the init program's argument."""
+    return np.asarray(self.config.seed, np.int32)
+
+  def init(self) -> state_lib.TrainState:
+    """The fresh train state of `config.seed`."""
+    return self.init_program(self.seed)
 
   def train(self, workdir, *, stage: int | None = None, allow_config_change: bool = False,
             allow_missing_metrics: bool = False) -> list[dict | None]:

@@ -112,7 +112,7 @@ def steps():
   tx = _keeping_gradients(optimizer.make_optimizer(c.optimizer, lr))
   mesh = parallel.mesh_from_string(MESH)
   _, _, init = state_lib.abstract_state(c, tx, mesh)
-  state = jax.jit(init)()
+  state = jax.jit(init)(c.seed)
   batch = _batch(c.model.vocab_size)
   runs = {"pallas": (_model_config("bfloat16", "pallas"), "auto"), "xla": (_model_config("bfloat16", "xla"), "xla"),
           "fp32": (_model_config("float32", "xla"), "xla")}

@@ -118,7 +118,7 @@ def test_scanned_train_state_round_trips_and_an_unrolled_one_converts_to_it(tmp_
   tx, mesh = optax.adam(1e-3), parallel.mesh_from_string(config.mesh)
   (_, abstract, init), (_, abstract_u, init_u) = (state_lib.abstract_state(c, tx, mesh)
                                                   for c in (config, unrolled_config))
-  state = jax.jit(init, out_shardings=state_lib.shardings_of(abstract))()
+  state = jax.jit(init, out_shardings=state_lib.shardings_of(abstract))(config.seed)
   experts = state.params["groups"][0]["ffn"]["w_gate_up"].get_value()
   assert experts.shape[0] == 2 and experts.sharding.spec[:2] == (None, parallel.EXPERT)
   ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", keep=1)
@@ -130,7 +130,7 @@ def test_scanned_train_state_round_trips_and_an_unrolled_one_converts_to_it(tmp_
   converted = scanned_layout(abstract_u, config.model)
   assert checkpoint.leaf_signatures(converted) == checkpoint.leaf_signatures(abstract)
   assert jax.tree.leaves(state_lib.shardings_of(converted)) == jax.tree.leaves(state_lib.shardings_of(abstract))
-  assert_same(scanned_layout(jax.jit(init_u)(), config.model), state)
+  assert_same(scanned_layout(jax.jit(init_u)(config.seed), config.model), state)
 
 
 def test_read_only_restores_without_moving_cleaning_or_creating_anything(tmp_path, capsys):

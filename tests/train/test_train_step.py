@@ -161,7 +161,7 @@ def _run_steps(model_cfg, steps: int, *, resume_at: int | None = None, directory
   lr = stages_lib.training_plan(c).learning_rate
   tx = optimizer.make_optimizer(c.optimizer, lr)
   graphdef, abstract, init = state_lib.abstract_state(c, tx, parallel.mesh_from_string(c.mesh))
-  states = [jax.jit(init)()]
+  states = [jax.jit(init)(c.seed)]
   train_step = jax.jit(step_lib.make_train_step(graphdef, tx, lr, c.model))
   tokens = jax.random.randint(jax.random.PRNGKey(3), (steps, 2, 2, 13), 0, c.model.vocab_size)
   segment_ids = jnp.broadcast_to((jnp.arange(12) >= 5).astype(jnp.int32), (2, 2, 12))

@@ -86,14 +86,13 @@ def test_the_rl_study_is_rl_small_on_the_gpu_and_a_cut_rl_tiny_on_the_cpu():
 
 def test_precompile_compiles_the_sft_stage_of_an_rl_study_where_the_runner_trains_it(monkeypatch, tmp_path):
   asked, looked = {}, []
-  monkeypatch.setattr(runs, "precompile_variants", lambda configs, seeds: asked.update(configs=configs, seeds=seeds)
+  monkeypatch.setattr(runs, "precompile_variants", lambda configs: asked.update(configs=configs)
                       or {n: 1.0 for n in configs})
   monkeypatch.setattr(runs, "finished", lambda directory, config: looked.append((directory, config)) or False)
   notebook.precompile_studies({"06_rl": ablations.rl("cpu")}, tmp_path, tmp_path / "results")
   ((directory, config),) = looked
   assert directory == tmp_path / "06_rl" / "cpu" / "grpo" / "seed_0" / "sft" and "rl" not in config
   assert list(asked["configs"]) == ["06_rl/grpo"] and "rl" not in asked["configs"]["06_rl/grpo"]
-  assert asked["seeds"] == {"06_rl/grpo": [0]}
 
 
 def test_scale_comes_from_the_notebook_unless_the_environment_sets_it(monkeypatch, tmp_path):
@@ -125,7 +124,14 @@ print("done", os.getcwd())
 if os.environ.get("FAIL"):
   raise SystemExit(3) if __name__ == "__notebook__" else RuntimeError("failed on purpose")
 if os.environ.get("HANG"):
-  import time; time.sleep(60)
+  import signal, time
+  if os.environ.get("STUBBORN"):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    time.sleep(60)
+  except KeyboardInterrupt:
+    (out / "stopped").write_text("on SIGINT")
+    raise
 """
 
 
@@ -137,7 +143,7 @@ def _fake_notebook(tmp_path):
   return nb
 
 
-def test_script_runner_reports_exit_status_time_bound_and_cpu_time(tmp_path):
+def test_script_runner_reports_exit_status_and_cpu_time_and_asks_a_late_notebook_to_stop_first(tmp_path):
   nb = _fake_notebook(tmp_path)
   row = notebook.run_notebook(nb, scale="gpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=60)
   assert row["returncode"] == 0 and f"done {tmp_path}" in row["output"] and row["cpu_s"] > 0.05
@@ -150,6 +156,12 @@ def test_script_runner_reports_exit_status_time_bound_and_cpu_time(tmp_path):
   row = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=5,
                               env={"HANG": "1"})
   assert row["returncode"] is None and row["wall_s"] < 30
+  assert (tmp_path / "out" / "cpu" / "stopped").read_text() == "on SIGINT"   # asked to stop first
+  (tmp_path / "out" / "cpu" / "stopped").unlink()
+  row = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=5,
+                              grace_s=2, env={"HANG": "1", "STUBBORN": "1"})
+  assert row["returncode"] is None and row["wall_s"] < 30   # killed when it does not stop
+  assert not (tmp_path / "out" / "cpu" / "stopped").exists()
   with pytest.raises(ValueError, match="executor"):
     notebook.run_notebook(nb, scale="cpu", out=tmp_path, workdir=tmp_path, timeout_s=5, executor="papermill")
 
@@ -186,6 +198,7 @@ def test_kernel_runner_executes_the_ipynb_and_keeps_its_outputs(tmp_path):
   hung = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=20,
                                executor="kernel", env={"HANG": "1"})
   assert hung["returncode"] is None and hung["wall_s"] < 45
+  assert (tmp_path / "out" / "cpu" / "stopped").read_text() == "on SIGINT"   # the stop reached the kernel
 
 
 def test_notebooks_precompile_on_the_gpu_unless_the_runner_has(monkeypatch):
@@ -204,9 +217,9 @@ def test_notebooks_are_picked_by_number_or_stem_in_the_order_named():
       notebook.pick(paths, bad)
 
 
-def test_precompile_asks_for_each_variant_with_the_seeds_neither_finished_nor_recorded(monkeypatch, tmp_path):
+def test_precompile_asks_for_each_variant_with_a_seed_neither_finished_nor_recorded(monkeypatch, tmp_path):
   asked = {}
-  monkeypatch.setattr(runs, "precompile_variants", lambda configs, seeds: asked.update(configs=configs, seeds=seeds)
+  monkeypatch.setattr(runs, "precompile_variants", lambda configs: asked.update(configs=configs)
                       or {n: 1.0 for n in configs})
   done = {("bounded", 1), ("softplus", 0)}   # finished runs; softplus's seed 1 is recorded: nothing for softplus
   monkeypatch.setattr(runs, "finished", lambda directory, config: (directory.parent.name,
@@ -215,7 +228,7 @@ def test_precompile_asks_for_each_variant_with_the_seeds_neither_finished_nor_re
   results = tmp_path / "results"
   records.save(notebook.records_dir(results, "01_gate"), "softplus", 1, study.configs()["softplus"], {})
   out = notebook.precompile_studies({"01_gate": study}, tmp_path, results)
-  assert list(asked["configs"]) == ["01_gate/bounded"] and asked["seeds"] == {"01_gate/bounded": [0]}
+  assert list(asked["configs"]) == ["01_gate/bounded"]
   assert asked["configs"]["01_gate/bounded"].model.kda.gate == "bounded"
   assert out["variants"] == {"01_gate/bounded": 1.0} and out["wall_s"] >= 0
 
