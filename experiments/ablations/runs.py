@@ -137,6 +137,7 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,), pr
       print(f"precompiling {len(todo)} variants, one process each: {sorted(todo)}", flush=True)
       print(precompile_variants(todo), flush=True)
   out = {name: [] for name in configs}
+  built = {}   # the variant's first Run: its seeds share its programs, traced and loaded once
   for name, s, directory, c in plan:
     if (name, s) in recorded:
       print(f"== {name}, seed {s}: recorded in {records_lib.path(records, name, s)}", flush=True)
@@ -144,7 +145,8 @@ def train_variants(configs: Mapping, workdir, *, seeds: Sequence[int] = (0,), pr
       continue
     print(f"== {name}, seed {s}: {directory}", flush=True)
     start = time.perf_counter()
-    trainer.Run(c).train(directory)
+    run = built[name] = trainer.Run(c, programs=built.get(name))
+    run.train(directory)
     history = {**read_history(directory), "wall_s": time.perf_counter() - start}
     if measure is not None:
       history["measured"] = records_lib.plain(measure(name, s, directory))

@@ -81,27 +81,49 @@ class _Session:
       self.committed = True
 
 
-class Run:
-  """A config made runnable: its stages, mesh, optimizer and compiled steps (reusable across work directories)."""
+# What a Run shares with the Runs of other seeds of its config (`Run(config, programs=...)`).
+_PROGRAMS = ("plan", "mesh", "tx", "graphdef", "abstract", "init_program", "train_step", "eval_step")
 
-  def __init__(self, config):
+
+def _but_seed(config) -> dict:
+  out = workdir_lib.as_json(config)
+  out.pop("seed")
+  return out
+
+
+class Run:
+  """A config made runnable: its stages, mesh, optimizer and compiled steps (reusable across work directories).
+
+  `programs`: a Run of the same config but for its seed, whose mesh, state spec and jitted programs this one takes
+  (none of them depends on the seed): the seeds of a study then trace, lower and load each program once.
+  """
+
+  def __init__(self, config, *, programs: Run | None = None):
     self.config = config
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2 ** 31:
       raise ValueError(f"config.seed must be an int in [0, 2**31), got {config.seed!r}")
     for field in ("log_every", "checkpoint_every", "keep_checkpoints"):
       if isinstance(config[field], bool) or not isinstance(config[field], int) or config[field] < 1:
         raise ValueError(f"config.{field} must be an int >= 1, got {config[field]!r}")
-    spec = state_spec(config)
-    self.plan, self.mesh, self.tx = spec.plan, spec.mesh, spec.tx
-    self.graphdef, self.abstract = spec.graphdef, spec.abstract
+    if programs is not None and _but_seed(programs.config) != _but_seed(config):
+      raise ValueError("programs= must be a Run of the same config (but for its seed)")
+    if programs is None:
+      self._build_programs(state_spec(config))
+    else:
+      for name in _PROGRAMS:
+        setattr(self, name, getattr(programs, name))
     # Every stage's data and evaluation are checked here, before anything trains.
     self.data = [pipeline.Mixture(config.data, s.seq_len, pipeline.derive_seed(config.seed, s.index, "train"),
                                   vocab_size=config.model.vocab_size) for s in self.stages]
     evaluate.check(config, [s.seq_len for s in self.stages], self.mesh)
+
+  def _build_programs(self, spec: StateSpec) -> None:
+    self.plan, self.mesh, self.tx = spec.plan, spec.mesh, spec.tx
+    self.graphdef, self.abstract = spec.graphdef, spec.abstract
     shardings = state_lib.shardings_of(self.abstract)
     # One program for every seed (the seed is its argument): a run of another seed finds it compiled.
     self.init_program = jax.jit(spec.init, out_shardings=shardings)
-    step = step_lib.make_train_step(self.graphdef, self.tx, self.plan.learning_rate, config.model)
+    step = step_lib.make_train_step(self.graphdef, self.tx, self.plan.learning_rate, self.config.model)
     self.train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())))
     self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef))
 

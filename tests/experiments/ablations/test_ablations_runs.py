@@ -21,7 +21,8 @@ from k3jax.data import pipeline
 from k3jax.layers import attnres
 from k3jax.model import K3Model, scanned_layout
 from k3jax.train import step as step_lib
-from k3jax.train import workdir as workdir_lib
+from k3jax.train import trainer, workdir as workdir_lib
+from model_testing import compiled_programs
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.xdist_group("ablations_runs")  # one worker builds the module fixture (--dist loadgroup)
@@ -258,7 +259,7 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
       from jax import monitoring
       from experiments import harness
       from experiments.configs.common import set_stages
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+      sys.path[:0] = [{str(pathlib.Path(__file__).parent)!r}, {str(ROOT / "tests")!r}]
       from test_ablations_runs import small_config
       from experiments.ablations import runs
       if __name__ == "__main__":
@@ -279,10 +280,25 @@ def test_precompiled_variants_train_on_programs_from_the_persistent_cache(tmp_pa
                        env=env)
   assert out.returncode == 0, out.stderr[-4000:]
   counts = json.loads(out.stdout.strip().splitlines()[-1])
-  # Nothing compiled here: two seeds' inits, both stages' train steps, the held-out evaluations at 32 and 64 and
-  # the task evaluations at 96 (64 is the held-out one's shape) came from the cache.
+  # Nothing compiled here: the init, both stages' train steps, the held-out evaluations at 32 and 64 and the task
+  # evaluations at 96 (64 is the held-out one's shape) came from the cache, each once for both seeds.
   assert counts.get("/jax/compilation_cache/cache_hits", 0) >= 7, counts
   assert counts.get("/jax/compilation_cache/cache_misses", 0) == 0, counts
+
+
+def test_the_seeds_of_a_variant_share_its_programs_and_train_as_apart(tmp_path):
+  c = small_config()
+  with compiled_programs() as names:
+    (shared,) = runs.train_variants({"a": c}, tmp_path / "shared", seeds=[0, 1]).values()
+  # Each program once: the second seed's run traces, lowers and loads none of them again.
+  assert names.count("init") == 1 and names.count("train_step") == 1 and names.count("eval_step") == 1, names
+  apart = runs.train_variants({"a": c}, tmp_path / "apart", seeds=[1])["a"][0]
+  assert shared[1]["metrics"]["loss"] == apart["metrics"]["loss"] != shared[0]["metrics"]["loss"]
+  assert shared[1]["evals"] == apart["evals"]
+  other = runs.with_seed(c, 1)
+  other.optimizer.lr = 1e-3
+  with pytest.raises(ValueError, match="same config"):
+    trainer.Run(other, programs=trainer.Run(c))
 
 
 def test_summarize_spreads_the_last_evaluation_and_the_tail_over_seeds_and_plot_losses_draws_each_variant():
