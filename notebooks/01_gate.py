@@ -63,21 +63,30 @@ OUT, WORKDIR, results = session.out, session.workdir, session.results
 
 # %%
 dtype = jnp.dtype(study.settings["timed_dtype"])
-speed = []
-for v in gate.compiled_variants(study.settings["timed_shapes"], dtype=dtype):   # all compiled at once, first
-  fn, args = v.pop("fn"), v.pop("args")
-  speed.append({**v, "ms": 1e3 * harness.pipelined_seconds(fn, *args, repeats=study.settings["repeats"])})
-  print(f"{v['shape']} {v['gate']:<9} {v['path']:<32} {speed[-1]['ms']:9.3f} ms")
-if jax.default_backend() == "gpu":   # FLA's kernels with each gate, on the same inputs
-  for B, T, H, D in study.settings["timed_shapes"]:
-    x, do = gate.raw_inputs(B, T, H, D, dtype=dtype)
-    for g, path in gate.FLA_PATHS.items():
-      fla = kda_benchmark.fla_runner(x, do, gate=g)
-      if fla is None:
-        break
-      speed.append({"gate": g, "backend": "fla", "path": path, "shape": f"{B}x{T}x{H}x{D}", "dtype": dtype.name,
-                    "ms": fla["fwdbwd"]()})
-      print(f"{speed[-1]['shape']} {g:<9} {path:<32} {speed[-1]['ms']:9.3f} ms")
+
+
+def time_the_op():
+  speed = []
+  for v in gate.compiled_variants(study.settings["timed_shapes"], dtype=dtype):   # all compiled at once, first
+    fn, args = v.pop("fn"), v.pop("args")
+    speed.append({**v, "ms": 1e3 * harness.pipelined_seconds(fn, *args, repeats=study.settings["repeats"])})
+  if jax.default_backend() == "gpu":   # FLA's kernels with each gate, on the same inputs
+    for B, T, H, D in study.settings["timed_shapes"]:
+      x, do = gate.raw_inputs(B, T, H, D, dtype=dtype)
+      for g, path in gate.FLA_PATHS.items():
+        fla = kda_benchmark.fla_runner(x, do, gate=g)
+        if fla is None:
+          break
+        speed.append({"gate": g, "backend": "fla", "path": path, "shape": f"{B}x{T}x{H}x{D}", "dtype": dtype.name,
+                      "ms": fla["fwdbwd"]()})
+  return speed
+
+
+# Recorded once per kind of device (FLA's autotuning alone takes minutes on a fresh GPU): a rerun reads it.
+timing = {k: study.settings[k] for k in ("timed_shapes", "timed_dtype", "repeats")}
+speed = session.measured("speed", {**timing, "fla": kda_benchmark.fla_version()}, time_the_op)
+for r in speed:
+  print(f"{r['shape']} {r['gate']:<9} {r['path']:<32} {r['ms']:9.3f} ms")
 results["speed"] = speed
 session.save()
 if jax.default_backend() != "gpu":

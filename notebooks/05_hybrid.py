@@ -71,9 +71,18 @@ session.save()
 # after one untimed call (every program compiles first, all at once).
 
 # %%
-models = throughput.models_at_init(study.configs())
-speed = throughput.forward_tokens_per_s(models, study.settings["throughput_lengths"],
-                                        tokens=study.settings["throughput_tokens"], repeats=study.settings["repeats"])
+timing = {k: study.settings[k] for k in ("throughput_lengths", "throughput_tokens", "repeats")}
+
+
+def time_the_forwards():
+  models = throughput.models_at_init(study.configs())
+  return throughput.forward_tokens_per_s(models, timing["throughput_lengths"], tokens=timing["throughput_tokens"],
+                                         repeats=timing["repeats"])
+
+
+# Recorded once per kind of device with the models it timed: a rerun reads it.
+speed = session.measured("forward_tokens_per_s", {**timing, "models": throughput.described(study.configs())},
+                         time_the_forwards)
 for name, rows in speed.items():
   print(f"{name:<8} " + ", ".join(f"T={r['seq_len']}: {r['tokens_per_s']:,.0f} tok/s" for r in rows))
 results["forward_tokens_per_s"] = speed

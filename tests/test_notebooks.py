@@ -171,6 +171,8 @@ def _check_rl(out):
   return ["06_rl.png"]
 
 
+# The timings each notebook records (`Session.measured`), read back by a rerun.
+MEASURED = {"01_gate": ("speed",), "05_hybrid": ("forward_tokens_per_s",)}
 CHECKS = {"01_gate": _check_gate, "02_balance": _check_balance, "03_residual": _check_residual,
           "04_context": _check_context, "05_hybrid": _check_hybrid, "06_rl": _check_rl}
 
@@ -194,7 +196,8 @@ def test_notebook_runs_top_to_bottom_at_its_cpu_setting(path, tmp_path):
   study = ablations.NOTEBOOKS[path.stem]("cpu")
   recorded = sorted(p.relative_to(out / "records" / path.stem).as_posix()
                     for p in (out / "records" / path.stem).glob("*/*.json"))
-  assert recorded == sorted(f"{v}/seed_{s}.json" for v in study.variants for s in study.seeds), recorded
+  assert recorded == sorted([f"{v}/seed_{s}.json" for v in study.variants for s in study.seeds]
+                            + [f"measured/{m}@cpu.json" for m in MEASURED.get(path.stem, ())]), recorded
   print(f"{path.stem}: {row['wall_s']:.0f} s wall, {row['cpu_s']:.0f} s CPU")
 
 

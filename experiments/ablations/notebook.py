@@ -162,6 +162,17 @@ class Session:
     """Where the notebook's finished runs are recorded (`runs.train_variants(records=...)`)."""
     return records_dir(self.out, self.name)
 
+  def measured(self, name: str, settings: dict, measure):
+    """What `measure()` returns, or what it returned in an earlier run of this notebook on a device of this kind
+    with these `settings` (`records.measured`, under `records`): timings that took minutes are then read, not
+    measured again, and a notebook cut short after them continues with the rest. Says which."""
+    from experiments.ablations import records
+
+    result, found = records.measured(self.records, name, settings, measure, device=self.results["device"])
+    print(f"{name}: " + (f"read from {records.measurement_path(self.records, name, self.results['device'])}"
+                         if found else "measured and recorded"))
+    return result
+
   def save(self) -> pathlib.Path:
     self.path.write_text(json.dumps(self.results, indent=2) + "\n")
     return self.path

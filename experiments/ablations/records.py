@@ -7,6 +7,9 @@ the commit and the time. A study run again finds its finished runs there and doe
 can be copied back from a GPU machine and committed (notebooks/results/<scale>/records/), and a machine with a copy
 of the repository then continues where the last one stopped.
 
+Measurements that are not training runs (a notebook's timings) are recorded the same way, per device kind, under
+`<records>/measured/` (`measured`).
+
 A record of another config is an error (`workdir.ConfigChanged`, listing the fields), raised before anything
 trains, as for a run directory; only where a file lives may differ (`MACHINE_FIELDS`: the data cache, and the
 token shards, compared by file name).
@@ -16,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import time
+from collections.abc import Callable
 
 from k3jax.train import workdir as workdir_lib
 
@@ -71,13 +76,46 @@ def load_plan(records, plan) -> dict:
 def save(records, variant: str, seed: int, config, result: dict) -> pathlib.Path:
   """Writes the record of a finished run (the file appears whole or not at all) and returns its path."""
   p = path(records, variant, seed)
+  _write(p, {"config": workdir_lib.as_json(config), "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "result": result})
+  return p
+
+
+def measurement_path(records, name: str, device: str) -> pathlib.Path:
+  """Where measurement `name` (e.g. a notebook's timings) made on a device of kind `device` is recorded."""
+  kind = re.sub(r"[^0-9A-Za-z]+", "_", device).strip("_") or "unknown"
+  return pathlib.Path(records) / "measured" / f"{name}@{kind}.json"
+
+
+def measured(records, name: str, settings: dict, measure: Callable[[], object], *, device: str) -> tuple[object,
+                                                                                                         bool]:
+  """(what `measure()` returns, whether it was read from a record): a measurement that is not a training run
+  (timings), recorded under `records` as `name` for the device kind `device` and its `settings` (what it measured:
+  shapes, repeats, the anchor's version), so a notebook run again, here or on another machine with the files,
+  reads it instead of measuring again; a measurement of the same name and device with other settings is an error
+  (ConfigChanged, naming the fields; delete the file to measure again). Devices of other kinds keep their own."""
+  p = measurement_path(records, name, device)
+  settings = plain(settings)
+  if p.exists():
+    record = json.loads(p.read_text())
+    diff = workdir_lib.differences(record["settings"], settings)
+    if diff:
+      listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+      raise workdir_lib.ConfigChanged(f"{p} records {name!r} measured with other settings; these differ:\n"
+                                      f"{listing}\nDelete the record to measure again with these settings.")
+    return record["result"], True
+  result = plain(measure())
+  _write(p, {"settings": settings, "device": device, "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "result": result})
+  return result, False
+
+
+def _write(p: pathlib.Path, record: dict) -> None:
+  """Writes a record (the file appears whole or not at all)."""
   p.parent.mkdir(parents=True, exist_ok=True)
-  record = {"config": workdir_lib.as_json(config), "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "result": result}
   tmp = p.with_suffix(".json.tmp")
   tmp.write_text(json.dumps(record, default=_plain) + "\n")
   os.replace(tmp, p)
-  return p
 
 
 def plain(obj):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.model import K3Model
-from k3jax.train import benchmark
+from k3jax.train import benchmark, workdir as workdir_lib
 
 
 def models_at_init(configs: Mapping) -> dict:
@@ -29,6 +29,12 @@ def models_at_init(configs: Mapping) -> dict:
   if moe:
     raise ValueError(f"models at init are timed as trained ones only without MoE; {moe} route tokens to experts")
   return {name: nnx.jit(lambda c=c: K3Model(c.model, rngs=nnx.Rngs(c.seed)))() for name, c in configs.items()}
+
+
+def described(configs: Mapping) -> dict:
+  """{name: what `models_at_init` builds from `configs[name]`: its model config and seed}, as JSON values (what a
+  recorded timing of those models must match)."""
+  return {name: {"model": workdir_lib.as_json(c.model), "seed": c.seed} for name, c in configs.items()}
 
 
 @functools.partial(jax.jit, static_argnums=0)

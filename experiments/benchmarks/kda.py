@@ -10,6 +10,7 @@ launch and the synchronisation. PyTorch, Triton and FLA are imported only to run
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import statistics
 import time
 from typing import Callable
@@ -100,6 +101,14 @@ def jax_temp_bytes(compiled):
   """Bytes XLA allocates for one call beyond its arguments (temporaries + outputs)."""
   stats = compiled.memory_analysis()
   return None if stats is None else stats.temp_size_in_bytes + stats.output_size_in_bytes
+
+
+def fla_version() -> str | None:
+  """The installed fla-core's version (the anchor `fla_runner` times), or None; without importing it (or torch)."""
+  try:
+    return importlib.metadata.version("fla-core")
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 # FLA's two gates on its own kernels: the bounded one (`safe_gate`: 16-token diagonal tiles on the tensor cores) and

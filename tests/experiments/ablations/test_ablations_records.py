@@ -1,5 +1,6 @@
 """experiments.ablations.records: a finished run's record reads back only for the same config (where files live
-may differ), with its commit; values read back as they were written."""
+may differ), with its commit; values read back as they were written; a measurement (timings) is taken once per
+device kind and settings."""
 import numpy as np
 import pytest
 
@@ -40,3 +41,29 @@ def test_plain_is_what_a_record_reads_back_and_other_objects_are_refused(tmp_pat
   with pytest.raises(TypeError, match="JSON values"):
     records.save(tmp_path, "a", 0, config(), {"x": object()})
   assert not (tmp_path / "a" / "seed_0.json").exists()
+
+
+def test_a_measurement_is_taken_once_per_device_kind_and_settings_and_read_back_after(tmp_path, monkeypatch):
+  monkeypatch.setenv(records.COMMIT_ENV, "abc1234")
+  calls = []
+  measure = lambda: calls.append(1) or {"ms": np.float32(2.5), "shape": (8, 4096)}
+  settings = {"shapes": [(8, 4096, 16, 128)], "repeats": 20, "fla": "0.6.0"}
+  first = records.measured(tmp_path, "speed", settings, measure, device="NVIDIA H200")
+  again = records.measured(tmp_path, "speed", settings, measure, device="NVIDIA H200")
+  assert first == ({"ms": 2.5, "shape": [8, 4096]}, False) and again == ({"ms": 2.5, "shape": [8, 4096]}, True)
+  assert calls == [1]
+  path = records.measurement_path(tmp_path, "speed", "NVIDIA H200")
+  assert path == tmp_path / "measured" / "speed@NVIDIA_H200.json" and '"commit": "abc1234"' in path.read_text()
+  assert records.measured(tmp_path, "speed", settings, measure, device="cpu") == (first[0], False)   # its own
+  assert calls == [1, 1]
+  with pytest.raises(workdir_lib.ConfigChanged, match=r"fla: '0\.6\.0' -> None"):
+    records.measured(tmp_path, "speed", {**settings, "fla": None}, measure, device="NVIDIA H200")
+  assert calls == [1, 1]
+
+
+def test_a_measurement_that_fails_records_nothing(tmp_path):
+  def fail():
+    raise RuntimeError("out of memory")
+  with pytest.raises(RuntimeError, match="out of memory"):
+    records.measured(tmp_path, "speed", {}, fail, device="cpu")
+  assert not list(tmp_path.rglob("*.json"))
