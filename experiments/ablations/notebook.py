@@ -89,9 +89,10 @@ def pick(paths, names) -> list[pathlib.Path]:
 
 def precompile_studies(studies, workdir, out) -> dict:
   """Compiles the programs of every training run of `studies` ({notebook: Study}) still to train at once
-  (`runs.precompile_variants`: each variant with a seed still to train, once; of an RL study, its SFT stage), the runs where the notebooks put them under `workdir` and `out` (the results directory of the scale,
-  whose records count as trained; `directories`); needs JAX's persistent compilation cache on. Returns
-  {"wall_s", "variants": {notebook/variant: compile seconds or the error}}."""
+  (`runs.precompile_variants`: each variant with a seed still to train, once; of an RL study, its SFT stage), the
+  runs where the notebooks put them under `workdir` and `out` (the results directory of the scale, whose records
+  count as trained; `directories`); needs JAX's persistent compilation cache on. Returns {"wall_s", "variants":
+  {notebook/variant: compile seconds or the error}}."""
   import time
 
   from experiments.ablations import records, runs
@@ -226,13 +227,13 @@ def run_notebook(path, *, scale: str, out, workdir, timeout_s: float, executor: 
   """Executes a notebook in a fresh Python at `scale`, its results under `out`, its runs under `workdir`, the
   working directory the repository root (the notebook's parent's parent); after `timeout_s` asks it (and what it
   started) to stop with SIGINT, on which a training run saves a checkpoint of the step it reached and stops (a
-  rerun continues from there), and kills them `grace_s` later if they are still running. `executor`: "script" runs the percent-format source `path` (a `# %%` .py file) as one script (no
-  Jupyter needed; plots are only saved); "kernel" executes the .ipynb beside it in a Jupyter kernel (`execute_ipynb`;
-  needs nbclient and ipykernel, the `test` extras) and writes it with its outputs to `out/<scale>/<name>.ipynb`,
-  beside the JSON and PNGs of that scale. Returns
-  {"notebook", "executor", "returncode" (None: timed out), "wall_s", "cpu_s" (user + system of it and its
-  children), "output" (its stdout and stderr)}; `log` (a text file) receives the output line by line as it comes,
-  so a run stopped from outside still shows how far it got."""
+  rerun continues from there), and kills them `grace_s` later if they are still running. `executor`: "script"
+  runs the percent-format source `path` (a `# %%` .py file) as one script (no Jupyter needed; plots are only
+  saved); "kernel" executes the .ipynb beside it in a Jupyter kernel (`execute_ipynb`; needs nbclient and
+  ipykernel, the `test` extras) and writes it with its outputs to `out/<scale>/<name>.ipynb`, beside the JSON and
+  PNGs of that scale. Returns {"notebook", "executor", "returncode" (None: timed out), "wall_s", "cpu_s" (user +
+  system of it and its children), "output" (its stdout and stderr)}; `log` (a text file) receives the output line
+  by line as it comes, so a run stopped from outside still shows how far it got."""
   import resource
   import subprocess
   import sys
