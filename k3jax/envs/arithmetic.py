@@ -72,6 +72,10 @@ class Arithmetic:
     prompt = " ".join(sentences) + f" How many {item} does {name} have?\n"
     return Problem(prompt, str(x), Plan(start, tuple(operations)))
 
+  def links(self, problem: Problem) -> int:
+    """The tool calls the solver makes on `problem`: one per operation."""
+    return len(problem.data.operations)
+
   def tools(self, problem: Problem) -> dict:
     return {"calc": calculator.evaluate}
 

@@ -75,6 +75,10 @@ class Lookup:
     prompt = HEADER + lines + self.question(keys[0], hops)
     return Problem(prompt, keys[hops], Records(values, keys[0], hops))
 
+  def links(self, problem: Problem) -> int:
+    """The tool calls the solver makes on `problem`: its chain's length."""
+    return problem.data.hops
+
   def tools(self, problem: Problem) -> dict:
     values = problem.data.values
 

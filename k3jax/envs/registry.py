@@ -2,7 +2,8 @@
 (name, seed, index, length).
 
 An environment gives `problem(rng, length)`, the `tools(problem)` its episodes may call, `solver_turn(problem,
-outputs)` (the scripted solver's next turn, from the tools' results so far), `min_length` and `max_solver_turns`.
+outputs)` (the scripted solver's next turn, from the tools' results so far), `links(problem)` (the tool calls the
+solver makes: the problem's chain length), `min_length` and `max_solver_turns`.
 """
 from __future__ import annotations
 

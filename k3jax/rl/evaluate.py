@@ -25,11 +25,21 @@ def episode_stats(episodes: list[Episode], trajectories: list[Trajectory]) -> di
           "ended_by_turns": mean([o.ended_by == "turns" for o in outcomes])}
 
 
+def success_by_links(episodes: list[Episode], links: list[int]) -> dict[str, dict]:
+  """{str(n): {"success_rate", "episodes"}} over the episodes whose problem's chain has n links (`links`, one per
+  episode: the tool calls the scripted solver makes): where success falls off with the chain's length."""
+  out = {}
+  for n in sorted(set(links)):
+    correct = [ep.outcome().correct for ep, k in zip(episodes, links) if k == n]
+    out[str(n)] = {"success_rate": float(np.mean(correct)), "episodes": len(correct)}
+  return out
+
+
 def heldout(sampler, points, seed: int, *, examples: int, batch: int, max_turns: int, turn_tokens: int,
             interrupt=None) -> dict:
-  """{"name@length": {success_rate, ...}} over problems 0..examples-1 of each (environment, length) point,
-  played greedily (the sampler's options) `batch` episodes at a time; `interrupt()` before each batch (it raises to
-  stop)."""
+  """{"name@length": {success_rate, ..., "success_by_links"}} over problems 0..examples-1 of each (environment,
+  length) point, played greedily (the sampler's options) `batch` episodes at a time; `interrupt()` before each
+  batch (it raises to stop)."""
   result = {}
   for name, length in points:
     cfg = rollout.RolloutConfig(length, max_turns, turn_tokens)
@@ -41,7 +51,9 @@ def heldout(sampler, points, seed: int, *, examples: int, batch: int, max_turns:
       session = sampler.open([ep.prompt_tokens for ep in chunk], length)
       trajs += rollout.play(session, chunk, cfg, jax.random.PRNGKey(start))
       eps += chunk
-    result[f"{name}@{length}"] = episode_stats(eps, trajs) if eps else {}
+    links = [envs.get(name).links(ep.problem) for ep in eps]
+    result[f"{name}@{length}"] = {**episode_stats(eps, trajs), "success_by_links": success_by_links(eps, links)} \
+        if eps else {}
   return result
 
 
@@ -53,4 +65,9 @@ def format_table(before: dict, after: dict, train_length: int) -> str:
         int(key.split("@")[1]) > train_length) else ""
     b = before.get(key, {}).get("success_rate", float("nan"))
     lines.append(f"{key:<16} {b:8.3f} {after[key]['success_rate']:7.3f}{beyond}")
+    by_before = before.get(key, {}).get("success_by_links", {})
+    for n, a in after[key].get("success_by_links", {}).items():
+      b = by_before.get(n, {}).get("success_rate", float("nan"))
+      label = f"  {n} link" + ("s" if n != "1" else "")
+      lines.append(f"{label:<16} {b:8.3f} {a['success_rate']:7.3f}  ({a['episodes']} problems)")
   return "\n".join(lines)

@@ -47,6 +47,17 @@ def test_the_long_chain_environments_pose_up_to_four_calls_where_the_short_ones_
   assert calls[short] == {1, 2} and calls[long] == {1, 2, 3, 4}
 
 
+@pytest.mark.parametrize("name", sorted(envs.ENVS))
+def test_links_is_the_number_of_tool_calls_the_solver_makes(name):
+  env, seen = envs.get(name), set()
+  for index in range(40):
+    ep = envs.reset(name, 0, index, 1024, max_turns=env.max_solver_turns)
+    envs.demonstrate(name, ep)
+    assert env.links(ep.problem) == ep.outcome().tool_calls
+    seen.add(ep.outcome().tool_calls)
+  assert len(seen) > 1   # the problems differ in length
+
+
 def test_lookup_document_fills_the_context_up_to_64k_and_chains_hops():
   env = envs.get("lookup")
   for length in (1024, 65536):

@@ -25,7 +25,7 @@ from k3jax.train import batches, interrupt, workdir as workdir_lib
 from model_testing import compiled_programs
 
 pytestmark = pytest.mark.xdist_group("rl_loop")
-LENGTH, ITERATIONS = 240, 3
+LENGTH, ITERATIONS, EVAL_EXAMPLES = 240, 3, 4
 REQUIRED = ("step", "reward_mean", "success_rate", "kl", "response_tokens", "tool_calls", "invalid_calls")
 TIMING = ("rollout_s", "update_s", "rollout_share", "rollout_tokens_per_s", "prefill_tokens_per_s",
           "decode_tokens_per_s")
@@ -45,7 +45,7 @@ def make_config():
   r.envs = ml_collections.ConfigDict({"lookup": 1.0})
   r.length, r.iterations, r.prompts, r.group_size, r.minibatches = LENGTH, ITERATIONS, 2, 2, 2
   r.max_turns, r.turn_tokens, r.lr, r.length_weight = 3, 16, 1e-3, 0.5
-  r.checkpoint_every, r.eval_at, r.eval_examples, r.eval_batch = 2, (f"lookup@{LENGTH}",), 4, 4
+  r.checkpoint_every, r.eval_at, r.eval_examples, r.eval_batch = 2, (f"lookup@{LENGTH}",), EVAL_EXAMPLES, 4
   return c
 
 
@@ -76,6 +76,12 @@ def test_iterations_log_finite_metrics_and_evaluations_before_and_after(finished
     assert 0.0 <= r["success_rate"] <= 1.0 and r["response_tokens"] > 0
   assert [r["step"] for r in records(workdir / "rl" / "eval.jsonl")] == [0, ITERATIONS]
   assert set(summary["before"]) == set(summary["after"]) == {f"lookup@{LENGTH}"}
+  for evaluation in summary.values():   # success by chain length, over the same held-out problems
+    point = evaluation[f"lookup@{LENGTH}"]
+    by_links = point["success_by_links"]
+    assert set(by_links) <= {"1", "2"} and sum(x["episodes"] for x in by_links.values()) == EVAL_EXAMPLES
+    assert sum(x["success_rate"] * x["episodes"] for x in by_links.values()) / EVAL_EXAMPLES == \
+        pytest.approx(point["success_rate"])
   assert workdir_lib.checkpointed_stages(workdir / "rl") == {1: [2, 3]}   # the stage after SFT's one
   assert (workdir / "sft" / "checkpoints" / "stage_0").exists()
   assert "rl" not in json.loads((workdir / "sft" / "config.json").read_text())
