@@ -102,10 +102,9 @@ def precompile_studies(studies, workdir, out) -> dict:
   for name, study in studies.items():
     for variant, config in study.configs().items():
       directory = lambda s: runs.run_dir(pathlib.Path(workdir) / name / study.scale, variant, s)
-      todo = [s for s in study.seeds
-              if not records.path(records_dir(out, name), variant, s).exists()
-              and not runs.finished(_trained_dir(directory(s), config), _trained(runs.with_seed(config, s)))]
-      if todo:
+      if any(not records.path(records_dir(out, name), variant, s).exists()
+             and not runs.finished(_trained_dir(directory(s), config), _trained(runs.with_seed(config, s)))
+             for s in study.seeds):
         configs[f"{name}/{variant}"] = _trained(config)
   start = time.perf_counter()
   corpus.stdlib_shards()   # tokenised once here, not by every process at once

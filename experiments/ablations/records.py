@@ -57,11 +57,17 @@ def load(records, variant: str, seed: int, config) -> dict | None:
     return None
   p = path(records, variant, seed)
   diff = workdir_lib.differences(_comparable(record["config"]), _comparable(workdir_lib.as_json(config)))
+  _refuse_differences(p, "a run of another config", diff, "train the run again with this config")
+  return record["result"]
+
+
+def _refuse_differences(p: pathlib.Path, what: str, diff: dict, again: str) -> None:
+  """ConfigChanged naming the fields of `diff` ({field: (recorded, asked)}) where the record `p` holds `what`;
+  nothing when `diff` is empty."""
   if diff:
     listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-    raise workdir_lib.ConfigChanged(f"{p} records a run of another config; these fields differ:\n{listing}\n"
-                                    f"Delete the record to train the run again with this config.")
-  return record["result"]
+    raise workdir_lib.ConfigChanged(f"{p} records {what}; these fields differ:\n{listing}\n"
+                                    f"Delete the record to {again}.")
 
 
 def load_plan(records, plan) -> dict:
@@ -98,11 +104,8 @@ def measured(records, name: str, settings: dict, measure: Callable[[], object], 
   settings = plain(settings)
   if p.exists():
     record = json.loads(p.read_text())
-    diff = workdir_lib.differences(record["settings"], settings)
-    if diff:
-      listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-      raise workdir_lib.ConfigChanged(f"{p} records {name!r} measured with other settings; these differ:\n"
-                                      f"{listing}\nDelete the record to measure again with these settings.")
+    _refuse_differences(p, f"{name!r} measured with other settings",
+                        workdir_lib.differences(record["settings"], settings), "measure again with these settings")
     return record["result"], True
   result = plain(measure())
   _write(p, {"settings": settings, "device": device, "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
