@@ -11,6 +11,8 @@ config's tokens per step. `--profile` also traces a few steps per variant and pr
 kernel (GEMM, grouped GEMM, attention, KDA, dispatch, collective, other) with launch counts and the glue's share
 (`k3jax/train/profile.py`); `--profile_compile` traces each compile and prints XLA's phases by seconds.
 `--documents=data --documents=one` times each compiled step on the mixture's rows and on rows of one document each.
+`--variant=NAME:FIELD=VALUE[,...]` (repeatable) adds the config with those fields changed beside it, e.g.
+`--variant=none:model.remat=none --variant=group:model.residual.readout=group`.
 "compile s" is the train step's, from tracing to compiled (the JSON also has its trace and lower, and the init's
 compile). MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in
 k3jax/train/flops.py; a CPU reports no MFU.
@@ -30,8 +32,9 @@ _SEQ_LENS = flags.DEFINE_list("seq_lens", None, "sequence lengths (default: the 
 _TOKENS = flags.DEFINE_integer("tokens_per_step", None, "tokens per step, batch = tokens / seq_len (default: the "
                                "config's)")
 _PATTERNS = flags.DEFINE_list("patterns", ["config", "mla"], f"layer patterns: {sorted(benchmark.PATTERNS)}")
-_REMATS = flags.DEFINE_list("remats", None, "rematerialisation policies to compare (default: the config's); each "
-                            "is a variant of its own, named pattern/policy")
+_VARIANTS = flags.DEFINE_multi_string("variant", [], "NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. "
+                                      "none:model.remat=none: the config with those fields changed, a variant of "
+                                      "its own named pattern/NAME beside each pattern's unchanged config")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps first")
 _PROFILE = flags.DEFINE_bool("profile", False, "also trace --profile_steps steps per variant: device time by kind")
@@ -77,11 +80,17 @@ def parse_flags(argv):
 
 def main(argv):
   harness.check_argv(argv)
+  try:
+    variants = [("", {})] + [benchmark.parse_changes(v) for v in _VARIANTS.value]
+    for _, changes in variants:   # every field exists and validates, before any variant compiles
+      benchmark.variant(_CONFIG.value, changes=changes)
+  except ValueError as e:
+    raise app.UsageError(f"--variant: {e}") from None
   harness.enable_compilation_cache(_CACHE.value)
   rows, failed = benchmark.time_variants(
       _CONFIG.value, patterns=_PATTERNS.value, seq_lens=_SEQ_LENS.value, tokens_per_step=_TOKENS.value,
       steps=_STEPS.value, warmup=_WARMUP.value, profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0,
-      profile_compile=_PROFILE_COMPILE.value, remats=_REMATS.value or (None,), documents=_DOCUMENTS.value,
+      profile_compile=_PROFILE_COMPILE.value, changes=variants, documents=_DOCUMENTS.value,
       on_row=lambda rows: harness.write_json(_OUT.value, rows))
   print(benchmark.format_table(rows), flush=True)
   if failed:

@@ -14,6 +14,7 @@ import ml_collections
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
+RESIDUAL_READOUTS = ("layer", "group")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
@@ -93,6 +94,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.residual = ml_collections.ConfigDict()
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
   m.residual.block_size = 2               # decoder layers per AttnRes block
+  m.residual.readout = "layer"            # scanned groups' buffer of sources: read per read-out, or once per group
   return m.lock()                         # setting a field it does not have is an error (a typo, not a new field)
 
 
@@ -137,6 +139,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
 
   _one_of(m, "residual.mode", RESIDUAL_MODES)
   _positive_int(m, "residual.block_size")
+  _one_of(m, "residual.readout", RESIDUAL_READOUTS)
 
   if _get(m, "moe.enabled"):
     validate_moe(m.moe)

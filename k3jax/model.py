@@ -86,12 +86,12 @@ class DecoderLayer(nnx.Module):
 
   def _apply(self, stream, closes, mix, valid_BT=None):
     with jax.named_scope("attnres"):
-      x = attnres.read(stream, self.mixer_res)
+      x, stream = attnres.read(stream, self.mixer_res)
     with jax.named_scope(self.kind):
       y, cache = mix(self.mixer_norm(x).astype(self.dtype))
       stream = attnres.add(stream, y, close=closes[0])
     with jax.named_scope("attnres"):
-      h = attnres.read(stream, self.ffn_res)
+      h, stream = attnres.read(stream, self.ffn_res)
     with jax.named_scope("moe" if self.uses_moe else "ffn"):
       h = self.ffn_norm(h).astype(self.dtype)
       y, stats = self.ffn(h, valid_BT) if self.uses_moe else (self.ffn(h), None)
@@ -133,6 +133,7 @@ class K3Model(nnx.Module):
     self.d_model, self.vocab_size = d, V
     self.dtype = config_lib.compute_dtype(model_cfg)
     self.mode = model_cfg.residual.mode
+    self.summarize_groups = self.mode != "none" and model_cfg.residual.readout == "group"
     self.z_loss_coef = float(model_cfg.z_loss_coef)
     self.remat = model_cfg.remat
     self.plan, self.closes, self.moe_ids = spec.plan, spec.closes, spec.moe_layers
@@ -228,12 +229,21 @@ class K3Model(nnx.Module):
       with jax.named_scope(f"position_{j}"):
         return run(nnx.merge(graphdefs[j], params_j, rest_j), carry, layer_closes, cache)
 
+    def summarize(params_g, rest_g, carry):
+      """The buffer's part of every read-out of the group, in one pass (`model.residual.readout="group"`)."""
+      with jax.named_scope("attnres_summary"):
+        layers = [nnx.merge(graphdefs[j], params_g[j], rest_g[j]) for j in range(plan.group_size)]
+        return attnres.summarize(carry, [a for layer in layers for a in (layer.mixer_res, layer.ffn_res)])
+
+    summarize = summarize if self.summarize_groups else None
     carry = attnres.to_carry(stream, count)
     flags = jnp.asarray(flags_GP2)
     with jax.named_scope("groups"):
       if remat == "none" or caches is not None:
         def body(carry, xs):
           params_g, rest_g, flags_P2, caches_g = xs
+          if summarize is not None:
+            carry = summarize(params_g, rest_g, carry)
           out_caches, out_stats = [], []
           for j in range(plan.group_size):
             carry, cache, layer_stats = layer_step(j, params_g[j], rest_g[j], flags_P2, carry,
@@ -244,7 +254,7 @@ class K3Model(nnx.Module):
         carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
       else:
         step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
-        carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags)
+        carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
@@ -271,7 +281,7 @@ class K3Model(nnx.Module):
 
   @jax.named_scope("head")
   def _logits(self, stream):
-    h = attnres.read(stream, self.final_res)
+    h, _ = attnres.read(stream, self.final_res)
     h = self.final_norm(h).astype(self.dtype)
     if self.lm_head is None:
       w_DV = self.embed[...].T * self.d_model ** -0.5
@@ -301,25 +311,31 @@ def _check_tokens(tokens_BT, segment_ids_BT):
                      f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
 
 
-def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G):
+def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None):
   """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input.
 
   `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
   `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
   differentiated) hold a tuple per position of arrays stacked over the groups. Returns (the flushed carry after the
-  last group, per position the MoE stats stacked over the groups).
+  last group, per position the MoE stats stacked over the groups). `summarize(params_g, rest_g, carry) -> carry`,
+  if given, runs at each group's start and gives the carry the buffer's part of the group's read-outs
+  (`attnres.summarize`), each layer reading the same number of them.
 
   The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
   in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
   layer's VJP on its input with that final buffer in place of the one it read: the read-outs mask the buffer to the
   first `count` sources, and those slots never change once written, so the layer sees what it saw. Under
-  `jax.checkpoint` inside a `lax.scan` the scan would instead keep the buffer of every group.
+  `jax.checkpoint` inside a `lax.scan` the scan would instead keep the buffer of every group. The summaries are not
+  kept either: the backward pass computes them again from that buffer, once per group, and after the group's layers
+  adds their VJP (buffer and read-out parameters) to the layers'.
   """
   def group(carry, xs):
     params_g, rest_g, xs_g = xs
+    if summarize is not None:
+      carry = summarize(params_g, rest_g, carry)
     inputs, stats = [], []
     for j in range(num_positions):
-      inputs.append(carry.replace(sources_NBTD=None))
+      inputs.append(carry.replace(sources_NBTD=None, summaries=()))
       carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
       stats.append(layer_stats)
     return attnres.flush(carry), (tuple(stats), tuple(inputs))
@@ -346,31 +362,43 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     params_G, rest_G, xs_G, inputs_G, sources = residuals
     d_carry, d_stats_G = cotangents
 
-    def layer_vjp(j, params_j, rest_j, xs_g, input_carry, d_out, d_stats):
-      """(d params_j, d input) of layer j (then the flush, for the last position); the differentiable part of a
-      carry is (buffer, partial sum, closed sums)."""
+    def layer_vjp(j, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats):
+      """(d params_j, d input, d summaries) of layer j (then the flush, for the last position) reading `summaries`;
+      the differentiable part of a carry is (buffer, partial sum, closed sums)."""
       flags = [closed for _, closed in input_carry.closed]
 
       def fn(params_j, diff):
-        sources, partial, closed = diff
-        c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)))
+        sources, partial, closed, summaries = diff
+        c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)),
+                                summaries=summaries)
         c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
         if j == num_positions - 1:
           c = attnres.flush(c)
         return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
 
-      diff = (sources, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed))
+      diff = (sources, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed), summaries)
       # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
       # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
       (params_j, diff), d_out = jax.lax.optimization_barrier(((params_j, diff), d_out))
       _, vjp = jax.vjp(fn, params_j, diff)
-      return vjp((d_out, d_stats))
+      d_params_j, (d_sources, d_partial, d_closed, d_summaries) = vjp((d_out, d_stats))
+      return d_params_j, (d_sources, d_partial, d_closed), d_summaries
 
     def body(d, xs):
       params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
-      d_params = [None] * num_positions
+      d_params, d_summaries, summaries = [None] * num_positions, [()] * num_positions, [()] * num_positions
+      if summarize is not None:   # the group's summaries again, from the final buffer (what they read is unchanged)
+        of_buffer = lambda p, s: summarize(p, rest_g, inputs_g[0].replace(sources_NBTD=s)).summaries
+        flat, summary_vjp = jax.vjp(of_buffer, params_g, sources)
+        n = len(flat) // num_positions
+        summaries = [flat[j * n:(j + 1) * n] for j in range(num_positions)]
       for j in reversed(range(num_positions)):
-        d_params[j], d = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], d, d_stats_g[j])
+        d_params[j], d, d_summaries[j] = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], summaries[j], d,
+                                                   d_stats_g[j])
+      if summarize is not None:
+        d_params_s, d_buffer = summary_vjp(tuple(x for d_j in d_summaries for x in d_j))
+        d_params = jax.tree.map(jnp.add, tuple(d_params), d_params_s)
+        d = (d[0] + d_buffer, *d[1:])
       return d, tuple(d_params)
 
     (d_sources, d_partial, _), d_params_G = jax.lax.scan(

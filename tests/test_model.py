@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from k3jax.balancer import BalancerState
+from k3jax.config import RESIDUAL_READOUTS
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats
 from k3jax.model import K3Model, ModelCache, scanned_layout, z_loss
@@ -220,13 +221,66 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(scan, monkeypatc
     assert rel_err(b.scores_TE, a.scores_TE) < 1e-5
 
 
-def test_the_scanned_backward_keeps_the_source_buffer_once_not_per_group():
+GROUP_READOUT_CASES = {
+    "blocks_straddle_groups": SCAN_CASES["blocks_straddle_groups"],   # the recomputing scan (remat)
+    "full": SCAN_CASES["full"],
+    "no_remat": small_config(**{**SCANNED, "remat": "none"}),         # the plain scan, autodiff through it
+}
+
+
+@pytest.mark.parametrize("case", GROUP_READOUT_CASES)
+def test_group_summaries_of_the_buffer_give_the_per_read_out_loss_and_gradients(case, monkeypatch):
+  """`residual.readout="group"` (each scanned group reads its buffer once, `attnres.summarize`) against "layer" (each
+  read-out reads it): the same loss, gradients and MoE scores on the same parameters, and the summaries are read."""
+  cfg = GROUP_READOUT_CASES[case].copy_and_resolve_references()
+  per_layer = random_module(lambda rngs: K3Model(cfg, rngs=rngs), 5)
+  cfg.residual.readout = "group"
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  per_group = nnx.merge(graphdef, nnx.state(per_layer))
+  assert per_group.plan.num_groups == 2 and per_group.summarize_groups and not per_layer.summarize_groups
+  calls = []
+  merge = attnres_ops.readout_from_summary
+  monkeypatch.setattr(attnres_ops, "readout_from_summary", lambda *a, **k: calls.append(1) or merge(*a, **k))
+  tokens, seg = _tokens(9, (2, T)), segments(2, (6, T - 6))
+  jax.clear_caches()   # the layers' jitted forward would otherwise keep an earlier trace
+  l1, g1, s1 = _loss_grads_and_stats(per_layer, tokens, seg)
+  assert not calls
+  l2, g2, s2 = _loss_grads_and_stats(per_group, tokens, seg)
+  assert calls   # every scanned read-out went through its summary (traced at least once each)
+  jax.clear_caches()
+  # fp32 roundoff only (another summation order, as the read-out op against its formula above).
+  assert rel_err(l2, l1) < 1e-5
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  assert rel_err(flat(g2), flat(g1)) < 2e-4
+  queries = lambda g: [x for path, x in jax.tree_util.tree_flatten_with_path(g)[0]
+                       if "groups" in jax.tree_util.keystr(path) and "query" in jax.tree_util.keystr(path)]
+  for a, b in zip(queries(g1), queries(g2), strict=True):   # the summaries' own gradient path
+    assert float(jnp.abs(a).max()) > 0 and rel_err(b, a) < 2e-4
+  for a, b in zip(s1, s2):
+    assert rel_err(b.scores_TE, a.scores_TE) < 1e-5
+
+
+def test_decode_with_group_summaries_matches_the_full_forward():
+  model = shared_model(tuple({**SCANNED, "residual.readout": "group"}.items()))
+  assert model.plan.num_groups == 2 and model.summarize_groups
+  tokens = _tokens(10, (2, T))
+  full, _ = model_forward(model, tokens, None)
+  logits, cache = model_prefill(model, tokens[:, :T0], T)
+  assert rel_err(logits, full[:, T0 - 1]) < TOL
+  for t in range(T0, T):
+    logits, cache = model_decode(model, tokens[:, t], cache)
+    assert rel_err(logits, full[:, t]) < TOL, t
+
+
+@pytest.mark.parametrize("readout", RESIDUAL_READOUTS)
+def test_the_scanned_backward_keeps_the_source_buffer_once_not_per_group(readout):
   # Rematerialised, each layer keeps its input for the backward pass. Unrolled, the AttnRes sources are arrays of
   # their own, kept once; scanned, they live in a buffer the scan carries, which a scan's own VJP would keep at
-  # every group. Kept here: the arrays with a token axis (activations) of jax.vjp's residuals, traced only.
+  # every group (and "group" read-outs' summaries of it, which the backward pass computes again instead). Kept
+  # here: the arrays with a token axis (activations) of jax.vjp's residuals, traced only.
   T_ = 200
   def kept_bytes(scan):
-    cfg = small_config(**{**SCANNED, "remat": "full", "scan_layers": scan})
+    cfg = small_config(**{**SCANNED, "remat": "full", "scan_layers": scan, "residual.readout": readout})
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
     loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((2, T_), jnp.int32))[0])
     residuals = jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(loss, p)[1]), params)

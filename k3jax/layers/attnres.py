@@ -15,7 +15,9 @@ hold, of which the first `count` are valid, the partial sum with a flag for "emp
 buffer was last written (with flags for whether each did close). A read-out of a `Carry` masks the softmax to what
 is valid, so it gives the `Stream`'s result (up to fp32 summation order). Inside a group the buffer is not written
 (`flush` writes it at the group's end), so every layer of the group reads the same buffer: a rematerialised layer
-then keeps only its partial sum, not a copy of the buffer.
+then keeps only its partial sum, not a copy of the buffer. For the same reason the buffer's part of all the group's
+read-outs can be computed at the group's start in one pass (`summarize`, `model.residual.readout="group"`): the
+carry then holds one summary per read-out still to come, and each read-out takes the next.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class Carry:
   partial_BTD: jax.Array    # [B, T, D] fp32
   has_partial: jax.Array    # bool scalar
   closed: tuple = ()
+  summaries: tuple = ()     # the buffer's part of each read-out still to come, in order (`summarize`)
 
 
 def closes(mode: str, block_size: int, num_layers: int) -> tuple[tuple[bool, bool], ...]:
@@ -80,6 +83,8 @@ def to_carry(stream: Stream, capacity: int) -> Carry:
 
 def flush(carry: Carry) -> Carry:
   """The carry with its closed sums written into the buffer (those whose flag is set, in order)."""
+  if carry.summaries:
+    raise ValueError(f"flush of a carry with {len(carry.summaries)} summaries of the old buffer left unread")
   sources, count = carry.sources_NBTD, carry.count
   for value, closed in carry.closed:
     # One slot is rewritten either way: the closed sum, or (not closed) its own value. Past the last source the
@@ -88,6 +93,20 @@ def flush(carry: Carry) -> Carry:
     sources = jax.lax.dynamic_update_index_in_dim(sources, jnp.where(closed, value, slot), count, 0)
     count = count + jnp.asarray(closed, jnp.int32)
   return Carry(sources, count, carry.partial_BTD, carry.has_partial)
+
+
+def summarize(carry: Carry, attns) -> Carry:
+  """The carry with the buffer's part of the read-outs of `attns` (`DepthAttention`s, in the order they will read)
+  computed in one pass over the buffer (`k3jax.ops.attnres.summarize_buffer`); a read-out of the carry then takes
+  the next summary instead of reading the buffer (`read`)."""
+  if carry.summaries or carry.closed:
+    raise ValueError("summarize a carry whose buffer was just written (flushed) and whose summaries are all read")
+  if not attns:
+    return carry
+  queries, scales = (jnp.stack(x) for x in zip(*((a.query[...], a.key_norm.weight[...]) for a in attns)))
+  valid_C = jnp.arange(carry.sources_NBTD.shape[0]) < carry.count
+  summary = attnres_ops.summarize_buffer(queries, scales, carry.sources_NBTD, valid_C, eps=attns[0].key_norm.eps)
+  return carry.replace(summaries=tuple(summary.part(j) for j in range(len(attns))))
 
 
 def from_carry(carry: Carry, count: int, has_partial: bool) -> Stream:
@@ -122,8 +141,12 @@ class DepthAttention(nnx.Module):
     self.key_norm = RMSNorm(d_model, eps=eps)
 
   def __call__(self, stream: Stream | Carry):
-    """The input of the next sub-layer: softmax-weighted sum over the sources and the non-empty partial sum."""
-    return attnres_ops.readout(*self._operands(stream), eps=self.key_norm.eps)
+    """The input of the next sub-layer: softmax-weighted sum over the sources and the non-empty partial sum. A
+    carry with summaries (`summarize`) is read through its first one, not its buffer."""
+    q, g, buffer, valid_C, values, valid_E = self._operands(stream)
+    if isinstance(stream, Carry) and stream.summaries:
+      return attnres_ops.readout_from_summary(q, g, stream.summaries[0], values, valid_E, eps=self.key_norm.eps)
+    return attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=self.key_norm.eps)
 
   def weights(self, stream: Stream | Carry):
     """(the read-out's softmax weights `[N, B, T]`, which of the N are values `[N]` bool): over a `Stream`'s
@@ -149,7 +172,11 @@ class DepthAttention(nnx.Module):
 
 
 def read(stream: Stream | Carry, attn: DepthAttention | None):
-  """A sub-layer's input: the AttnRes read-out, or the running sum when there is no AttnRes ("none")."""
+  """(a sub-layer's input, the stream after the read): the AttnRes read-out, or the running sum when there is no
+  AttnRes ("none"). A carry's read takes its first summary, if it has any (`summarize`)."""
   if attn is None:
-    return stream.partial_BTD if isinstance(stream, Carry) else stream.partial
-  return attn(stream)
+    return (stream.partial_BTD if isinstance(stream, Carry) else stream.partial), stream
+  x = attn(stream)
+  if isinstance(stream, Carry) and stream.summaries:
+    stream = stream.replace(summaries=stream.summaries[1:])
+  return x, stream

@@ -15,10 +15,24 @@ The backward pass, from `w`, `a` and `r` kept per value and token (`[N,B,T]`, sm
 Each line is one elementwise-and-reduce pass over the values, which XLA fuses (the buffer's cotangent with the sum
 it is added to). Autodiff of the same formula goes through the normalised keys and the softmax's own VJP and reads
 and writes the values several more times (`experiments/bench_attnres.py` times the two).
+
+Inside a scanned group of layers every read-out sees the same buffer and its queries are parameters, so the
+buffer's part of all J read-outs of the group can be computed in one pass over it (`summarize_buffer`), as the
+softmax over the buffer's slots alone, as a weighted mean and a log-sum-exp:
+
+    π_jn = softmax_n(s_jn),   P̄_j = Σ_n π_jn v_n,   ℓ_j = log Σ_n exp(s_jn)
+
+and each read-out then merges its part with its single values (`readout_from_summary`): a softmax over (ℓ_j, s_e)
+weighting (P̄_j, v_e), which is `readout`'s h. The backward pass then meets the buffer once per group, through the
+means' cotangents, where the per-read-out op reads it and rewrites its cotangent at every read-out. Both are left to
+autodiff: every product is elementwise or an fp32 `HIGHEST` dot, and both weightings are `jax.nn.softmax`, whose
+VJP subtracts Σ w·dw from the same rounded dw (un-normalised partial sums would leave a saturated read-out's
+gradient to cancel two dots rounded apart, far less accurate: docs/design.md, AttnRes).
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,3 +113,44 @@ def _readout_bwd(eps, residuals, dh):
 
 
 _readout.defvjp(_readout_fwd, _readout_bwd)
+
+
+
+class BufferSummary(NamedTuple):
+  """The buffer's part of J read-outs (`summarize_buffer`), per token; `part(j)` is read-out j's."""
+  mean_BTJD: jax.Array   # P̄_j = Σ_n π_jn v_n, π_j the softmax of s_j over the valid slots (0 when none is valid)
+  lse_BTJ: jax.Array     # ℓ_j = log Σ_n exp(s_jn) over the valid slots, −inf when none is valid
+
+  def part(self, j: int) -> tuple[jax.Array, jax.Array]:
+    """(P̄ `[B,T,D]`, ℓ `[B,T]`) of read-out j."""
+    return self.mean_BTJD[:, :, j], self.lse_BTJ[..., j]
+
+
+def summarize_buffer(queries_JD, scales_JD, buffer_CBTD, valid_C, *, eps: float) -> BufferSummary:
+  """The buffer's part of the read-outs of J (query, key-norm weight) pairs, in one pass over the buffer (the module
+  docstring). The tokens' axes lead P̄ so that the J means of one token lie side by side (one read of each slot's
+  row serves all J)."""
+  qg_JD = queries_JD * scales_JD
+  a_BTJC = jnp.einsum("cbtd,jd->btjc", buffer_CBTD, qg_JD, precision=jax.lax.Precision.HIGHEST)
+  r_BTC = jnp.moveaxis(jax.lax.rsqrt(jnp.mean(buffer_CBTD * buffer_CBTD, axis=-1) + eps), 0, -1)
+  any_valid = jnp.any(valid_C)
+  # With no valid slot the scores are 0 (finite weights, a finite mean) and ℓ = −inf gives the mean no weight.
+  s_BTJC = jnp.where(valid_C, a_BTJC * r_BTC[:, :, None, :], jnp.where(any_valid, -jnp.inf, 0.0))
+  pi_BTJC = jax.nn.softmax(s_BTJC, axis=-1)
+  lse_BTJ = jnp.where(any_valid, jax.nn.logsumexp(s_BTJC, axis=-1), -jnp.inf)
+  # Slot by slot (one fusion, no matrix unit: its fp32 may be TF32), as `readout` sums h.
+  zero = jnp.zeros((*s_BTJC.shape[:3], buffer_CBTD.shape[-1]), jnp.float32)
+  mean_BTJD = sum((pi_BTJC[..., n, None] * buffer_CBTD[n][:, :, None, :] for n in range(buffer_CBTD.shape[0])),
+                  zero)
+  return BufferSummary(mean_BTJD, lse_BTJ)
+
+
+def readout_from_summary(query_D, scale_D, part, values, valid_E, *, eps: float):
+  """h `[B,T,D]` fp32: `readout` of a buffer whose part `part` = `BufferSummary.part(j)` is (with `query_D`,
+  `scale_D` read-out j's own) and of the single `values` (valid where `valid_E`)."""
+  mean_BTD, lse_BT = part
+  qg = query_D * scale_D
+  score = lambda v: jnp.sum(v * qg, axis=-1) * jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+  s_NBT = jnp.stack([lse_BT, *(jnp.where(valid_E[i], score(v), -jnp.inf) for i, v in enumerate(values))])
+  w_NBT = jax.nn.softmax(s_NBT, axis=0)
+  return sum(w_NBT[i][..., None] * v for i, v in enumerate((mean_BTD, *values)))

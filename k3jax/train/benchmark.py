@@ -8,6 +8,7 @@ their programs), and threads (`background.Background`; `compile_in_threads` for 
 run's compile-ahead for its programs): XLA compiles outside the GIL."""
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import functools
@@ -39,11 +40,46 @@ def compile_in_threads(lowered: Mapping[K, Any]) -> dict[K, tuple[Any, float]]:
   return dict(zip(lowered, background.Background(jobs).wait()))
 
 
+def parse_changes(text: str) -> tuple[str, dict[str, Any]]:
+  """'NAME:FIELD=VALUE[,FIELD=VALUE...]' (FIELD dotted, e.g. model.remat) -> (NAME, {FIELD: VALUE}); a VALUE is read
+  as a Python literal (3, 1e-3, True) and otherwise kept as a string (none, group). A ValueError for anything else."""
+  name, sep, spec = text.partition(":")
+  if not (name and sep and spec) or "/" in name:
+    raise ValueError(f"{text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE...] (NAME without '/')")
+  changes = {}
+  for item in spec.split(","):
+    field, eq, value = item.partition("=")
+    if not (field and eq and value):
+      raise ValueError(f"{text!r}: {item!r} is not FIELD=VALUE")
+    try:
+      changes[field] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      changes[field] = value
+  return name, changes
+
+
+def _set_field(c, field: str, value) -> None:
+  """`c.<field> = value` for a dotted field the config already has (a ValueError naming it otherwise)."""
+  *parents, last = field.split(".")
+  node = c
+  for part in parents:
+    if part not in node:
+      raise ValueError(f"the config has no field {field!r}")
+    node = node[part]
+  if last not in node:
+    raise ValueError(f"the config has no field {field!r}")
+  try:
+    node[last] = value
+  except TypeError as e:
+    raise ValueError(f"{field}={value!r}: {e}") from None
+
+
 def variant(config, *, pattern: str = "config", seq_len: int | None = None, tokens_per_step: int | None = None,
-            mesh: str | None = None, remat: str | None = None):
+            mesh: str | None = None, changes: Mapping[str, Any] | None = None):
   """A copy of `config` with every layer of the type `pattern` names ("config": the config's own pattern), one
-  stage of `seq_len` × `tokens_per_step / seq_len` rows when `seq_len` is given, and the mesh `mesh` and the
-  rematerialisation policy `remat` (`config.REMAT_POLICIES`) if given."""
+  stage of `seq_len` × `tokens_per_step / seq_len` rows when `seq_len` is given, the mesh `mesh` if given, and each
+  dotted field of `changes` set to its value (e.g. {"model.remat": "none"}; `parse_changes`), the model's config
+  validated after."""
   if pattern not in PATTERNS:
     raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {pattern!r}")
   c = copy.deepcopy(config)
@@ -57,9 +93,9 @@ def variant(config, *, pattern: str = "config", seq_len: int | None = None, toke
     c.model.last_layer = PATTERNS[pattern][0]
   if mesh is not None:
     c.mesh = mesh
-  if remat is not None:
-    c.model.remat = remat
-    config_lib.validate(c.model)   # a bad policy fails here, before any variant compiles
+  for field, value in (changes or {}).items():
+    _set_field(c, field, value)
+  config_lib.validate(c.model)   # a bad value fails here, before any variant compiles
   return c
 
 
@@ -253,22 +289,25 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
 
 
 def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | None = None, steps: int, warmup: int,
-                  profile_steps: int = 0, profile_compile: bool = False, remats=(None,), documents=("data",),
+                  profile_steps: int = 0, profile_compile: bool = False, changes=(("", {}),), documents=("data",),
                   on_row: Callable[[list[dict]], None] | None = None):
-  """`time_train_step` of `config` with each layer pattern of `patterns` and each remat policy of `remats` (None:
-  the config's) at each (seq_len, tokens per step) of `stage_lengths(config, seq_lens, tokens_per_step)`, every
-  variant in its own process (`measure_in_turn`); prints each row (and its profiles: `profile_steps`,
-  `profile_compile`) as it comes and calls `on_row(rows so far)` after each. Each variant's compiled step is timed on
-  the rows of each of `documents` (as in `time_train_step`). Returns (the rows, each with "variant": its pattern,
-  "/policy" when a remat policy was given, "/documents" when several were; the (variant, seq_len) of the variants
-  that failed)."""
+  """`time_train_step` of `config` with each layer pattern of `patterns` and each of `changes` ((name, {dotted
+  field: value}) pairs, as `parse_changes` gives; name "" with no changes is the config as it is) at each (seq_len,
+  tokens per step) of `stage_lengths(config, seq_lens, tokens_per_step)`, every variant in its own process
+  (`measure_in_turn`); prints each row (and its profiles: `profile_steps`, `profile_compile`) as it comes and calls
+  `on_row(rows so far)` after each. Each variant's compiled step is timed on the rows of each of `documents` (as in
+  `time_train_step`). Returns (the rows, each with "variant": its pattern, "/name" for named changes, "/documents"
+  when several were; the (variant, seq_len) of the variants that failed)."""
   documents = tuple(documents)
   bad = [d for d in documents if d not in DOCUMENTS]
   if not documents or bad:
     raise ValueError(f"documents must be some of {DOCUMENTS}, got {documents}")
-  names = [(p + (f"/{r}" if r else ""), p, r, t, n) for p in patterns for r in remats
+  changes = tuple(changes)
+  if len({name for name, _ in changes}) != len(changes):
+    raise ValueError(f"the changes' names must differ, got {[name for name, _ in changes]}")
+  names = [(p + (f"/{name}" if name else ""), p, over, t, n) for p in patterns for name, over in changes
            for t, n in stage_lengths(config, seq_lens, tokens_per_step)]
-  configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n, remat=r) for _, p, r, t, n in names]
+  configs = [variant(config, pattern=p, seq_len=t, tokens_per_step=n, changes=over) for _, p, over, t, n in names]
   print(f"compiling {len(configs)} variants, one process each: "
         + ", ".join(f"{name} T={t} B={n // t}" for name, _, _, t, n in names), flush=True)
   measure = functools.partial(_time_on_each, documents=documents, steps=steps, warmup=warmup,

@@ -68,7 +68,7 @@ def test_full_stream_makes_every_output_a_source():
 
 def test_none_stream_is_the_running_sum_and_is_read_without_attention():
   x0, ys, seen, stream = _run("none", [True, False, True])
-  np.testing.assert_allclose(attnres.read(stream, None), x0 + sum(ys), rtol=1e-6)
+  np.testing.assert_allclose(attnres.read(stream, None)[0], x0 + sum(ys), rtol=1e-6)
   assert stream.sources == ()
 
 
@@ -79,11 +79,13 @@ def test_stream_is_float32():
   assert jax.tree.leaves(stream)  # a pytree (crosses jit / remat boundaries)
 
 
+@pytest.mark.parametrize("summarized", [False, True], ids=["buffer_read_per_read_out", "buffer_summarized"])
 @pytest.mark.parametrize("mode", ["block", "full", "none"])
-def test_carry_reads_and_adds_as_the_stream_does(mode):
+def test_carry_reads_and_adds_as_the_stream_does(mode, summarized):
   # The same sub-layer outputs through a Stream and through a Carry entered after two sub-layers (so it starts with
   # a partial sum), its close flags traced, its buffer written twice: every read-out agrees, and so does the stream
-  # taken back out.
+  # taken back out. Summarized: after each write the buffer's part of the read-outs up to the next is computed at
+  # once (as at the start of a scanned group), and each read-out takes its own.
   closes = {"block": [False, True, False, False, False, True, True, False],
             "full": [True] * 8, "none": [False] * 8}[mode]
   attn = attnres.DepthAttention(8)
@@ -94,21 +96,25 @@ def test_carry_reads_and_adds_as_the_stream_does(mode):
   capacity = attnres.num_sources(mode, closes)
   stream, want = attnres.start(normal(42, (2, 3, 8)), mode), []
   for y, close in zip(ys, closes):
-    want.append(attnres.read(stream, None if mode == "none" else attn))
+    want.append(attnres.read(stream, None if mode == "none" else attn)[0])
     stream = attnres.add(stream, y, close=close)
 
   @jax.jit
   def through_carry(flags):
     s, got = attnres.start(normal(42, (2, 3, 8)), mode), []
     for y, close in zip(ys[:enter], closes[:enter]):
-      got.append(attnres.read(s, None if mode == "none" else attn))
+      got.append(attnres.read(s, None if mode == "none" else attn)[0])
       s = attnres.add(s, y, close=close)
     c = attnres.to_carry(s, capacity)
+    reads = lambda n: [attn] * n if summarized and mode != "none" else []
+    c = attnres.summarize(c, reads(5 - enter))
     for i in range(enter, len(ys)):
-      got.append(attnres.read(c, None if mode == "none" else attn))
+      x, c = attnres.read(c, None if mode == "none" else attn)
+      got.append(x)
       c = attnres.add(c, ys[i], close=flags[i])
       if i == 4:  # the buffer written in the middle (as at the end of a scanned group) changes nothing
-        c = attnres.flush(c)
+        c = attnres.summarize(attnres.flush(c), reads(len(ys) - 5))
+    assert not c.summaries
     return got, attnres.flush(c)
 
   got, carry = through_carry(jnp.asarray(closes))
@@ -133,6 +139,18 @@ def test_carry_read_out_ignores_what_lies_past_its_sources():
   want = attn(attnres.Stream(tuple(sources[:2]) + (closed[0][0],), None))
   np.testing.assert_allclose(attn(junk), want, rtol=1e-6, atol=1e-6)
   loss = lambda v, p, c: jnp.sum(attn(junk.replace(sources_NBTD=v, partial_BTD=p, closed=c)) ** 2)
+  d_sources, d_partial, d_closed = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)(
+      junk.sources_NBTD, junk.partial_BTD, closed)
+  assert float(jnp.abs(d_sources[2:]).max()) == float(jnp.abs(d_partial).max()) == 0.0
+  assert float(jnp.abs(d_closed[1][0]).max()) == 0.0
+  assert float(jnp.abs(d_sources[:2]).max()) > 0.0 and float(jnp.abs(d_closed[0][0]).max()) > 0.0
+  # The same through the buffer's summary (`summarize`, before the closed sums exist, as at a group's start).
+  def summarized(v, p, c):
+    carry = attnres.summarize(junk.replace(sources_NBTD=v, partial_BTD=p, closed=()), [attn])
+    return attnres.read(carry.replace(closed=c), attn)
+  np.testing.assert_allclose(summarized(junk.sources_NBTD, junk.partial_BTD, closed)[0], want, rtol=1e-6, atol=1e-6)
+  assert not summarized(junk.sources_NBTD, junk.partial_BTD, closed)[1].summaries
+  loss = lambda v, p, c: jnp.sum(summarized(v, p, c)[0] ** 2)
   d_sources, d_partial, d_closed = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)(
       junk.sources_NBTD, junk.partial_BTD, closed)
   assert float(jnp.abs(d_sources[2:]).max()) == float(jnp.abs(d_partial).max()) == 0.0

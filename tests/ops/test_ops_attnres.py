@@ -32,6 +32,7 @@ CASES = {
     "buffer only": dict(C=3, count=3, valid_E=[False]),
     "saturated weights": dict(C=3, count=2, valid_E=[True, True], query_scale=60.0),
     "garbage past the buffer's valid slots": dict(C=4, count=1, valid_E=[True, False], garbage=1e4),
+    "no valid slot in the buffer": dict(C=3, count=0, valid_E=[True, True, True], garbage=1e4),
 }
 
 
@@ -68,3 +69,37 @@ def test_weights_are_a_softmax_over_the_valid_values():
   assert w.shape == (6, 2, 5)
   np.testing.assert_allclose(np.sum(w, 0), 1.0, rtol=1e-6)
   assert not np.any(np.asarray(w)[~valid]) and np.all(np.asarray(w)[valid] > 0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_summarized_buffer_read_out_and_every_gradient_equal_autodiff_of_the_formula(case):
+  """Three read-outs (three queries and key-norm weights) summarise one buffer together; each merged with its own
+  single values is the formula's read-out, in value and in every gradient (the summary's queries included)."""
+  kw = dict(CASES[case])
+  C, count, valid_E = kw.pop("C"), kw.pop("count"), kw.pop("valid_E")
+  q, g, buffer, valid_C, values, valid_E = _inputs(C, count, valid_E, **kw)
+  scale = kw.get("query_scale", 1.0)
+  qs = jnp.stack([q, scale * normal(40, q.shape), 0.5 * q])
+  gs = jnp.stack([g, 1.0 + 0.2 * normal(41, g.shape), g[::-1]])
+  cots = [normal(99 + j, values[0].shape) for j in range(3)]
+
+  def ours(qs, gs, buffer, values):
+    summary = attnres_ops.summarize_buffer(qs, gs, buffer, valid_C, eps=EPS)
+    return [attnres_ops.readout_from_summary(qs[j], gs[j], summary.part(j), values[j:], valid_E[j:], eps=EPS)
+            for j in range(3)]
+
+  def reference(qs, gs, buffer, values):
+    return [attnres_ops.readout_reference(qs[j], gs[j], buffer, valid_C, values[j:], valid_E[j:], eps=EPS)
+            for j in range(3)]
+
+  for a, b in zip(ours(qs, gs, buffer, values), reference(qs, gs, buffer, values)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  loss = lambda fn: lambda *a: sum(jnp.sum(h * c) for h, c in zip(fn(*a), cots))
+  got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(qs, gs, buffer, values)
+  want = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3)))(qs, gs, buffer, values)
+  for name, x, y in zip(("queries", "scales", "buffer", "values"), got, want):
+    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+      assert np.all(np.isfinite(a)), name
+      bound = float(np.max(np.abs(b), initial=0.0))
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * bound + 1e-30, err_msg=name)
+  assert not np.any(np.asarray(got[2])[np.asarray(~valid_C)])

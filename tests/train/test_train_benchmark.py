@@ -202,14 +202,30 @@ def test_compare_curves_measures_gaps_and_scaling():
     benchmark.compare_curves(ref, {**other, "losses": [1.0]})
 
 
-def test_variant_rejects_unknown_patterns_uneven_batches_and_remat_policies():
+def test_variant_rejects_unknown_patterns_uneven_batches_fields_and_values():
   with pytest.raises(ValueError, match="pattern"):
     benchmark.variant(small_tiny(), pattern="rnn")
   with pytest.raises(ValueError, match="multiple"):
     benchmark.variant(small_tiny(), seq_len=48, tokens_per_step=100)
   with pytest.raises(ValueError, match="remat"):
-    benchmark.variant(small_tiny(), remat="everything")
-  assert benchmark.variant(small_tiny(), remat="none").model.remat == "none"
+    benchmark.variant(small_tiny(), changes={"model.remat": "everything"})
+  with pytest.raises(ValueError, match="no field 'model.residual.readouts'"):
+    benchmark.variant(small_tiny(), changes={"model.residual.readouts": "group"})
+  with pytest.raises(ValueError, match="no field 'modle.remat'"):
+    benchmark.variant(small_tiny(), changes={"modle.remat": "none"})
+  with pytest.raises(ValueError, match="model.d_model"):
+    benchmark.variant(small_tiny(), changes={"model.d_model": "wide"})
+  changed = benchmark.variant(small_tiny(), changes={"model.remat": "none", "model.residual.readout": "group"})
+  assert (changed.model.remat, changed.model.residual.readout) == ("none", "group")
+  assert small_tiny().model.residual.readout == "layer"   # the config given is left as it was
+
+
+def test_parse_changes_reads_literals_and_keeps_words_as_strings():
+  assert benchmark.parse_changes("g:model.residual.readout=group,model.moe.top_k=2,model.scan_layers=False") == (
+      "g", {"model.residual.readout": "group", "model.moe.top_k": 2, "model.scan_layers": False})
+  for bad in ("g", "g:", ":model.remat=none", "g:model.remat", "g:=none", "a/b:model.remat=none"):
+    with pytest.raises(ValueError):
+      benchmark.parse_changes(bad)
 
 
 def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
@@ -220,13 +236,17 @@ def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
                                       capture_output=True, text=True, timeout=900)
   bad = run("--config=huge")
   assert bad.returncode != 0 and "no config of that name" in bad.stderr and "'tiny'" in bad.stderr, bad.stderr[-2000:]
+  bad = run("--config=tiny", "--variant=g:model.residual.readouts=group")
+  assert bad.returncode != 0 and "no field 'model.residual.readouts'" in bad.stderr, bad.stderr[-2000:]
   done = run("--config=tiny", "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=4",
              "--patterns=config", "--steps=1", "--warmup=1", "--profile", "--profile_steps=1",
-             "--documents=data", "--documents=one", f"--out={tmp_path / 'rows.json'}")
+             "--documents=data", "--documents=one", "--variant=group:model.residual.readout=group",
+             f"--out={tmp_path / 'rows.json'}")
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  assert "config T=16 B=4" in done.stdout and "glue by scope" in done.stdout
-  rows = json.loads((tmp_path / "rows.json").read_text())   # one compiled step, timed on both kinds of rows
-  assert [(r["variant"], r["documents"]) for r in rows] == [("config/data", "data"), ("config/one", "one")]
+  assert "config T=16 B=4, config/group T=16 B=4" in done.stdout and "glue by scope" in done.stdout
+  rows = json.loads((tmp_path / "rows.json").read_text())   # each compiled step, timed on both kinds of rows
+  assert [(r["variant"], r["documents"]) for r in rows] == [
+      ("config/data", "data"), ("config/one", "one"), ("config/group/data", "data"), ("config/group/one", "one")]
   assert all("profile" in r for r in rows)
 
 
