@@ -203,12 +203,13 @@ class K3Model(nnx.Module):
     for k in before:
       stream = unrolled(k, stream)
     if plan.num_groups:
-      stream, group_caches, group_stats = self._scan(stream, run, group_caches, remat)
-      for j, position_stats in enumerate(group_stats):
-        if position_stats is not None:  # stacked over the groups: one array per group (one split, not G slices)
-          leaves, treedef = jax.tree.flatten(position_stats)
-          for i, group_leaves in zip(plan.position(j), zip(*(jnp.unstack(x) for x in leaves)), strict=True):
-            stats[i] = jax.tree.unflatten(treedef, group_leaves)
+      with jax.named_scope("groups"):   # the scan, the stream's way in and out of it, the stats' split by layer
+        stream, group_caches, group_stats = self._scan(stream, run, group_caches, remat)
+        for j, position_stats in enumerate(group_stats):
+          if position_stats is not None:  # stacked over the groups: one array per group (one split, not G slices)
+            leaves, treedef = jax.tree.flatten(position_stats)
+            for i, group_leaves in zip(plan.position(j), zip(*(jnp.unstack(x) for x in leaves)), strict=True):
+              stats[i] = jax.tree.unflatten(treedef, group_leaves)
     for k in range(len(before), len(plan.unrolled)):
       stream = unrolled(k, stream)
     return stream, (tuple(layer_caches), group_caches), stats
@@ -231,30 +232,29 @@ class K3Model(nnx.Module):
 
     def summarize(params_g, rest_g, carry):
       """The buffer's part of every read-out of the group, in one pass (`model.residual.readout="group"`)."""
-      with jax.named_scope("attnres_summary"):
+      with jax.named_scope("attnres"), jax.named_scope("summary"):
         layers = [nnx.merge(graphdefs[j], params_g[j], rest_g[j]) for j in range(plan.group_size)]
         return attnres.summarize(carry, [a for layer in layers for a in (layer.mixer_res, layer.ffn_res)])
 
     summarize = summarize if self.summarize_groups else None
     carry = attnres.to_carry(stream, count)
     flags = jnp.asarray(flags_GP2)
-    with jax.named_scope("groups"):
-      if remat == "none" or caches is not None:
-        def body(carry, xs):
-          params_g, rest_g, flags_P2, caches_g = xs
-          if summarize is not None:
-            carry = summarize(params_g, rest_g, carry)
-          out_caches, out_stats = [], []
-          for j in range(plan.group_size):
-            carry, cache, layer_stats = layer_step(j, params_g[j], rest_g[j], flags_P2, carry,
-                                                   None if caches_g is None else caches_g[j])
-            out_caches.append(cache)
-            out_stats.append(layer_stats)
-          return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
-        carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
-      else:
-        step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
-        carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize)
+    if remat == "none" or caches is not None:
+      def body(carry, xs):
+        params_g, rest_g, flags_P2, caches_g = xs
+        if summarize is not None:
+          carry = summarize(params_g, rest_g, carry)
+        out_caches, out_stats = [], []
+        for j in range(plan.group_size):
+          carry, cache, layer_stats = layer_step(j, params_g[j], rest_g[j], flags_P2, carry,
+                                                 None if caches_g is None else caches_g[j])
+          out_caches.append(cache)
+          out_stats.append(layer_stats)
+        return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
+      carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
+    else:
+      step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
+      carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:

@@ -114,7 +114,8 @@ def from_carry(carry: Carry, count: int, has_partial: bool) -> Stream:
   if carry.closed:
     raise ValueError("from_carry needs a flushed carry (see flush)")
   partial = carry.partial_BTD if has_partial else None
-  return Stream(tuple(carry.sources_NBTD[i] for i in range(count)), partial)
+  # One split, not a slice per source: a slice's transpose pads its cotangent to the whole buffer, then they are added.
+  return Stream(tuple(jnp.unstack(carry.sources_NBTD)[:count]), partial)
 
 
 def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
