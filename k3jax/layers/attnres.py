@@ -100,7 +100,7 @@ def summarize(carry: Carry, attns) -> Carry:
   computed in one pass over the buffer (`k3jax.ops.attnres.summarize_buffer`); a read-out of the carry then takes
   the next summary instead of reading the buffer (`read`)."""
   if carry.summaries or carry.closed:
-    raise ValueError("summarize a carry whose buffer was just written (flushed) and whose summaries are all read")
+    raise ValueError("summarize needs a flushed carry (no closed sums) with no summaries left unread")
   if not attns:
     return carry
   queries, scales = (jnp.stack(x) for x in zip(*((a.query[...], a.key_norm.weight[...]) for a in attns)))

@@ -127,6 +127,20 @@ def test_carry_reads_and_adds_as_the_stream_does(mode, summarized):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_summaries_are_made_after_a_flush_and_all_read_before_the_next():
+  attn = attnres.DepthAttention(8)
+  carry = attnres.to_carry(attnres.start(normal(1, (2, 3, 8)), "block"), 3)
+  carry = attnres.summarize(carry, [attn, attn])
+  with pytest.raises(ValueError, match="no summaries left unread"):
+    attnres.summarize(carry, [attn])
+  with pytest.raises(ValueError, match="1 summaries of the old buffer left unread"):
+    attnres.flush(attnres.read(carry, attn)[1])
+  closed = attnres.add(attnres.to_carry(attnres.start(normal(1, (2, 3, 8)), "block"), 3), normal(2, (2, 3, 8)),
+                       close=jnp.asarray(True))
+  with pytest.raises(ValueError, match="flushed carry"):
+    attnres.summarize(closed, [attn])
+
+
 def test_carry_read_out_ignores_what_lies_past_its_sources():
   # Slots past `count` (and the partial when flagged empty) take no weight: filling them with large values changes
   # neither the read-out nor its gradient.
