@@ -26,6 +26,15 @@ def _inputs(C, count, valid_E, *, query_scale=1.0, seed=0, garbage=0.0):
   return q, g, buffer, valid_C, values, jnp.asarray(valid_E)
 
 
+def _assert_gradients_close(got, want, names):
+  """Each gradient finite and within 1e-4 relative (1e-5 of its largest element absolute) of autodiff's."""
+  for name, x, y in zip(names, got, want, strict=True):
+    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+      assert np.all(np.isfinite(a)), name
+      bound = float(np.max(np.abs(b), initial=0.0))
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * bound + 1e-30, err_msg=name)
+
+
 CASES = {
     "buffer part valid, a single value invalid": dict(C=4, count=2, valid_E=[True, False, True]),
     "no buffer (a Stream)": dict(C=0, count=0, valid_E=[True, True, True]),
@@ -51,11 +60,7 @@ def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case):
                              reference(q, g, buffer, valid_C, values, valid_E), rtol=2e-5, atol=2e-5)
   got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
   want = jax.jit(jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
-  for name, x, y in zip(("query", "scale", "buffer", "values"), got, want):
-    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
-      assert np.all(np.isfinite(a)), name
-      scale = float(np.max(np.abs(b), initial=0.0))
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale + 1e-30, err_msg=name)
+  _assert_gradients_close(got, want, ("query", "scale", "buffer", "values"))
   # What is not valid gets exactly zero.
   assert not np.any(np.asarray(got[2])[np.asarray(~valid_C)])
   for d, ok in zip(got[3], np.asarray(valid_E)):
@@ -97,9 +102,5 @@ def test_summarized_buffer_read_out_and_every_gradient_equal_autodiff_of_the_for
   loss = lambda fn: lambda *a: sum(jnp.sum(h * c) for h, c in zip(fn(*a), cots))
   got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(qs, gs, buffer, values)
   want = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3)))(qs, gs, buffer, values)
-  for name, x, y in zip(("queries", "scales", "buffer", "values"), got, want):
-    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
-      assert np.all(np.isfinite(a)), name
-      bound = float(np.max(np.abs(b), initial=0.0))
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * bound + 1e-30, err_msg=name)
+  _assert_gradients_close(got, want, ("queries", "scales", "buffer", "values"))
   assert not np.any(np.asarray(got[2])[np.asarray(~valid_C)])
