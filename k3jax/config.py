@@ -177,9 +177,11 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
 def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
-  (True was "save_kda_out", False "none")."""
+  (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer)."""
   d = dict(d)
   d.setdefault("scan_layers", False)
+  if "residual" in d:
+    d["residual"] = {"readout": "layer", **d["residual"]}
   if isinstance(d.get("remat"), bool):
     d["remat"] = "save_kda_out" if d["remat"] else "none"
   return d

@@ -56,7 +56,8 @@ def load(records, variant: str, seed: int, config) -> dict | None:
   if record is None:
     return None
   p = path(records, variant, seed)
-  diff = workdir_lib.differences(_comparable(record["config"]), _comparable(workdir_lib.as_json(config)))
+  diff = workdir_lib.differences(_comparable(workdir_lib.saved_config(record["config"])),
+                                 _comparable(workdir_lib.as_json(config)))
   _refuse_differences(p, "a run of another config", diff, "train the run again with this config")
   return record["result"]
 

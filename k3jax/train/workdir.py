@@ -52,17 +52,20 @@ class ConfigChanged(ValueError):
   """A run directory resumed with a config that changes what training computes."""
 
 
+def saved_config(d: dict) -> dict:
+  """A config saved as JSON, its model config given the fields it predates with the values it was trained with
+  (`k3jax.config.saved_model_fields`): what it is compared as, and rebuilt from."""
+  return {**d, "model": config_lib.saved_model_fields(d["model"])} if "model" in d else d
+
+
 def config_from_json(d: dict) -> ml_collections.ConfigDict:
-  """A config saved as JSON (lists back to tuples, as the config files write them), locked like `get_config()`;
-  a model config saved before some of its fields existed gets the values it was trained with
-  (`k3jax.config.saved_model_fields`)."""
+  """A config saved as JSON (`saved_config`; lists back to tuples, as the config files write them), locked like
+  `get_config()`."""
   def tuples(x):
     if isinstance(x, dict):
       return {k: tuples(v) for k, v in x.items()}
     return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-  if "model" in d:
-    d = {**d, "model": config_lib.saved_model_fields(d["model"])}
-  return ml_collections.ConfigDict(tuples(d)).lock()
+  return ml_collections.ConfigDict(tuples(saved_config(d))).lock()
 
 
 def override(config, overrides: dict | None) -> ml_collections.ConfigDict:
@@ -151,7 +154,7 @@ def check_resume(workdir, config, *, allow_change: bool = False, rules: ResumeRu
   old = remembered(workdir)
   if old is None:
     return None
-  diff = differences(old, as_json(config))
+  diff = differences(saved_config(old), as_json(config))
   if not diff:
     return None
   blocking = {k: v for k, v in diff.items() if not under(k, rules.resumable)}

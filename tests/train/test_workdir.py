@@ -74,11 +74,24 @@ def test_extending_steps_must_keep_the_learning_rate_of_the_steps_taken(tmp_path
 def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_trained():
   saved = workdir_lib.as_json(tiny.get_config())
   del saved["model"]["scan_layers"]
+  del saved["model"]["residual"]["readout"]
   saved["model"]["remat"] = True
   c = workdir_lib.config_from_json(saved)
-  assert (c.model.scan_layers, c.model.remat) == (False, "save_kda_out")
+  assert (c.model.scan_layers, c.model.remat, c.model.residual.readout) == (False, "save_kda_out", "layer")
   c = workdir_lib.config_from_json(workdir_lib.as_json(tiny.get_config()))   # a current one is kept as saved
   assert (c.model.scan_layers, c.model.remat) == (True, "none")
+
+
+def test_a_run_saved_before_a_field_existed_resumes_at_the_value_that_keeps_what_it_computed(tmp_path):
+  started(tmp_path, tiny.get_config())
+  saved = json.loads((tmp_path / workdir_lib.CONFIG).read_text())
+  del saved["model"]["residual"]["readout"]
+  (tmp_path / workdir_lib.CONFIG).write_text(json.dumps(saved))
+  assert workdir_lib.check_resume(tmp_path, tiny.get_config()) is None
+  c = tiny.get_config()
+  c.model.residual.readout = "group"
+  with pytest.raises(workdir_lib.ConfigChanged, match=r"model\.residual\.readout: 'layer' -> 'group'"):
+    workdir_lib.check_resume(tmp_path, c)
 
 
 def test_saved_configs_come_back_locked_with_tuples(tmp_path):

@@ -1,12 +1,17 @@
 """experiments.ablations.records: a finished run's record reads back only for the same config (where files live
-may differ), with its commit; values read back as they were written; a measurement (timings) is taken once per
-device kind and settings."""
+may differ, and fields added since keep what it computed), with its commit; values read back as they were written;
+the runs recorded on the H200 still read back; a measurement (timings) is taken once per device kind and settings."""
+import json
+import pathlib
+
 import numpy as np
 import pytest
 
-from experiments.ablations import records
-from experiments.configs import tiny
+from experiments.ablations import records, runs
+from experiments.configs import ablations, tiny
 from k3jax.train import workdir as workdir_lib
+
+GPU_RECORDS = pathlib.Path(__file__).resolve().parents[3] / "notebooks" / "results" / "gpu" / "records"
 
 
 def config(shards="/machine_a/data/train_0.bin,/machine_a/data/train_1.bin"):
@@ -34,6 +39,29 @@ def test_a_record_of_another_config_is_refused_naming_the_field(tmp_path, field,
   other = workdir_lib.override(config(), {field: value})
   with pytest.raises(workdir_lib.ConfigChanged, match=field.replace(".", r"\.")):
     records.load(tmp_path, "a", 0, other)
+
+
+def test_a_record_written_before_a_field_existed_reads_back_at_the_value_that_keeps_what_it_computed(tmp_path):
+  path = records.save(tmp_path, "a", 0, config(), {"loss": 1.0})
+  record = json.loads(path.read_text())
+  del record["config"]["model"]["residual"]["readout"]    # as written before the field existed
+  path.write_text(json.dumps(record))
+  assert records.load(tmp_path, "a", 0, config()) == {"loss": 1.0}   # "layer": what every read-out did then
+  with pytest.raises(workdir_lib.ConfigChanged, match=r"model\.residual\.readout"):
+    records.load(tmp_path, "a", 0, workdir_lib.override(config(), {"model.residual.readout": "group"}))
+
+
+@pytest.mark.parametrize("notebook, study", [("02_balance", ablations.balance), ("03_residual", ablations.residual)])
+def test_the_runs_recorded_on_the_gpu_read_back_with_the_configs_their_study_builds_now(notebook, study):
+  """A change to what a GPU-scale study trains makes its committed records another config's, which the notebook
+  would refuse: such a change must mean training them again, not slip in unnoticed."""
+  s = study("gpu")
+  found = sorted((GPU_RECORDS / notebook).glob("*/seed_*.json"))
+  assert found
+  for path in found:
+    variant, seed = path.parent.name, int(path.stem.removeprefix("seed_"))
+    config = runs.with_seed(workdir_lib.override(s.base, dict(s.variants[variant])), seed)
+    assert records.load(GPU_RECORDS / notebook, variant, seed, config) is not None, path
 
 
 def test_plain_is_what_a_record_reads_back_and_other_objects_are_refused(tmp_path):
