@@ -180,8 +180,10 @@ class Session:
 
 EXECUTORS = ("script", "kernel")
 # Runs a notebook's percent-format source as one script. Its __name__ is not "__main__", so processes it spawns
-# (multiprocessing's "spawn") do not run it again.
-_SCRIPT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__notebook__')"
+# (multiprocessing's "spawn") do not run it again. SIGINT raises KeyboardInterrupt even when this runner was started
+# with SIGINT ignored (`nohup ... &` from a shell), which the child would inherit: it is `run_notebook`'s stop.
+_SCRIPT = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "runpy.run_path(sys.argv[1], run_name='__notebook__')")
 # Executes an .ipynb with `execute_ipynb` of this k3jax (its parent directory first on the path).
 _KERNEL = ("import sys; sys.path.insert(0, sys.argv[1]); from experiments.ablations import notebook; "
            "notebook.execute_ipynb(*sys.argv[2:4], float(sys.argv[4]))")

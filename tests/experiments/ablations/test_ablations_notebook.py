@@ -2,9 +2,11 @@
 variants differ from the base only in what they ablate, train on equal tokens, and build a Run at both scales
 (the GPU settings are checked here, on the CPU, without compiling); the scale choice, the directories, and the
 notebook runner's exit status, time bound and CPU time."""
+import contextlib
 import importlib.util
 import json
 import pathlib
+import signal
 import threading
 import time
 
@@ -135,6 +137,17 @@ if os.environ.get("HANG"):
 """
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+  """This process with SIGINT ignored, as a runner started by `nohup ... &` from a shell is (and what it starts
+  inherits that): the notebook must still get run_notebook's stop."""
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
 def _fake_notebook(tmp_path):
   nb = tmp_path / "notebooks" / "01_x.py"
   nb.parent.mkdir()
@@ -153,8 +166,9 @@ def test_script_runner_reports_exit_status_and_cpu_time_and_asks_a_late_notebook
   assert notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=60,
                                env={"FAIL": "1"})["returncode"] == 3
   (tmp_path / "out" / "cpu" / "x.json").unlink()
-  row = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=5,
-                              env={"HANG": "1"})
+  with _sigint_ignored():
+    row = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=5,
+                                env={"HANG": "1"})
   assert row["returncode"] is None and row["wall_s"] < 30
   assert (tmp_path / "out" / "cpu" / "stopped").read_text() == "on SIGINT"   # asked to stop first
   (tmp_path / "out" / "cpu" / "stopped").unlink()
@@ -195,8 +209,9 @@ def test_kernel_runner_executes_the_ipynb_and_keeps_its_outputs(tmp_path):
   failed = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=120,
                                  executor="kernel", env={"FAIL": "1"})
   assert failed["returncode"] not in (0, None) and "failed on purpose" in failed["output"]
-  hung = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=20,
-                               executor="kernel", env={"HANG": "1"})
+  with _sigint_ignored():
+    hung = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=20,
+                                 executor="kernel", env={"HANG": "1"})
   assert hung["returncode"] is None and hung["wall_s"] < 45
   assert (tmp_path / "out" / "cpu" / "stopped").read_text() == "on SIGINT"   # the stop reached the kernel
 
