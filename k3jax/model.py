@@ -230,13 +230,13 @@ class K3Model(nnx.Module):
       with jax.named_scope(f"position_{j}"):
         return run(nnx.merge(graphdefs[j], params_j, rest_j), carry, layer_closes, cache)
 
-    def summarize(params_g, rest_g, carry):
+    def summarize_group(params_g, rest_g, carry):
       """The buffer's part of every read-out of the group, in one pass (`model.residual.readout="group"`)."""
       with jax.named_scope("attnres"), jax.named_scope("summary"):
         layers = [nnx.merge(graphdefs[j], params_g[j], rest_g[j]) for j in range(plan.group_size)]
         return attnres.summarize(carry, [a for layer in layers for a in (layer.mixer_res, layer.ffn_res)])
 
-    summarize = summarize if self.summarize_groups else None
+    summarize = summarize_group if self.summarize_groups else None
     carry = attnres.to_carry(stream, count)
     flags = jnp.asarray(flags_GP2)
     if remat == "none" or caches is not None:

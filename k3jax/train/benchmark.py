@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from k3jax import config as config_lib
-from k3jax.train import background, flops, profile, trainer
+from k3jax.train import background, flops, profile, trainer, workdir as workdir_lib
 from k3jax.train.stages import training_plan
 
 PATTERNS = {"config": None, "mla": ("mla",), "kda": ("kda",)}
@@ -58,28 +58,12 @@ def parse_changes(text: str) -> tuple[str, dict[str, Any]]:
   return name, changes
 
 
-def _set_field(c, field: str, value) -> None:
-  """`c.<field> = value` for a dotted field the config already has (a ValueError naming it otherwise)."""
-  *parents, last = field.split(".")
-  node = c
-  for part in parents:
-    if part not in node:
-      raise ValueError(f"the config has no field {field!r}")
-    node = node[part]
-  if last not in node:
-    raise ValueError(f"the config has no field {field!r}")
-  try:
-    node[last] = value
-  except TypeError as e:
-    raise ValueError(f"{field}={value!r}: {e}") from None
-
-
 def variant(config, *, pattern: str = "config", seq_len: int | None = None, tokens_per_step: int | None = None,
             mesh: str | None = None, changes: Mapping[str, Any] | None = None):
   """A copy of `config` with every layer of the type `pattern` names ("config": the config's own pattern), one
   stage of `seq_len` × `tokens_per_step / seq_len` rows when `seq_len` is given, the mesh `mesh` if given, and each
-  dotted field of `changes` set to its value (e.g. {"model.remat": "none"}; `parse_changes`), the model's config
-  validated after."""
+  dotted field of `changes` set to its value (e.g. {"model.remat": "none"}; `parse_changes`; `workdir.override`),
+  the model's config validated after."""
   if pattern not in PATTERNS:
     raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {pattern!r}")
   c = copy.deepcopy(config)
@@ -93,8 +77,7 @@ def variant(config, *, pattern: str = "config", seq_len: int | None = None, toke
     c.model.last_layer = PATTERNS[pattern][0]
   if mesh is not None:
     c.mesh = mesh
-  for field, value in (changes or {}).items():
-    _set_field(c, field, value)
+  c = workdir_lib.override(c, changes)
   config_lib.validate(c.model)   # a bad value fails here, before any variant compiles
   return c
 

@@ -70,7 +70,7 @@ def config_from_json(d: dict) -> ml_collections.ConfigDict:
 
 def override(config, overrides: dict | None) -> ml_collections.ConfigDict:
   """A copy of `config` with dotted fields set (e.g. {"model.kda.gate": "softplus", "eval.lengths": (64, 256)}); a
-  field that does not exist is a ValueError naming it."""
+  field that does not exist, or a value of another type than the field's, is a ValueError naming it."""
   config = copy.deepcopy(config)
   for dotted, value in (overrides or {}).items():
     *path, last = dotted.split(".")
@@ -79,7 +79,10 @@ def override(config, overrides: dict | None) -> ml_collections.ConfigDict:
       node = node[p] if isinstance(node, ml_collections.ConfigDict) and p in node else None
     if not isinstance(node, ml_collections.ConfigDict) or last not in node:
       raise ValueError(f"config has no field {dotted!r}")
-    node[last] = value
+    try:
+      node[last] = value
+    except TypeError as e:
+      raise ValueError(f"{dotted}={value!r}: {e}") from None
   return config
 
 
