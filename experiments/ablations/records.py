@@ -3,9 +3,10 @@
 A study's training runs (checkpoints and all) live in a work directory that a GPU machine loses when it is given
 back. What a notebook reads of a finished run (its logged history, and what `measure` took from its trained model)
 is small, so each finished run also writes `<records>/<variant>/seed_<s>.json`: the config it trained, the result,
-the commit and the time. A study run again finds its finished runs there and does not train them again; the files
-can be copied back from a GPU machine and committed (notebooks/results/<scale>/records/), and a machine with a copy
-of the repository then continues where the last one stopped.
+the commit, the device kind and the time (`provenance` sums them up for a study). A study run again finds its
+finished runs there and does not train them again; the files can be copied back from a GPU machine and committed
+(notebooks/results/<scale>/records/), and a machine with a copy of the repository then continues where the last one
+stopped.
 
 Measurements that are not training runs (a notebook's timings) are recorded the same way, per device kind, under
 `<records>/measured/` (`measured`).
@@ -38,7 +39,8 @@ def path(records, variant: str, seed: int) -> pathlib.Path:
 
 
 def read(records, variant: str, seed: int) -> dict | None:
-  """The whole record of (`variant`, `seed`) ({"config", "commit", "time", "result"}), or None."""
+  """The whole record of (`variant`, `seed`) ({"config", "commit", "device", "time", "result"}; records written
+  before the device was recorded lack it), or None."""
   p = path(records, variant, seed)
   return json.loads(p.read_text()) if p.exists() else None
 
@@ -83,9 +85,26 @@ def load_plan(records, plan) -> dict:
 def save(records, variant: str, seed: int, config, result: dict) -> pathlib.Path:
   """Writes the record of a finished run (the file appears whole or not at all) and returns its path."""
   p = path(records, variant, seed)
-  _write(p, {"config": workdir_lib.as_json(config), "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "result": result})
+  _write(p, {"config": workdir_lib.as_json(config), "commit": _commit(), "device": _device(),
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": result})
   return p
+
+
+def provenance(records) -> str:
+  """Where a study's recorded runs and measurements come from, as text: each (commit, device kind) with its count,
+  e.g. "d6e617a, device not recorded: 10 runs; 8f0229f, NVIDIA H100 80GB HBM3: 2 runs"; "" when nothing is
+  recorded."""
+  counts: dict[tuple[str, str], list[int]] = {}
+  root = pathlib.Path(records)
+  for p in sorted(root.glob("*/seed_*.json")) + sorted(root.glob("measured/*.json")):
+    record = json.loads(p.read_text())
+    key = (record.get("commit") or "commit unknown", record.get("device") or "device not recorded")
+    counts.setdefault(key, [0, 0])[p.parent.name == "measured"] += 1
+  parts = []
+  for (commit, device), (runs, measured) in counts.items():
+    what = [f"{n} {word}{'s' if n > 1 else ''}" for n, word in ((runs, "run"), (measured, "measurement")) if n]
+    parts.append(f"{commit}, {device}: {', '.join(what)}")
+  return "; ".join(parts)
 
 
 def measurement_path(records, name: str, device: str) -> pathlib.Path:
@@ -141,6 +160,12 @@ def _comparable(config_json: dict) -> dict:
     if out.get(k):
       out[k] = ",".join(pathlib.PurePath(p.strip()).name for p in out[k].split(","))
   return out
+
+
+def _device() -> str:
+  """The kind of the device runs train on (the first of `jax.devices()`)."""
+  import jax
+  return jax.devices()[0].device_kind
 
 
 def _commit() -> str | None:

@@ -18,7 +18,8 @@ from experiments.ablations import runs, verdicts
 from k3jax.rl import runner
 
 # The RL iterations' logged fields the notebook keeps (metrics.jsonl has more: timing, tool calls, ...).
-CURVES = ("reward_mean", "success_rate", "kl", "loss", "groups_with_signal", "response_tokens")
+CURVES = ("reward_mean", "success_rate", "kl", "loss", "groups_with_signal", "groups_mixed_success",
+          "response_tokens")
 
 
 def describe(config) -> str:

@@ -273,16 +273,23 @@ ROWS = {"01_gate": gate_rows, "02_balance": balance_rows, "03_residual": residua
 
 def table(results_dir, scale: str) -> str:
   """The markdown table of the notebooks' JSON under `results_dir/scale/`; a notebook without JSON is "not run
-  yet"."""
-  lines = ["| notebook | claim | what was run | numbers (mean ± std [min, max] over seeds) | verdict | why |",
-           "|---|---|---|---|---|---|"]
+  yet". Its last column names the commits and device kinds of the notebook's recorded runs (`records.provenance`),
+  else the device of the notebook's own run."""
+  from experiments.ablations import records
+
+  lines = ["| notebook | claim | what was run | numbers (mean ± std [min, max] over seeds) | verdict | why | "
+           "commit, device |", "|---|---|---|---|---|---|---|"]
   for name, make in ROWS.items():
     path = pathlib.Path(results_dir) / scale / f"{name}.json"
     if not path.exists():
-      lines.append(f"| {name} | see notebooks/{name}.ipynb | — | — | not run yet | |")
+      lines.append(f"| {name} | see notebooks/{name}.ipynb | — | — | not run yet | | |")
       continue
-    for row in make(json.loads(path.read_text())):
-      lines.append(f"| {name} | {row['claim']} | {row['run']} | {row['numbers']} | {row['verdict']} | {row['why']} |")
+    results = json.loads(path.read_text())
+    source = (records.provenance(pathlib.Path(results_dir) / scale / "records" / name)
+              or f"commit not recorded, {results.get('device', 'device not recorded')}")
+    for row in make(results):
+      lines.append(f"| {name} | {row['claim']} | {row['run']} | {row['numbers']} | {row['verdict']} | {row['why']} "
+                   f"| {source} |")
   return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import ml_collections
 import optax
 
 from k3jax import envs
+from k3jax.rl import grpo
 from k3jax.train import optimizer, stages as stages_lib, workdir
 
 
@@ -30,6 +31,9 @@ def rl_config() -> ml_collections.ConfigDict:
   r.format_weight = 0.0          # reward for an episode that answers without invalid calls
   r.length_weight = 0.1          # Kimi k1.5's length penalty (the article's path efficiency): a shorter correct
                                  # episode of a group earns up to +0.05, a longer one down to -0.05
+  r.advantage_scale = "none"     # "none": reward − group mean, so the length term stays ±0.05 beside success's
+                                 # ±0.5; "std" (GRPO) divides by the group's std, which makes an all-correct group's
+                                 # length differences full-sized advantages (k3jax.rl.grpo.group_advantages)
   r.lr = 1e-4                    # peak learning rate (warmup, then constant); the optimizer is config.optimizer's
   r.warmup_fraction = 0.1
   r.minibatches = 2              # optimizer steps per iteration, each on a consecutive slice of the episodes
@@ -70,6 +74,8 @@ def validate(r) -> None:
                 "append_chunk", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch"):
     if not isinstance(r[field], int) or r[field] < 1:
       raise ValueError(f"config.rl.{field} must be a positive int, got {r[field]!r}")
+  if r.advantage_scale not in grpo.ADVANTAGE_SCALES:
+    raise ValueError(f"config.rl.advantage_scale must be one of {grpo.ADVANTAGE_SCALES}, got {r.advantage_scale!r}")
   if r.group_size < 2:
     raise ValueError(f"config.rl.group_size must be >= 2 (advantages compare a group's samples), got {r.group_size}")
   if (r.prompts * r.group_size) % r.minibatches:

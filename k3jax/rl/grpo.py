@@ -1,6 +1,8 @@
 """GRPO as pure functions over arrays: group-relative advantages, per-token log-probs, the clipped loss.
 
-    A_i     = (r_i − mean_g r) / (std_g r + eps)                 std with ddof=1, eps = 1e-4 (as tunix)
+    A_i     = (r_i − mean_g r) / (std_g r + eps)                 scale "std": std with ddof=1, eps = 1e-4 (as tunix)
+    A_i     =  r_i − mean_g r                                    scale "none": the group mean as the baseline
+                                                                 (Kimi k1.5; Dr. GRPO)
     ρ_t     = exp(logp_t − logp_old_t)                           per token, against the rollout policy
     pg_t    = −min(ρ_t A, clip(ρ_t, 1 − ε, 1 + ε) A)             PPO clip, ε = 0.2
     kl_t    = exp(logp_ref_t − logp_t) − (logp_ref_t − logp_t) − 1   the k3 estimator of KL(π ‖ π_ref)
@@ -25,12 +27,24 @@ class LossConfig:
   kl_coef: float = 0.04
 
 
-def group_advantages(rewards_B, group_size: int, eps: float = 1e-4):
-  """`[B]` advantages of rewards in consecutive groups of `group_size` (the samples of one prompt)."""
+ADVANTAGE_SCALES = ("std", "none")
+
+
+def group_advantages(rewards_B, group_size: int, scale: str = "std", eps: float = 1e-4):
+  """`[B]` advantages of rewards in consecutive groups of `group_size` (the samples of one prompt), each less its
+  group's mean and, with `scale="std"`, divided by the group's std.
+
+  The std makes a group's advantages unit-sized whatever its spread: a group whose samples differ only by a small
+  shaping term (all correct, different lengths) then pushes as hard as one that differs in success. With "none"
+  every term keeps the weight the reward gives it."""
   if group_size < 2 or rewards_B.shape[0] % group_size:
     raise ValueError(f"group_size must be >= 2 and divide the {rewards_B.shape[0]} rewards, got {group_size}")
+  if scale not in ADVANTAGE_SCALES:
+    raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
   r_NG = jnp.asarray(rewards_B, jnp.float32).reshape(-1, group_size)
-  a_NG = (r_NG - r_NG.mean(axis=1, keepdims=True)) / (r_NG.std(axis=1, ddof=1, keepdims=True) + eps)
+  a_NG = r_NG - r_NG.mean(axis=1, keepdims=True)
+  if scale == "std":
+    a_NG = a_NG / (r_NG.std(axis=1, ddof=1, keepdims=True) + eps)
   return a_NG.reshape(-1)
 
 

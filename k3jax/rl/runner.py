@@ -113,7 +113,7 @@ class RLRun:
     consecutive slices."""
     r = self.config.rl
     rows = rollout.episode_batch(trajectories, r.length)
-    rows["advantages"] = np.asarray(grpo.group_advantages(reward_R, r.group_size))
+    rows["advantages"] = np.asarray(grpo.group_advantages(reward_R, r.group_size, r.advantage_scale))
     size = len(trajectories) // r.minibatches
     return [{n: v[k * size:(k + 1) * size] for n, v in rows.items()} for k in range(r.minibatches)]
 
@@ -143,9 +143,12 @@ class RLRun:
     done = time.perf_counter()
     generated = sum(t.response_tokens for t in trajectories)
     std = reward_R.reshape(-1, self.config.rl.group_size).std(axis=1)
+    correct_NG = np.array([ep.outcome().correct for ep in episodes]).reshape(std.shape[0], -1)
     record = {"step": iteration + 1, "reward_mean": float(reward_R.mean()),
               **evaluate.episode_stats(episodes, trajectories), **m,
-              "groups_with_signal": float(np.mean(std > 0)), "rollout_s": rolled - start, "update_s": done - rolled,
+              "groups_with_signal": float(np.mean(std > 0)),
+              "groups_mixed_success": float(np.mean(correct_NG.any(axis=1) & ~correct_NG.all(axis=1))),
+              "rollout_s": rolled - start, "update_s": done - rolled,
               "rollout_share": (rolled - start) / (done - start), "rollout_tokens_per_s": generated / (rolled - start),
               **timing.rates()}
     return state, record

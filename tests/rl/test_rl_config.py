@@ -24,6 +24,7 @@ def test_rl_configs_validate(module):
     ("envs", {"maze": 1.0}, "config.rl.envs"), ("group_size", 1, "group_size"), ("minibatches", 3, "minibatches"),
     ("length", 100, "needs lengths >="), ("max_turns", 2, "max_turns"), ("eval_at", ("lookup:9",), "eval_at"),
     ("eval_examples", 10, "eval_batch"), ("clip_eps", 0.0, "clip_eps"),
+    ("advantage_scale", "rank", "advantage_scale"),
 ])
 def test_rl_config_names_the_bad_field(field, value, match):
   r = rl_config.rl_config()

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.rl import grpo
+from k3jax.envs.episode import Outcome
+from k3jax.rl import config as rl_config, grpo, rewards
 
 EPS, BETA = 0.2, 0.04
 
@@ -24,6 +25,32 @@ def test_group_advantages_by_hand():
   np.testing.assert_allclose(got, [a, -a, 0.0, 0.0], rtol=1e-6)
   with pytest.raises(ValueError, match="group_size"):
     grpo.group_advantages(np.zeros(6), 4)
+  with pytest.raises(ValueError, match="scale"):
+    grpo.group_advantages(np.zeros(4), 2, scale="rank")
+
+
+def test_unscaled_advantages_are_the_rewards_less_the_group_mean():
+  got = grpo.group_advantages(np.array([1.0, 0.0, 0.0, 0.5, 0.5, 0.5]), 3, scale="none")
+  np.testing.assert_allclose(got, [2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0], rtol=1e-6)
+
+
+def test_by_default_length_alone_moves_a_group_less_than_success_does():
+  """The default reward and advantage: in a group whose samples all succeed and differ only in length, no advantage
+  is larger than the length term's own range, and it is several times smaller than a success difference's; the
+  group std would make the two the same size (the failure rl_small showed: RL shortened the calculator's chains)."""
+  r = rl_config.rl_config()
+  cfg = rewards.RewardConfig(r.format_weight, r.length_weight)
+  o = lambda correct: Outcome(correct, True, "answer", 2, 1, 0, 0)
+  lengths = [40, 44, 48, 52, 56, 60, 64, 68]
+  all_correct = rewards.group_rewards([o(True)] * 8, lengths, cfg)
+  mixed = rewards.group_rewards([o(i % 2 == 0) for i in range(8)], [52] * 8, cfg)
+  a_length = np.abs(grpo.group_advantages(all_correct, 8, r.advantage_scale))
+  a_success = np.abs(grpo.group_advantages(mixed, 8, r.advantage_scale))
+  assert a_length.max() <= r.length_weight + 1e-6
+  assert a_success.min() >= 4 * a_length.max()
+  a_length_std = np.abs(grpo.group_advantages(all_correct, 8, "std"))
+  a_success_std = np.abs(grpo.group_advantages(mixed, 8, "std"))
+  assert a_length_std.max() > a_success_std.min()
 
 
 def test_grpo_loss_by_hand():

@@ -26,7 +26,8 @@ from model_testing import compiled_programs
 
 pytestmark = pytest.mark.xdist_group("rl_loop")
 LENGTH, ITERATIONS, EVAL_EXAMPLES = 240, 3, 4
-REQUIRED = ("step", "reward_mean", "success_rate", "kl", "response_tokens", "tool_calls", "invalid_calls")
+REQUIRED = ("step", "reward_mean", "success_rate", "kl", "response_tokens", "tool_calls", "invalid_calls",
+            "groups_with_signal", "groups_mixed_success")
 TIMING = ("rollout_s", "update_s", "rollout_share", "rollout_tokens_per_s", "prefill_tokens_per_s",
           "decode_tokens_per_s")
 
@@ -74,6 +75,8 @@ def test_iterations_log_finite_metrics_and_evaluations_before_and_after(finished
     values = [np.asarray(v, np.float64) for v in r.values()]
     assert all(np.all(np.isfinite(v)) for v in values), r
     assert 0.0 <= r["success_rate"] <= 1.0 and r["response_tokens"] > 0
+    # A group of mixed success has a reward spread; a spread may come from the length term alone.
+    assert 0.0 <= r["groups_mixed_success"] <= r["groups_with_signal"] <= 1.0
   assert [r["step"] for r in records(workdir / "rl" / "eval.jsonl")] == [0, ITERATIONS]
   assert set(summary["before"]) == set(summary["after"]) == {f"lookup@{LENGTH}"}
   for evaluation in summary.values():   # success by chain length, over the same held-out problems

@@ -32,6 +32,22 @@ def test_a_record_reads_back_for_the_same_config_wherever_its_files_live(tmp_pat
   assert '"commit": "abc1234"' in path.read_text()
 
 
+def test_provenance_counts_runs_and_measurements_by_commit_and_device(tmp_path, monkeypatch):
+  assert records.provenance(tmp_path) == ""
+  monkeypatch.setenv(records.COMMIT_ENV, "aaa1111")
+  for variant, seed in (("a", 0), ("a", 1), ("b", 0)):
+    records.save(tmp_path, variant, seed, config(), {})
+  old = json.loads((tmp_path / "b" / "seed_0.json").read_text())
+  del old["device"]   # a record written before the device was recorded
+  (tmp_path / "b" / "seed_0.json").write_text(json.dumps(old))
+  monkeypatch.setenv(records.COMMIT_ENV, "bbb2222")
+  records.measured(tmp_path, "speed", {"n": 1}, lambda: 1.0, device="GPU X")
+  device = json.loads((tmp_path / "a" / "seed_0.json").read_text())["device"]
+  assert device and device != "device not recorded"
+  assert records.provenance(tmp_path) == (f"aaa1111, {device}: 2 runs; aaa1111, device not recorded: 1 run; "
+                                          "bbb2222, GPU X: 1 measurement")
+
+
 @pytest.mark.parametrize("field, value", [("data.shards", "/machine_a/data/train_0.bin"), ("optimizer.lr", 1.0),
                                           ("seed", 7)])
 def test_a_record_of_another_config_is_refused_naming_the_field(tmp_path, field, value):

@@ -162,8 +162,9 @@ def test_table_marks_missing_notebooks_and_write_replaces_only_its_scales_block(
   (tmp_path / "gpu" / "01_gate.json").write_text(json.dumps(gate()))
   text = rt.table(tmp_path, "gpu")
   assert text.count("| 01_gate |") == 3
-  assert "| 02_balance | see notebooks/02_balance.ipynb | — | — | not run yet | |" in text
-  assert all(line.count("|") == 7 for line in text.splitlines())   # six columns on every row
+  assert "| 02_balance | see notebooks/02_balance.ipynb | — | — | not run yet | | |" in text
+  assert all(line.count("|") == 8 for line in text.splitlines())   # seven columns on every row
+  assert text.splitlines()[2].endswith(f"| commit not recorded, {gate()['device']} |")   # no records: its own device
   doc = tmp_path / "results.md"
   doc.write_text("head\n<!-- results:cpu:begin -->\nold cpu\n<!-- results:cpu:end -->\n"
                  "<!-- results:gpu:begin -->\nold\n<!-- results:gpu:end -->\ntail\n")
