@@ -270,6 +270,15 @@ class K3Model(nnx.Module):
         micro = zip(*[by_layer[i] for i in self.plan.position(j)], strict=True)
         layer.ffn.update_balance([jax.tree.map(lambda *xs: jnp.stack(xs), *per_group) for per_group in micro])
 
+  def balancer_biases(self):
+    """Every MoE layer's balancer bias, `[num MoE layers, E]` in layer order (as aux["moe"])."""
+    by_layer = {self.plan.unrolled[k]: layer.ffn.balancer.get_value().bias
+                for k, layer in enumerate(self.layers) if layer.uses_moe}
+    for j, layer in enumerate(self.groups or ()):
+      if layer.uses_moe:   # stacked over the groups
+        by_layer.update(zip(self.plan.position(j), layer.ffn.balancer.get_value().bias))
+    return jnp.stack([by_layer[i] for i in self.moe_ids])
+
   def moe_layers(self) -> list:
     """The LatentMoE modules: one per unrolled MoE layer, then one per MoE position of the scanned group (holding
     that position's weights of every group, stacked)."""

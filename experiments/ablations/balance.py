@@ -39,7 +39,8 @@ METHODS = {
     "cutoff": {"model.moe.balancer": "quantile", "model.moe.balancer_method": "exact"},
     "cutoff_histogram": {"model.moe.balancer": "quantile", "model.moe.balancer_method": "histogram"},
 }
-SUMMARY = ("mean_max_vio_last_half", "final_max_vio", "final_loss", "mean_loss_last_half", "heldout_loss")
+SUMMARY = ("mean_max_vio_last_half", "final_max_vio", "final_loss", "mean_loss_last_half", "heldout_loss",
+           "final_bias_range")
 
 
 def ablation_config(base):
@@ -101,7 +102,9 @@ def summarize_run(history: dict, steps: int) -> dict:
   summary = {"mean_max_vio_last_half": float(np.mean([max_vio[i] for i in last_half])),
              "final_max_vio": max_vio[-1], "final_loss": loss[-1],
              "mean_loss_last_half": float(np.mean([loss[i] for i in last_half])),
-             "heldout_loss": evals[-1]["heldout_loss"] if evals else None}
+             "heldout_loss": evals[-1]["heldout_loss"] if evals else None,
+             # The largest spread of a layer's bias at the end (None for runs logged before it was).
+             "final_bias_range": max(m["moe_bias_range"][-1]) if m.get("moe_bias_range") else None}
   return {"step": step, "loss": loss, "max_vio": max_vio, "max_vio_per_layer": per_layer, "summary": summary,
           "wall_s": history["wall_s"]}
 
@@ -201,11 +204,11 @@ def format_table(table: dict) -> str:
   lines = [f"{table['steps']} steps, seeds {table['seeds']}; MaxVio bound {table['max_vio_bound']:g}"
            + (f"; the chain's own loss {optimal:.4f}" if optimal is not None else ""),
            f"{'method':<19}{'MaxVio(last half)':>20}{'MaxVio(final)':>18}{'loss(final)':>18}"
-           f"{'loss(last half)':>18}{'held-out loss':>18}{'wall s':>8}"]
+           f"{'loss(last half)':>18}{'held-out loss':>18}{'bias range':>12}{'wall s':>8}"]
   for name, r in table["methods"].items():
     s = r["summary"]
     wall = sum(x["wall_s"] for x in r["runs"])
     lines.append(f"{name:<19}{cell(s['mean_max_vio_last_half'], 20, 3)}{cell(s['final_max_vio'], 18, 3)}"
                  f"{cell(s['final_loss'], 18, 4)}{cell(s['mean_loss_last_half'], 18, 4)}"
-                 f"{cell(s['heldout_loss'], 18, 4)}{wall:8.1f}")
+                 f"{cell(s['heldout_loss'], 18, 4)}{cell(s['final_bias_range'], 12, 3)}{wall:8.1f}")
   return "\n".join(lines)

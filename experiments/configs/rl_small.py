@@ -30,7 +30,8 @@ def get_config():
   r.iterations = 40
   r.prompts, r.group_size = 16, 8
   r.minibatches = 4
-  r.lr = 5e-5
+  r.lr = 1e-4                 # 5e-5 with the group-std advantage; the mean baseline's advantages of a group of
+                              # mixed success are 2-3x smaller (k3jax/rl/grpo.py)
   r.temperature = 1.0         # the SFT policy is near-deterministic: its entropy at 0.7 was close to 0
   r.max_turns, r.turn_tokens = 5, 48        # four calls and the answer
   r.prefill_chunk, r.append_chunk = 1024, 64

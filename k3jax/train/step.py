@@ -62,7 +62,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mod
       metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
                  "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.tree.norm(grads),
                  "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"]),
-                 **moe_metrics(stats, moe.top_k)}
+                 **moe_metrics(stats, moe.top_k), **bias_metrics(graphdef, new_state, stats)}
     return new_state, metrics
 
   return train_step
@@ -88,6 +88,15 @@ def moe_metrics(stats, top_k: int) -> dict:
   per_layer = [balancer_lib.load_metrics(jnp.sum(s.load_E, axis=0), top_k, real(s)) for s in stats]
   return {"moe_max_vio": jnp.stack([m["max_vio"] for m in per_layer]),
           "moe_load_p90": jnp.stack([m["p90"] for m in per_layer])}
+
+
+def bias_metrics(graphdef, state: state_lib.TrainState, stats) -> dict:
+  """Per MoE layer, the spread (max − min) of the balancer's bias after the step: how far the balancer has moved
+  the experts apart, and whether a bounded method sits at its bound; {} without MoE."""
+  if not stats:
+    return {}
+  bias_LE = state_lib.merge(graphdef, state).balancer_biases()
+  return {"moe_bias_range": jnp.max(bias_LE, axis=-1) - jnp.min(bias_LE, axis=-1)}
 
 
 def make_eval_step(graphdef):

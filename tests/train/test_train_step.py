@@ -200,9 +200,17 @@ def test_scanned_train_steps_match_the_unrolled_ones(tmp_path):
   assert jax.tree.structure(first) == jax.tree.structure(s2[0])
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(s2[0])):
     np.testing.assert_array_equal(a, b)
-  for key in ("loss", "grad_norm", "moe_max_vio", "moe_load_p90"):   # the first step: same parameters
-    np.testing.assert_allclose(m2[0][key], m1[0][key], rtol=1e-5, err_msg=key)
-  assert m2[0]["moe_max_vio"].shape == (scanned_cfg.num_layers - 1,)          # per MoE layer, in layer order
+  # The first step: same parameters.
+  for key in ("loss", "grad_norm", "moe_max_vio", "moe_load_p90", "moe_bias_range"):
+    np.testing.assert_allclose(m2[0][key], m1[0][key], rtol=1e-4, err_msg=key)
+  assert m2[0]["moe_max_vio"].shape == m2[0]["moe_bias_range"].shape == (scanned_cfg.num_layers - 1,)   # per MoE layer
+  # The bias range in layer order: the unrolled model's own layers, one by one (the ranges differ between layers).
+  biases = {int(re.search(r"\[(\d+)\]", jax.tree_util.keystr(path)).group(1)): np.asarray(b)
+            for path, b in jax.tree_util.tree_flatten_with_path(s1[1].balancer)[0]
+            if "bias" in jax.tree_util.keystr(path)}
+  own = [np.ptp(biases[k]) for k in sorted(biases)]
+  np.testing.assert_allclose(m1[0]["moe_bias_range"], own, rtol=1e-6)
+  assert len(set(np.round(own, 6))) > 1
   # Its update, leaf by leaf. Where a gradient is at the level of fp32 roundoff, AdamW's first step (the sign of
   # the gradient) may flip, moving that element by 2·lr; a misplaced layer or wrong Muon axes would move them all.
   params = jax.tree_util.tree_flatten_with_path(first.params)[0]

@@ -56,6 +56,8 @@ def test_two_methods_give_the_table_from_the_same_start(ablation):
   cutoff, none = (table["methods"][m]["runs"][0] for m in METHODS)
   # Step 1 runs before any balancer update: the same model, batch and routing for both methods.
   assert cutoff["loss"][0] == none["loss"][0] and cutoff["max_vio"][0] == none["max_vio"][0]
+  # The bias spread: the balancer moved the experts apart; without one the bias stays zero.
+  assert cutoff["summary"]["final_bias_range"] > 0.0 and none["summary"]["final_bias_range"] == 0.0
   text = balance.format_table(table)
   assert "cutoff_histogram" in text and "none" in text
 
