@@ -15,6 +15,7 @@ import ml_collections
 LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 RESIDUAL_READOUTS = ("layer", "group")
+RESIDUAL_BACKWARDS = ("fused", "barrier")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
@@ -95,6 +96,8 @@ def model_config() -> ml_collections.ConfigDict:
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
   m.residual.block_size = 2               # decoder layers per AttnRes block
   m.residual.readout = "layer"            # scanned groups' buffer of sources: read per read-out, or once per group
+  m.residual.backward = "fused"           # the read-out's backward as XLA fuses it, or its reductions over the
+                                          # tokens behind an optimization barrier (k3jax.ops.attnres; same numbers)
   return m.lock()                         # setting a field it does not have is an error (a typo, not a new field)
 
 
@@ -140,6 +143,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
   _one_of(m, "residual.mode", RESIDUAL_MODES)
   _positive_int(m, "residual.block_size")
   _one_of(m, "residual.readout", RESIDUAL_READOUTS)
+  _one_of(m, "residual.backward", RESIDUAL_BACKWARDS)
 
   if _get(m, "moe.enabled"):
     validate_moe(m.moe)
@@ -177,11 +181,12 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
 def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
-  (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer)."""
+  (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
+  `residual.backward` "fused"."""
   d = dict(d)
   d.setdefault("scan_layers", False)
   if "residual" in d:
-    d["residual"] = {"readout": "layer", **d["residual"]}
+    d["residual"] = {"readout": "layer", "backward": "fused", **d["residual"]}
   if isinstance(d.get("remat"), bool):
     d["remat"] = "save_kda_out" if d["remat"] else "none"
   return d

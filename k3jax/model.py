@@ -59,7 +59,8 @@ class DecoderLayer(nnx.Module):
     d, eps, mode = model_cfg.d_model, model_cfg.norm_eps, model_cfg.residual.mode
     self.kind, self.uses_moe = layer.mixer, layer.moe
     self.dtype = config_lib.compute_dtype(model_cfg)
-    new_res = lambda: None if mode == "none" else attnres.DepthAttention(d, eps=eps)
+    backward = model_cfg.residual.backward
+    new_res = lambda: None if mode == "none" else attnres.DepthAttention(d, eps=eps, backward=backward)
     self.mixer_res, self.mixer_norm = new_res(), RMSNorm(d, eps=eps)
     self.mixer = KDALayer(model_cfg, rngs=rngs) if self.kind == "kda" else GatedMLA(model_cfg, rngs=rngs)
     self.ffn_res, self.ffn_norm = new_res(), RMSNorm(d, eps=eps)
@@ -142,7 +143,8 @@ class K3Model(nnx.Module):
     self.layers = nnx.List([layers[i] for i in self.plan.unrolled])
     self.groups = nnx.List([stack_modules([layers[i] for i in self.plan.position(j)])
                             for j in range(self.plan.group_size)]) if self.plan.num_groups else None
-    self.final_res = None if self.mode == "none" else attnres.DepthAttention(d, eps=model_cfg.norm_eps)
+    self.final_res = None if self.mode == "none" else attnres.DepthAttention(
+        d, eps=model_cfg.norm_eps, backward=model_cfg.residual.backward)
     self.final_norm = RMSNorm(d, eps=model_cfg.norm_eps)
     self.lm_head = None if model_cfg.tie_embeddings else normal_param(rngs, (d, V), d ** -0.5)
 

@@ -19,6 +19,7 @@ from model_testing import small_config
     ({"moe.enabled": True, "moe.latent_dim": 8, "moe.top_k": 9}, r"model.moe.top_k=9 exceeds"),
     ({"residual.mode": "hyper"}, r"model.residual.mode must be one of"),
     ({"residual.block_size": 0}, r"model.residual.block_size must be a positive int"),
+    ({"residual.backward": "fast"}, r"model.residual.backward must be one of"),
     ({"kda.gate": "relu"}, r"model.kda.gate must be one of"),
     ({"kda.lower_bound": 1.0}, r"model.kda.lower_bound must be negative"),
     ({"mla.kv_lora_rank": None}, r"model.mla.kv_lora_rank must be a positive int"),

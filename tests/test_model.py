@@ -221,6 +221,27 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(scan, monkeypatc
     assert rel_err(b.scores_TE, a.scores_TE) < 1e-5
 
 
+def test_the_barrier_backward_gives_the_fused_loss_and_gradients():
+  """`residual.backward="barrier"` changes how the read-outs' backward pass compiles, not what it computes: the
+  same loss and gradients as "fused" on the scanned model, and the barriers are in its gradient program."""
+  fused = SCAN_CASES["blocks_straddle_groups"].copy_and_resolve_references()
+  barrier = fused.copy_and_resolve_references()
+  barrier.residual.backward = "barrier"
+  tokens, seg = _tokens(8, (2, T)), segments(2, (7, T - 7))
+  models = [random_module(lambda rngs, c=c: K3Model(c, rngs=rngs), 3) for c in (fused, barrier)]
+  (l1, g1, _), (l2, g2, _) = (_loss_grads_and_stats(m, tokens, seg) for m in models)
+  assert rel_err(l2, l1) < 1e-6
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  assert rel_err(flat(g2), flat(g1)) < 1e-5
+
+  def program(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, segment_ids_BT=seg)[0])
+    return str(jax.make_jaxpr(jax.grad(loss))(params))
+  # Remat has barriers of its own: the option adds one per read-out's backward.
+  assert program(models[1]).count("optimization_barrier") > program(models[0]).count("optimization_barrier")
+
+
 GROUP_READOUT_CASES = {
     "blocks_straddle_groups": SCAN_CASES["blocks_straddle_groups"],   # the recomputing scan (remat)
     "full": SCAN_CASES["full"],

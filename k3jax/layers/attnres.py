@@ -135,9 +135,11 @@ def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
 
 
 class DepthAttention(nnx.Module):
-  """One AttnRes read-out: a zero-initialised pseudo-query and the RMSNorm of its keys."""
+  """One AttnRes read-out: a zero-initialised pseudo-query and the RMSNorm of its keys. `backward`: how the op's
+  backward pass is compiled ("fused" or "barrier", `k3jax.ops.attnres.readout`)."""
 
-  def __init__(self, d_model: int, *, eps: float = 1e-6):
+  def __init__(self, d_model: int, *, eps: float = 1e-6, backward: str = "fused"):
+    self.backward = backward
     self.query = nnx.Param(jnp.zeros((d_model,), jnp.float32))
     self.key_norm = RMSNorm(d_model, eps=eps)
 
@@ -147,7 +149,8 @@ class DepthAttention(nnx.Module):
     q, g, buffer, valid_C, values, valid_E = self._operands(stream)
     if isinstance(stream, Carry) and stream.summaries:
       return attnres_ops.readout_from_summary(q, g, stream.summaries[0], values, valid_E, eps=self.key_norm.eps)
-    return attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=self.key_norm.eps)
+    return attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=self.key_norm.eps,
+                               barrier=self.backward == "barrier")
 
   def weights(self, stream: Stream | Carry):
     """(the read-out's softmax weights `[N, B, T]`, which of the N are values `[N]` bool): over a `Stream`'s

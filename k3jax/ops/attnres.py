@@ -38,11 +38,15 @@ import jax
 import jax.numpy as jnp
 
 
-def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float):
+def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float, barrier: bool = False):
   """h `[B,T,D]` fp32. `query_D`, `scale_D`: the pseudo-query and the key RMSNorm's weight; `buffer_CBTD` fp32 (C
   may be 0) with `valid_C` bool `[C]`; `values` a tuple of E fp32 `[B,T,D]` with `valid_E` bool `[E]`. At least one
-  value must be valid (else the weights are NaN)."""
-  return _readout(query_D, scale_D, buffer_CBTD, valid_C, tuple(values), valid_E, eps)
+  value must be valid (else the weights are NaN).
+
+  `barrier`: the backward pass's reductions over the tokens (`u`) read their coefficients and values through an
+  optimization barrier, so that XLA writes the coefficients once and reduces them in a pass of their own instead of
+  fusing their computation into the reduction. The same arithmetic; which is faster is measured, not assumed."""
+  return _readout(query_D, scale_D, buffer_CBTD, valid_C, tuple(values), valid_E, eps, barrier)
 
 
 def weights(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float):
@@ -81,17 +85,19 @@ def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
   return h, w_N, a_N, r_N
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, barrier):
+  del barrier
   return _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps)[0]
 
 
-def _readout_fwd(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
+def _readout_fwd(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, barrier):
+  del barrier
   h, w_N, a_N, r_N = _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps)
   return h, (query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, w_N, a_N, r_N)
 
 
-def _readout_bwd(eps, residuals, dh):
+def _readout_bwd(eps, barrier, residuals, dh):
   del eps
   query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, w_N, a_N, r_N = residuals
   c, d = buffer_CBTD.shape[0], query_D.shape[0]
@@ -107,6 +113,8 @@ def _readout_bwd(eps, residuals, dh):
 
   d_buffer = jnp.where(valid_C[:, None, None, None], dv(slice(0, c), buffer_CBTD), 0.0)
   d_values = tuple(jnp.where(valid_E[i], dv(c + i, v), 0.0) for i, v in enumerate(values))
+  if barrier:
+    c_N, buffer_CBTD, values = jax.lax.optimization_barrier((c_N, buffer_CBTD, values))
   u = jnp.sum(c_N[:c, ..., None] * buffer_CBTD, axis=(0, 1, 2))
   u = u + sum(jnp.sum(c_N[c + i][..., None] * v, axis=(0, 1)) for i, v in enumerate(values))
   return scale_D * u, query_D * u, d_buffer, None, d_values, None

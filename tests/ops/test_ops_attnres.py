@@ -45,8 +45,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("barrier", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case):
+def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case, barrier):
   kw = dict(CASES[case])
   q, g, buffer, valid_C, values, valid_E = _inputs(kw.pop("C"), kw.pop("count"), kw.pop("valid_E"), **kw)
   cot = normal(99, values[0].shape)
@@ -54,7 +55,7 @@ def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case):
   def loss(fn, q, g, buffer, values):
     return jnp.sum(fn(q, g, buffer, valid_C, values, valid_E) * cot)
 
-  ours = functools.partial(attnres_ops.readout, eps=EPS)
+  ours = functools.partial(attnres_ops.readout, eps=EPS, barrier=barrier)
   reference = functools.partial(attnres_ops.readout_reference, eps=EPS)
   np.testing.assert_allclose(ours(q, g, buffer, valid_C, values, valid_E),
                              reference(q, g, buffer, valid_C, values, valid_E), rtol=2e-5, atol=2e-5)
@@ -65,6 +66,17 @@ def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case):
   assert not np.any(np.asarray(got[2])[np.asarray(~valid_C)])
   for d, ok in zip(got[3], np.asarray(valid_E)):
     assert ok or not np.any(np.asarray(d))
+
+
+def test_the_barrier_option_puts_the_backward_s_reductions_behind_a_barrier():
+  q, g, buffer, valid_C, values, valid_E = _inputs(3, 2, [True, True])
+
+  def backward(barrier):
+    f = lambda q, buffer: jnp.sum(attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=EPS,
+                                                      barrier=barrier))
+    return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, buffer))
+
+  assert "optimization_barrier" in backward(True) and "optimization_barrier" not in backward(False)
 
 
 def test_weights_are_a_softmax_over_the_valid_values():

@@ -43,11 +43,12 @@ def test_free_fields_pass_and_an_allowed_change_is_recorded(tmp_path):
   started(tmp_path, tiny.get_config())
   c = tiny.get_config()
   c.log_every, c.checkpoint_every, c.keep_checkpoints, c.eval.lengths = 1, 5, 9, (64, 512)
-  c.model.mla.max_documents = 4
+  c.model.mla.max_documents, c.model.residual.backward = 4, "barrier"
   record = workdir_lib.check_resume(tmp_path, c)
   assert record["allowed"] is False and set(record["changes"]) == {"log_every", "checkpoint_every",
                                                                    "keep_checkpoints", "eval.lengths",
-                                                                   "model.mla.max_documents"}
+                                                                   "model.mla.max_documents",
+                                                                   "model.residual.backward"}
   c.optimizer.lr = 1e-3
   record = workdir_lib.check_resume(tmp_path, c, allow_change=True)
   assert record["allowed"] and record["at_step"] == 40 and record["changes"]["optimizer.lr"] == [3e-3, 1e-3]
@@ -74,10 +75,11 @@ def test_extending_steps_must_keep_the_learning_rate_of_the_steps_taken(tmp_path
 def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_trained():
   saved = workdir_lib.as_json(tiny.get_config())
   del saved["model"]["scan_layers"]
-  del saved["model"]["residual"]["readout"]
+  del saved["model"]["residual"]["readout"], saved["model"]["residual"]["backward"]
   saved["model"]["remat"] = True
   c = workdir_lib.config_from_json(saved)
-  assert (c.model.scan_layers, c.model.remat, c.model.residual.readout) == (False, "save_kda_out", "layer")
+  assert (c.model.scan_layers, c.model.remat, c.model.residual.readout, c.model.residual.backward) == (
+      False, "save_kda_out", "layer", "fused")
   c = workdir_lib.config_from_json(workdir_lib.as_json(tiny.get_config()))   # a current one is kept as saved
   assert (c.model.scan_layers, c.model.remat) == (True, "none")
 
