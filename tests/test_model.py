@@ -208,7 +208,8 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(scan, monkeypatc
   model = random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3)
   tokens, seg = _tokens(8, (2, T)), segments(2, (7, T - 7))
   l1, g1, s1 = _loss_grads_and_stats(model, tokens, seg)
-  monkeypatch.setattr(attnres_ops, "readout", attnres_ops.readout_reference)
+  monkeypatch.setattr(attnres_ops, "readout",   # `barrier` shapes the op's backward; the formula has none
+                      lambda *a, barrier, **k: attnres_ops.readout_reference(*a, **k))
   jax.clear_caches()   # the layers' jitted forward would otherwise keep the op's trace
   l2, g2, s2 = _loss_grads_and_stats(model, tokens, seg)
   jax.clear_caches()
@@ -221,25 +222,20 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(scan, monkeypatc
     assert rel_err(b.scores_TE, a.scores_TE) < 1e-5
 
 
-def test_the_barrier_backward_gives_the_fused_loss_and_gradients():
-  """`residual.backward="barrier"` changes how the read-outs' backward pass compiles, not what it computes: the
-  same loss and gradients as "fused" on the scanned model, and the barriers are in its gradient program."""
+def test_the_barrier_backward_reaches_every_read_out_s_op():
+  """`residual.backward="barrier"` changes how the read-outs' backward pass compiles, not what it computes (the op's
+  tests check both settings against the formula, tests/ops/test_ops_attnres.py): its barriers are in the scanned
+  model's gradient program, beside remat's own."""
   fused = SCAN_CASES["blocks_straddle_groups"].copy_and_resolve_references()
   barrier = fused.copy_and_resolve_references()
   barrier.residual.backward = "barrier"
   tokens, seg = _tokens(8, (2, T)), segments(2, (7, T - 7))
-  models = [random_module(lambda rngs, c=c: K3Model(c, rngs=rngs), 3) for c in (fused, barrier)]
-  (l1, g1, _), (l2, g2, _) = (_loss_grads_and_stats(m, tokens, seg) for m in models)
-  assert rel_err(l2, l1) < 1e-6
-  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
-  assert rel_err(flat(g2), flat(g1)) < 1e-5
 
-  def program(model):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  def barriers(cfg):
+    graphdef, params, rest = nnx.split(random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3), nnx.Param, ...)
     loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, segment_ids_BT=seg)[0])
-    return str(jax.make_jaxpr(jax.grad(loss))(params))
-  # Remat has barriers of its own: the option adds one per read-out's backward.
-  assert program(models[1]).count("optimization_barrier") > program(models[0]).count("optimization_barrier")
+    return str(jax.make_jaxpr(jax.grad(loss))(params)).count("optimization_barrier")
+  assert barriers(barrier) > barriers(fused)
 
 
 GROUP_READOUT_CASES = {
