@@ -136,7 +136,8 @@ def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
 
 class DepthAttention(nnx.Module):
   """One AttnRes read-out: a zero-initialised pseudo-query and the RMSNorm of its keys. `backward`: how the op's
-  backward pass is compiled ("fused" or "barrier", `k3jax.ops.attnres.readout`)."""
+  backward pass is compiled ("fused" or "barrier", `k3jax.ops.attnres.readout`; a read through a carry's summary
+  is left to autodiff and has no such choice)."""
 
   def __init__(self, d_model: int, *, eps: float = 1e-6, backward: str = "fused"):
     self.backward = backward
