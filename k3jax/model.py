@@ -264,27 +264,32 @@ class K3Model(nnx.Module):
     (per MoE layer, in layer order), each entry a list of MoEStats (one per micro-batch) or one MoEStats."""
     by_layer = {i: list(s) if isinstance(s, (list, tuple)) else [s]
                 for i, s in zip(self.moe_ids, moe_stats, strict=True)}
-    for k, layer in enumerate(self.layers):
-      if layer.uses_moe:
-        layer.ffn.update_balance(by_layer[self.plan.unrolled[k]])
-    for j, layer in enumerate(self.groups or ()):
-      if layer.uses_moe:  # each micro-batch's stats stacked over the groups, as the weights are
-        micro = zip(*[by_layer[i] for i in self.plan.position(j)], strict=True)
-        layer.ffn.update_balance([jax.tree.map(lambda *xs: jnp.stack(xs), *per_group) for per_group in micro])
+    for ffn, ids, stacked in self._moe_placements():
+      if not stacked:
+        ffn.update_balance(by_layer[ids[0]])
+      else:   # each micro-batch's stats stacked over the groups, as the weights are
+        micro = zip(*[by_layer[i] for i in ids], strict=True)
+        ffn.update_balance([jax.tree.map(lambda *xs: jnp.stack(xs), *per_group) for per_group in micro])
 
   def balancer_biases(self):
     """Every MoE layer's balancer bias, `[num MoE layers, E]` in layer order (as aux["moe"])."""
-    by_layer = {self.plan.unrolled[k]: layer.ffn.balancer.get_value().bias
-                for k, layer in enumerate(self.layers) if layer.uses_moe}
-    for j, layer in enumerate(self.groups or ()):
-      if layer.uses_moe:   # stacked over the groups
-        by_layer.update(zip(self.plan.position(j), layer.ffn.balancer.get_value().bias))
+    by_layer = {}
+    for ffn, ids, stacked in self._moe_placements():
+      bias = ffn.balancer.get_value().bias
+      by_layer.update(zip(ids, bias if stacked else bias[None]))
     return jnp.stack([by_layer[i] for i in self.moe_ids])
 
   def moe_layers(self) -> list:
     """The LatentMoE modules: one per unrolled MoE layer, then one per MoE position of the scanned group (holding
     that position's weights of every group, stacked)."""
-    return [layer.ffn for layer in [*self.layers, *(self.groups or ())] if layer.uses_moe]
+    return [ffn for ffn, _, _ in self._moe_placements()]
+
+  def _moe_placements(self) -> list:
+    """(LatentMoE module, the decoder layers whose weights it holds, whether those are stacked over the groups), in
+    `moe_layers`' order."""
+    return ([(layer.ffn, (self.plan.unrolled[k],), False) for k, layer in enumerate(self.layers) if layer.uses_moe]
+            + [(layer.ffn, self.plan.position(j), True) for j, layer in enumerate(self.groups or ())
+               if layer.uses_moe])
 
   @jax.named_scope("embed")
   def _embed(self, tokens_BT):

@@ -15,6 +15,8 @@ import json
 import pathlib
 from collections.abc import Mapping
 
+from experiments.ablations import records
+
 # The rules, fixed before the research-scale runs (docs/results.md lists them: `rules_text`).
 VERDICT_RULES = {
     "Bounded gate, speed": "judged like with like on FLA's GPU kernels, which run both gates: reproduced if the "
@@ -275,8 +277,6 @@ def table(results_dir, scale: str) -> str:
   """The markdown table of the notebooks' JSON under `results_dir/scale/`; a notebook without JSON is "not run
   yet". Its last column names the commits and device kinds of the notebook's recorded runs (`records.provenance`),
   else the device of the notebook's own run."""
-  from experiments.ablations import records
-
   lines = ["| notebook | claim | what was run | numbers (mean ± std [min, max] over seeds) | verdict | why | "
            "commit, device |", "|---|---|---|---|---|---|---|"]
   for name, make in ROWS.items():

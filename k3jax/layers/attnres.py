@@ -140,7 +140,7 @@ class DepthAttention(nnx.Module):
   is left to autodiff and has no such choice)."""
 
   def __init__(self, d_model: int, *, eps: float = 1e-6, backward: str = "fused"):
-    self.backward = backward
+    self.barrier = backward == "barrier"
     self.query = nnx.Param(jnp.zeros((d_model,), jnp.float32))
     self.key_norm = RMSNorm(d_model, eps=eps)
 
@@ -151,7 +151,7 @@ class DepthAttention(nnx.Module):
     if isinstance(stream, Carry) and stream.summaries:
       return attnres_ops.readout_from_summary(q, g, stream.summaries[0], values, valid_E, eps=self.key_norm.eps)
     return attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=self.key_norm.eps,
-                               barrier=self.backward == "barrier")
+                               barrier=self.barrier)
 
   def weights(self, stream: Stream | Carry):
     """(the read-out's softmax weights `[N, B, T]`, which of the N are values `[N]` bool): over a `Stream`'s

@@ -142,8 +142,9 @@ class RLRun:
     jax.block_until_ready(state)
     done = time.perf_counter()
     generated = sum(t.response_tokens for t in trajectories)
-    std = reward_R.reshape(-1, self.config.rl.group_size).std(axis=1)
-    correct_NG = np.array([ep.outcome().correct for ep in episodes]).reshape(std.shape[0], -1)
+    group_size = self.config.rl.group_size
+    std = reward_R.reshape(-1, group_size).std(axis=1)
+    correct_NG = np.array([ep.outcome().correct for ep in episodes]).reshape(-1, group_size)
     record = {"step": iteration + 1, "reward_mean": float(reward_R.mean()),
               **evaluate.episode_stats(episodes, trajectories), **m,
               "groups_with_signal": float(np.mean(std > 0)),
