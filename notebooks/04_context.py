@@ -10,8 +10,8 @@
 # most of its steps at short lengths. Both train on a mix of Python source, multi-query associative recall (MQAR)
 # and passkey retrieval, and are evaluated on MQAR and passkey at the final training length and at 2× and 4× it.
 #
-# **Scale.** `SCALE = "cpu"` is a smoke run (128 → 256 tokens, a 2-layer model, 40 steps): it checks that the
-# notebook runs; its numbers are not evidence (a model this small does not learn retrieval in 40 steps).
+# **Scale.** `SCALE = "cpu"` is a smoke run (128 → 256 tokens, a 2-layer model, 20 steps): it checks that the
+# notebook runs; its numbers are not evidence (a model this small does not learn retrieval in 20 steps).
 # `SCALE = "gpu"` is the research setting: 1K → 4K → 16K on one H200 (4 layers of d = 512, 150 steps of 16K tokens,
 # evaluated up to 64K, two seeds).
 

@@ -80,6 +80,7 @@ def test_expert_parallel_ignores_what_the_experts_leave_in_rows_past_the_groups(
     return jnp.where((jnp.arange(y_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None], y_ML, jnp.nan)
 
   def routed(expert_fn, mesh):
+    @jax.jit   # one program each way (op by op, the shard_map's VJP dispatched for tens of seconds)
     def f(z, w, wg, wd):
       if mesh is None:
         return parallel.local_routed_outputs(z, ids, w, (wg, wd), num_experts=e, expert_fn=expert_fn)

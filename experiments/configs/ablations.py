@@ -159,7 +159,7 @@ def context(scale: str) -> Study:
   c.data.mix = {"stdlib": 0.5, "mqar": 0.25, "passkey": 0.25}
   c.eval.tasks = ("mqar", "passkey")
   if scale == "cpu":
-    lengths, rows, steps = (128, 256), (16, 8), (25, 15)
+    lengths, rows, steps = (128, 256), (16, 8), (12, 8)
     c.eval.examples, c.eval.batches = 8, 1
     beyond = (2,)
   else:
@@ -188,7 +188,7 @@ def hybrid(scale: str) -> Study:
     c.steps = 16
     c.eval.examples, c.eval.batches = 8, 0
     c.eval.lengths = (64,)
-    settings = {"throughput_lengths": (64, 256), "throughput_tokens": 2048, "repeats": 3}
+    settings = {"throughput_lengths": (256,), "throughput_tokens": 2048, "repeats": 3}   # one program per length
   elif scale == "gpu":
     c.model.d_model, c.model.ffn_hidden, c.model.mla.kv_lora_rank = 256, 768, 64
     c.model.kda.num_heads = c.model.mla.num_heads = 2

@@ -20,7 +20,7 @@ import pytest
 
 from experiments.configs import small, tiny
 from k3jax import spec as spec_lib
-from k3jax.train import benchmark, profile
+from k3jax.train import benchmark, profile, trainer
 
 
 def small_tiny():
@@ -122,25 +122,37 @@ def test_kernel_scope_is_the_layer_part_else_the_step_part(op_name, scope):
   assert profile.Kernel("fusion_1", "other", 1.0, 1.0, op_name).scope == scope
 
 
-@pytest.mark.parametrize("readout", ["layer", "group"])
-def test_every_kernel_of_the_train_step_is_under_a_named_scope(readout):
-  """Every instruction of the compiled step (KDA and MLA layers, dense FFN and MoE; CPU) that carries an op_name
-  falls under a layer's or the step's named scope, so a profile's glue reads as the model's parts; the step's own
-  parts each appear; the layers scanned in groups of (KDA, MLA) after two unrolled ones. With the group read-out,
-  its summaries are AttnRes's, not the layer scan's."""
+def _scanned_step_config(readout):
   changes = {"model.num_layers": 6, "model.layer_pattern": ("kda", "mla"), "model.residual.readout": readout}
   config = benchmark.variant(small_tiny(), seq_len=32, tokens_per_step=256, changes=changes)
   assert spec_lib.model_spec(config.model).plan.num_groups == 2
-  run = benchmark.compile_run(config)
+  return config
+
+
+def _step_scopes(hlo_text):
   skip = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
-  scopes = collections.Counter(
-      profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
-      for name, (opcode, op_name) in profile.hlo_instructions(run.step.as_text()).items()
-      if op_name.startswith("jit(train_step)") and opcode not in skip)
+  return collections.Counter(profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
+                             for name, (opcode, op_name) in profile.hlo_instructions(hlo_text).items()
+                             if op_name.startswith("jit(train_step)") and opcode not in skip)
+
+
+def test_every_kernel_of_the_train_step_is_under_a_named_scope():
+  """Every instruction of the compiled step (KDA and MLA layers, dense FFN and MoE; CPU) that carries an op_name
+  falls under a layer's or the step's named scope, so a profile's glue reads as the model's parts; the step's own
+  parts each appear; the layers scanned in groups of (KDA, MLA) after two unrolled ones."""
+  scopes = _step_scopes(benchmark.compile_run(_scanned_step_config("layer")).step.as_text())
   assert "unscoped" not in scopes, scopes
   assert {"embed", "head", "loss", "optimizer", "metrics", "kda", "mla", "moe", "ffn", "attnres"} <= set(scopes)
-  summary = [op_name for _, (_, op_name) in profile.hlo_instructions(run.step.as_text()).items()
-             if "attnres/summary" in op_name]
+
+
+@pytest.mark.parametrize("readout", ["layer", "group"])
+def test_the_group_read_out_s_summaries_are_attnres_s_not_the_layer_scan_s(readout):
+  """The summaries are named where they are traced, so the step as lowered (before XLA, which keeps each
+  instruction's op_name into the compiled step checked above) shows them: under AttnRes, and only with the group
+  read-out."""
+  run = trainer.Run(_scanned_step_config(readout))
+  hlo = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0)).as_text(dialect="hlo", debug_info=True)
+  summary = [op_name for _, (_, op_name) in profile.hlo_instructions(hlo).items() if "attnres/summary" in op_name]
   assert bool(summary) == (readout == "group")
   assert all(profile.Kernel("k", "other", 1.0, 1.0, op_name).scope == "attnres" for op_name in summary)
 

@@ -194,8 +194,8 @@ def test_scanned_train_steps_match_the_unrolled_ones(tmp_path):
                                                                          directory=tmp_path / "ckpt")
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(s2[2])):   # the stacked layout resumes exactly
     np.testing.assert_array_equal(a, b)
-  to_scanned = lambda s: state_lib.TrainState(s.step, *(model.scanned_layout(x, scanned_cfg)
-                                                         for x in (s.params, s.opt_state, s.balancer, s.other)))
+  to_scanned = jax.jit(lambda s: state_lib.TrainState(
+      s.step, *(model.scanned_layout(x, scanned_cfg) for x in (s.params, s.opt_state, s.balancer, s.other))))
   first, second = to_scanned(s1[0]), to_scanned(s1[1])
   assert jax.tree.structure(first) == jax.tree.structure(s2[0])
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(s2[0])):

@@ -187,9 +187,9 @@ def test_script_runner_writes_its_log_while_the_notebook_runs(tmp_path):
   log_path = tmp_path / "01_x.log"
   with open(log_path, "w") as log:
     runner = threading.Thread(target=notebook.run_notebook, args=(nb,), kwargs=dict(
-        scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=20, log=log, env={"HANG": "1"}))
+        scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=10, log=log, env={"HANG": "1"}))
     runner.start()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 8
     while "done" not in log_path.read_text() and time.monotonic() < deadline:
       time.sleep(0.2)
     assert "done" in log_path.read_text() and runner.is_alive()
@@ -210,9 +210,9 @@ def test_kernel_runner_executes_the_ipynb_and_keeps_its_outputs(tmp_path):
                                  executor="kernel", env={"FAIL": "1"})
   assert failed["returncode"] not in (0, None) and "failed on purpose" in failed["output"]
   with _sigint_ignored():
-    hung = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=20,
+    hung = notebook.run_notebook(nb, scale="cpu", out=tmp_path / "out", workdir=tmp_path / "w", timeout_s=12,
                                  executor="kernel", env={"HANG": "1"})
-  assert hung["returncode"] is None and hung["wall_s"] < 45
+  assert hung["returncode"] is None and hung["wall_s"] < 37
   assert (tmp_path / "out" / "cpu" / "stopped").read_text() == "on SIGINT"   # the stop reached the kernel
 
 
