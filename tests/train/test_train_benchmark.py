@@ -129,18 +129,16 @@ def _scanned_step_config(readout):
   return config
 
 
-def _step_scopes(hlo_text):
-  skip = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
-  return collections.Counter(profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
-                             for name, (opcode, op_name) in profile.hlo_instructions(hlo_text).items()
-                             if op_name.startswith("jit(train_step)") and opcode not in skip)
-
-
 def test_every_kernel_of_the_train_step_is_under_a_named_scope():
   """Every instruction of the compiled step (KDA and MLA layers, dense FFN and MoE; CPU) that carries an op_name
   falls under a layer's or the step's named scope, so a profile's glue reads as the model's parts; the step's own
   parts each appear; the layers scanned in groups of (KDA, MLA) after two unrolled ones."""
-  scopes = _step_scopes(benchmark.compile_run(_scanned_step_config("layer")).step.as_text())
+  run = benchmark.compile_run(_scanned_step_config("layer"))
+  skip = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
+  scopes = collections.Counter(
+      profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
+      for name, (opcode, op_name) in profile.hlo_instructions(run.step.as_text()).items()
+      if op_name.startswith("jit(train_step)") and opcode not in skip)
   assert "unscoped" not in scopes, scopes
   assert {"embed", "head", "loss", "optimizer", "metrics", "kda", "mla", "moe", "ffn", "attnres"} <= set(scopes)
 
