@@ -19,6 +19,7 @@ the unrolled one (`scanned_layout` maps the one to the other).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -47,6 +48,14 @@ class ModelCache:
   groups: tuple | None
   pos: jax.Array          # int32 scalar: the position the next token takes
   max_len: int = flax.struct.field(pytree_node=False)   # positions the MLA caches hold
+
+
+class MoEPlacement(NamedTuple):
+  """A LatentMoE module and the decoder layers whose weights it holds: one unrolled layer, or one position of the
+  scanned group (`stacked`: its weights and balancer state stacked over the groups, in `layer_ids`' order)."""
+  ffn: nnx.Module
+  layer_ids: tuple[int, ...]
+  stacked: bool
 
 
 class DecoderLayer(nnx.Module):
@@ -264,32 +273,32 @@ class K3Model(nnx.Module):
     (per MoE layer, in layer order), each entry a list of MoEStats (one per micro-batch) or one MoEStats."""
     by_layer = {i: list(s) if isinstance(s, (list, tuple)) else [s]
                 for i, s in zip(self.moe_ids, moe_stats, strict=True)}
-    for ffn, ids, stacked in self._moe_placements():
-      if not stacked:
-        ffn.update_balance(by_layer[ids[0]])
+    for p in self._moe_placements():
+      if not p.stacked:
+        p.ffn.update_balance(by_layer[p.layer_ids[0]])
       else:   # each micro-batch's stats stacked over the groups, as the weights are
-        micro = zip(*[by_layer[i] for i in ids], strict=True)
-        ffn.update_balance([jax.tree.map(lambda *xs: jnp.stack(xs), *per_group) for per_group in micro])
+        micro = zip(*[by_layer[i] for i in p.layer_ids], strict=True)
+        p.ffn.update_balance([jax.tree.map(lambda *xs: jnp.stack(xs), *per_group) for per_group in micro])
 
   def balancer_biases(self):
     """Every MoE layer's balancer bias, `[num MoE layers, E]` in layer order (as aux["moe"])."""
     by_layer = {}
-    for ffn, ids, stacked in self._moe_placements():
-      bias = ffn.balancer.get_value().bias
-      by_layer.update(zip(ids, bias if stacked else bias[None]))
+    for p in self._moe_placements():
+      bias = p.ffn.balancer.get_value().bias
+      by_layer.update(zip(p.layer_ids, bias if p.stacked else bias[None]))
     return jnp.stack([by_layer[i] for i in self.moe_ids])
 
   def moe_layers(self) -> list:
     """The LatentMoE modules: one per unrolled MoE layer, then one per MoE position of the scanned group (holding
     that position's weights of every group, stacked)."""
-    return [ffn for ffn, _, _ in self._moe_placements()]
+    return [p.ffn for p in self._moe_placements()]
 
-  def _moe_placements(self) -> list:
-    """(LatentMoE module, the decoder layers whose weights it holds, whether those are stacked over the groups), in
-    `moe_layers`' order."""
-    return ([(layer.ffn, (self.plan.unrolled[k],), False) for k, layer in enumerate(self.layers) if layer.uses_moe]
-            + [(layer.ffn, self.plan.position(j), True) for j, layer in enumerate(self.groups or ())
-               if layer.uses_moe])
+  def _moe_placements(self) -> list[MoEPlacement]:
+    """Every MoE module where it sits, in `moe_layers`' order."""
+    return ([MoEPlacement(layer.ffn, (self.plan.unrolled[k],), False)
+             for k, layer in enumerate(self.layers) if layer.uses_moe]
+            + [MoEPlacement(layer.ffn, self.plan.position(j), True)
+               for j, layer in enumerate(self.groups or ()) if layer.uses_moe])
 
   @jax.named_scope("embed")
   def _embed(self, tokens_BT):

@@ -119,13 +119,18 @@ def compile_run(config, *, trace_phases: bool = False) -> CompiledRun:
   init = functools.partial(run.init_program.lower(run.seed).compile(), run.seed)
   init_s = time.perf_counter() - start
   start = time.perf_counter()
-  lowered = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0))
+  lowered = lower_step(run)
   lower_s = time.perf_counter() - start
   step, phases = profile.trace_compile(lowered.compile) if trace_phases else (lowered.compile(), None)
   seconds = time.perf_counter() - start
   print(f"compiled a variant's step in {seconds:.0f} s (trace and lower {lower_s:.0f} s; init {init_s:.0f} s)",
         flush=True)
   return CompiledRun(run, init, step, seconds, lower_s, init_s, phases)
+
+
+def lower_step(run: trainer.Run):
+  """The Run's first-stage train step traced and lowered on its abstract state and first batch (nothing compiled)."""
+  return run.train_step.lower(run.abstract, run.batch(run.stages[0], 0))
 
 
 class ProcessFailed(RuntimeError):

@@ -148,8 +148,7 @@ def test_the_group_read_out_s_summaries_are_attnres_s_not_the_layer_scan_s(reado
   """The summaries are named where they are traced, so the step as lowered (before XLA, which keeps each
   instruction's op_name into the compiled step checked above) shows them: under AttnRes, and only with the group
   read-out."""
-  run = trainer.Run(_scanned_step_config(readout))
-  hlo = run.train_step.lower(run.abstract, run.batch(run.stages[0], 0)).as_text(dialect="hlo", debug_info=True)
+  hlo = benchmark.lower_step(trainer.Run(_scanned_step_config(readout))).as_text(dialect="hlo", debug_info=True)
   summary = [op_name for _, (_, op_name) in profile.hlo_instructions(hlo).items() if "attnres/summary" in op_name]
   assert bool(summary) == (readout == "group")
   assert all(profile.Kernel("k", "other", 1.0, 1.0, op_name).scope == "attnres" for op_name in summary)
