@@ -15,7 +15,7 @@ import numpy as np
 
 from experiments.ablations import records as records_lib
 from experiments.ablations import runs, verdicts
-from k3jax.rl import runner
+from k3jax.rl import evaluate, runner
 
 # The RL iterations' logged fields the notebook keeps (metrics.jsonl has more: timing, tool calls, ...).
 CURVES = ("reward_mean", "success_rate", "kl", "loss", "groups_with_signal", "groups_mixed_success",
@@ -67,13 +67,15 @@ def _curves(directory: pathlib.Path, fields) -> dict:
 
 
 def format_table(result: dict) -> str:
-  """Held-out success before and after RL per evaluation point (mean over seeds), and the change."""
-  lines = [f"held-out success ({result['eval_examples']} problems per point)   before   after   change"]
+  """Held-out success before and after RL per evaluation point (mean over seeds), the change and its noise (the
+  problems paired, `k3jax.rl.evaluate.paired_change`)."""
+  lines = [f"held-out success ({result['eval_examples']} problems per point)   before   after   change   noise"]
   for p, s in result["success"].items():
     times = int(p.split("@")[1]) // result["train_length"]
     where = "  (the trained length)" if times == 1 else f"  ({times}x the trained length)"
-    b, a = s["before"]["mean"], s["after"]["mean"]
-    lines.append(f"{p:<44} {b:6.3f} {a:7.3f} {a - b:+8.3f}{where}")
+    delta, noise = evaluate.paired_change(*(sum((x[when][p]["correct"] for x in result["runs"]), [])
+                                            for when in ("before", "after")))
+    lines.append(f"{p:<44} {s['before']['mean']:6.3f} {s['after']['mean']:7.3f} {delta:+8.3f} {noise:7.3f}{where}")
   return "\n".join(lines)
 
 

@@ -7,7 +7,8 @@ a comparison is the largest seed-to-seed range (max − min) among the variants 
 noise estimate, and a comparison that needs one is inconclusive, but a failing clause that needs none (slower, not
 below, worse balanced) still says "not reproduced". The same rules apply at both scales (the CPU
 scale's models are far too small for its verdicts to be evidence: docs/results.md says so above its table).
-The RL rule's noise is the held-out sampling error of a success rate (`success_noise`), which one seed has.
+The RL rule's noise is the held-out sampling error of the change, the problems paired before and after
+(`k3jax.rl.evaluate.paired_change`), which one seed has.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pathlib
 from collections.abc import Mapping
 
 from experiments.ablations import records
+from k3jax.rl.evaluate import paired_change
 
 # The rules, fixed before the research-scale runs (docs/results.md lists them: `rules_text`).
 VERDICT_RULES = {
@@ -56,9 +58,10 @@ VERDICT_RULES = {
                    "points, is higher after RL than the SFT policy's by more than the noise and no point falls by "
                    "more than its own noise; not reproduced if it is lower by more than the noise; otherwise "
                    "inconclusive (a change within the noise says nothing either way). The noise "
-                   "is twice the standard error of the change from the number of held-out problems (so it exists "
-                   "with one seed; it leaves out how another seed's RL run would differ), or the seed-to-seed range "
-                   "of the change where that is larger",
+                   "is twice the standard error of the change over the same held-out problems, before and after "
+                   "(paired: the problems whose outcome changed; so it exists with one seed, and leaves out how "
+                   "another seed's RL run would differ), or the seed-to-seed range of the change where that is "
+                   "larger",
 }
 ONE_SEED = "one seed: no noise estimate"
 BALANCE_BASELINES = ("none", "aux_loss", "sign")   # the balancing study's methods that are not quantile balancing
@@ -244,25 +247,21 @@ def success_error(p, n: int):
   return 2 * (q * (1 - q) / n) ** 0.5
 
 
-def success_noise(before: float, after: float, n: int) -> float:
-  """Twice the standard error of the change between two success rates measured on `n` problems each."""
-  return (success_error(before, n) ** 2 + success_error(after, n) ** 2) ** 0.5
-
-
 def rl_rows(r: dict) -> list[dict]:
-  s, points = r["success"], r["points"]
-  n = r["eval_examples"] * len(r["runs"])   # held-out problems per point, over the seeds
-  change = {p: s[p]["after"]["mean"] - s[p]["before"]["mean"] for p in points}
-  own = {p: success_noise(s[p]["before"]["mean"], s[p]["after"]["mean"], n) for p in points}
-  delta = sum(change.values()) / len(points)
-  noise_delta = sum(x ** 2 for x in own.values()) ** 0.5 / len(points)   # the points' problems are independent
-  per_seed = [sum(x["after"][p]["success_rate"] - x["before"][p]["success_rate"] for p in points) / len(points)
-              for x in r["runs"]]
+  points, runs_ = r["points"], r["runs"]
+  s = r["success"]
+  n = r["eval_examples"] * len(runs_)   # held-out problems per point, over the seeds
+  # Each seed's problems paired with its own SFT policy's: [P, seeds·N] outcomes before and after.
+  outcomes = {when: [sum((x[when][p]["correct"] for x in runs_), []) for p in points] for when in ("before", "after")}
+  own = {p: paired_change(outcomes["before"][i], outcomes["after"][i]) for i, p in enumerate(points)}
+  delta, noise_delta = paired_change(outcomes["before"], outcomes["after"])
+  per_seed = [paired_change([x["before"][p]["correct"] for p in points], [x["after"][p]["correct"] for p in points])[0]
+              for x in runs_]
   noise_delta = max(noise_delta, max(per_seed) - min(per_seed))
-  falls = [p for p in points if change[p] < -own[p]]
+  falls = [p for p in points if own[p][0] < -own[p][1]]
   text = "; ".join(f"{p} {fmt(s[p]['before'], 3)} → {fmt(s[p]['after'], 3)}" for p in points)
   why = (f"after − before, mean over points {delta:+.3f}, noise {noise_delta:.3f} ({n} held-out problems per point"
-         + (", one seed" if len(r["runs"]) == 1 else "") + ")"
+         + (", one seed" if len(runs_) == 1 else "") + ")"
          + (f"; falls beyond its noise at {', '.join(falls)}" if falls else ""))
   return [{"claim": "RL raises held-out success over the SFT policy", "run": f"{r['run']} (SFT); then {r['rl_run']}",
            "numbers": f"held-out success SFT → RL: {text}",

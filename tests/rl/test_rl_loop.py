@@ -85,6 +85,7 @@ def test_iterations_log_finite_metrics_and_evaluations_before_and_after(finished
     assert set(by_links) <= {"1", "2"} and sum(x["episodes"] for x in by_links.values()) == EVAL_EXAMPLES
     assert sum(x["success_rate"] * x["episodes"] for x in by_links.values()) / EVAL_EXAMPLES == \
         pytest.approx(point["success_rate"])
+    assert len(point["correct"]) == EVAL_EXAMPLES and np.mean(point["correct"]) == pytest.approx(point["success_rate"])
   assert workdir_lib.checkpointed_stages(workdir / "rl") == {1: [2, 3]}   # the stage after SFT's one
   assert (workdir / "sft" / "checkpoints" / "stage_0").exists()
   assert "rl" not in json.loads((workdir / "sft" / "config.json").read_text())
