@@ -2,6 +2,7 @@
 seed, no kernels timed), the table's rows, and the write between a scale's markers; experiments.results_table's
 table of what each notebook runs."""
 import json
+import pathlib
 
 import pytest
 
@@ -194,3 +195,18 @@ def test_rules_text_lists_every_rule_and_write_into_fills_scale_free_markers(tmp
   doc.write_text("a\n<!-- rules:begin -->\nold\n<!-- rules:end -->\nb\n")
   rt.write_into(doc, "gpu", text, rt.RULES_MARKERS)
   assert doc.read_text() == f"a\n<!-- rules:begin -->\n{text}\n<!-- rules:end -->\nb\n"
+
+
+def test_committed_results_page_holds_what_the_tables_compute_from_the_committed_json():
+  """docs/results.md's tables are written by `results_table --write`, never typed: a rule or a record changed
+  without rewriting them fails here."""
+  root = pathlib.Path(__file__).resolve().parents[3]
+  page = (root / "docs" / "results.md").read_text()
+
+  def block(markers, scale):
+    begin, end = (m.format(scale=scale) for m in markers)
+    return page.split(begin)[1].split(end)[0].strip("\n")
+
+  assert block(rt.RULES_MARKERS, "") == rt.rules_text()
+  for scale in ("cpu", "gpu"):
+    assert block(rt.MARKERS, scale) == rt.table(root / "notebooks" / "results", scale), scale
