@@ -126,13 +126,15 @@ def histogram_quantile(counts_EB, bias_E, *, top_k: int):
 
 
 def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 1.0, method: str = "exact",
-           num_bins: int = NUM_BINS, sign_rate: float = 1e-3, rate: float = 0.05, decay: float = 0.5,
+           num_bins: int = NUM_BINS, sign_rate: float = 1e-3, rate: float = 2.0, decay: float = 0.5,
            bound: float = 1.0, axis_name=None) -> State:
   """The state after a step whose router scores (all micro-batches) are `scores_TE`, of tokens weighted `weights_T`
   (0/1; None: all real). A step without a real token leaves the state as it is.
 
   article: `L ← (1 − decay) L + decay · n/(T·k/E)` (this step's selection counts n), then
-  `b ← clip(b + Δ − mean Δ, ±bound)` with Δ = `article_correction(L, rate)`.
+  `b ← clip(b + Δ − mean Δ, ±bound)` with Δ = `article_correction(L, rate · gap)`: `rate` is the largest change a
+  step in units of `gap`, the mean over tokens of the k-th minus the (k+1)-th largest `s + b` (`cutoff_gap`), so
+  the step is as large as the router's scores are close, whatever their spread.
 
   exact / histogram: `b ← b + η((b̂ − mean b̂) − b)` with b̂ the per-expert quantile. sign (baseline):
   `b ← b + sign_rate · sign(mean load − load)`. With `axis_name` (inside shard_map / pmap, scores sharded
@@ -153,19 +155,22 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
       raise ValueError(f"weights_T must be [T={scores_TE.shape[0]}], got {weights_T.shape}")
   n_real = psum(jnp.asarray(scores_TE.shape[0], jnp.float32) if weights_T is None else jnp.sum(weights_T))
   any_real = n_real > 0
-  if method in ("sign", "article"):
-    load_E = psum(expert_load(select(scores_TE, bias_E, top_k=top_k)[1], e, weights_T))
   if method == "sign":
+    load_E = psum(expert_load(select(scores_TE, bias_E, top_k=top_k)[1], e, weights_T))
     new_E = bias_E + sign_rate * jnp.sign(jnp.mean(load_E) - load_E)
   elif top_k == e:  # every expert takes every token: nothing to balance
     return state
   elif method == "article":
     if not (0.0 < decay <= 1.0 and rate > 0.0 and bound > 0.0):
       raise ValueError(f"need 0 < decay <= 1, rate > 0 and bound > 0, got {decay}, {rate}, {bound}")
+    top_TK, ids_TK = jax.lax.top_k(scores_TE + bias_E, top_k + 1)   # the chosen k, then the first one left out
+    load_E = psum(expert_load(ids_TK[:, :top_k], e, weights_T))
+    gap_T = top_TK[:, top_k - 1] - top_TK[:, top_k]
+    gap = psum(jnp.sum(gap_T if weights_T is None else gap_T * weights_T)) / jnp.maximum(n_real, 1.0)
     ratio_E = load_E / jnp.maximum(n_real * top_k / e, 1e-9)
     old_load = jnp.ones_like(bias_E) if state.load_E is None else state.load_E
     new_load = jnp.where(any_real, (1.0 - decay) * old_load + decay * ratio_E, old_load)
-    delta_E = article_correction(new_load, rate=rate)
+    delta_E = article_correction(new_load, rate=rate * gap)
     return state.replace(bias=jnp.where(any_real, jnp.clip(bias_E + delta_E - jnp.mean(delta_E), -bound, bound),
                                         bias_E), load_E=new_load)
   elif method == "exact":
@@ -181,11 +186,12 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
   return state.replace(bias=jnp.where(any_real, new_E, bias_E))
 
 
-def article_correction(load_E, *, rate: float):
+def article_correction(load_E, *, rate):
   """The article method's change of the bias from the decayed load ratios L: `−rate · tanh((L − P50) / LOAD_UNIT)`,
   the deviation from the median load: an expert above the median loses bias, one below gains; the change is smooth
-  in L (in proportion near balance) and never above `rate` a step. (Scaling the deviation by the load's spread,
-  P90 − P50, made the step full-size at any imbalance and the load oscillate: docs/design.md, quantile balancing.)"""
+  in L (in proportion near balance) and never above `rate` a step (`update` passes its step in score units). (Scaling
+  the deviation by the load's spread, P90 − P50, made the step full-size at any imbalance and the load oscillate:
+  docs/design.md, quantile balancing.)"""
   return -rate * jnp.tanh((load_E - jnp.percentile(load_E, 50.0)) / LOAD_UNIT)
 
 

@@ -84,7 +84,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.moe.balancer = "quantile"
   m.moe.balancer_eta = 1.0
   m.moe.balancer_method = "exact"        # exact / histogram: the cut-off quantile; article: the K3 article's §4.2
-  m.moe.correction_rate = 0.05            # article: the largest bias change a step
+  m.moe.correction_step = 2.0             # article: the largest bias change a step, in cut-off gaps (balancer.update)
   m.moe.load_decay = 0.5                  # article: the newest step's weight in the decayed load
   m.moe.correction_bound = 1.0            # article: |bias| at most this
   m.moe.aux_loss_coef = 1e-2
@@ -171,7 +171,7 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
   _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
   if moe.get("routing", "auto") not in MOE_ROUTINGS:
     raise ValueError(f"{root}.routing must be one of {MOE_ROUTINGS}, got {moe.routing!r}")
-  for f, ok, what in (("correction_rate", lambda v: v > 0, "> 0"), ("load_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
+  for f, ok, what in (("correction_step", lambda v: v > 0, "> 0"), ("load_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
                       ("correction_bound", lambda v: v > 0, "> 0")):
     v = moe.get(f, None)
     if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v)):
