@@ -178,6 +178,26 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
       raise ValueError(f"{root}.{f} must be a number {what}, got {v!r}")
 
 
+# The settings each balancer reads (`moe.balancer`, or `moe.balancer_method` under "quantile"). `correction_rate` is
+# the article method's first, fixed step (score units), in configs saved before `correction_step` replaced it.
+_BALANCER_FIELDS = {"none": (), "aux_loss": ("aux_loss_coef",), "sign": ("sign_update_rate",),
+                    "exact": ("balancer_eta",), "histogram": ("balancer_eta",),
+                    "article": ("correction_step", "load_decay", "correction_bound", "correction_rate")}
+
+
+def unread_moe_fields(moe: dict) -> set[str]:
+  """The fields of a saved MoE config (`model.moe` as JSON) that a model built from it never reads: all but
+  `enabled` when the MoE is off; else the settings of the balancers it does not run (and `balancer_method` unless
+  the balancer is "quantile"). Two configs that differ only there train the same model."""
+  if not moe.get("enabled", False):
+    return set(moe) - {"enabled"}
+  quantile = moe.get("balancer") == "quantile"
+  active = moe.get("balancer_method") if quantile else moe.get("balancer")
+  unread = {f for name, fields in _BALANCER_FIELDS.items() if name != active for f in fields}
+  unread -= set(_BALANCER_FIELDS.get(active, ()))
+  return (unread | (set() if quantile else {"balancer_method"})) & set(moe)
+
+
 def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name

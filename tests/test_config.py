@@ -140,3 +140,17 @@ def test_model_config_rejects_unknown_fields():
   m = config_lib.model_config()
   with pytest.raises(AttributeError):
     m.kda.num_haeds = 4
+
+
+def test_unread_moe_fields_are_other_balancers_settings_or_everything_with_the_moe_off():
+  moe = dict(config_lib.model_config().moe, latent_dim=32)
+  on = lambda **kw: dict(moe, enabled=True, **kw)
+  article = config_lib.unread_moe_fields(on(balancer="quantile", balancer_method="article"))
+  assert {"sign_update_rate", "aux_loss_coef", "balancer_eta"} <= article
+  assert not article & {"correction_step", "load_decay", "correction_bound", "num_experts", "balancer_method"}
+  sign = config_lib.unread_moe_fields(on(balancer="sign"))
+  assert {"correction_step", "balancer_eta", "aux_loss_coef", "balancer_method"} <= sign
+  assert "sign_update_rate" not in sign
+  assert config_lib.unread_moe_fields(on(balancer="quantile", balancer_method="exact")) >= {"correction_step"}
+  assert "balancer_eta" not in config_lib.unread_moe_fields(on(balancer="quantile", balancer_method="exact"))
+  assert config_lib.unread_moe_fields(dict(moe, enabled=False)) == set(moe) - {"enabled"}

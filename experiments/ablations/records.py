@@ -25,6 +25,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
+from k3jax import config as config_lib
 from k3jax.train import workdir as workdir_lib
 
 # Fields that name places on a machine, not what a run computes; the token shards (comma-separated paths) are
@@ -154,8 +155,12 @@ def _plain(x):
 
 
 def _comparable(config_json: dict) -> dict:
+  """The fields of a config that say what a run computes: not where files live, nor MoE settings the model never
+  reads (`k3jax.config.unread_moe_fields`: a balancer's settings in another balancer's run, any MoE setting with
+  the MoE off), so that a record stays valid when only those change."""
+  unread = [f"model.moe.{f}" for f in config_lib.unread_moe_fields(config_json.get("model", {}).get("moe", {}))]
   flat = workdir_lib.flatten(config_json)
-  out = {k: v for k, v in flat.items() if not workdir_lib.under(k, MACHINE_FIELDS)}
+  out = {k: v for k, v in flat.items() if not workdir_lib.under(k, (*MACHINE_FIELDS, *unread))}
   for k in SHARD_FIELDS:
     if out.get(k):
       out[k] = ",".join(pathlib.PurePath(p.strip()).name for p in out[k].split(","))

@@ -67,7 +67,19 @@ def test_a_record_written_before_a_field_existed_reads_back_at_the_value_that_ke
     records.load(tmp_path, "a", 0, workdir_lib.override(config(), {"model.residual.readout": "group"}))
 
 
-@pytest.mark.parametrize("notebook, study", [("02_balance", ablations.balance), ("03_residual", ablations.residual)])
+def test_a_record_stays_valid_when_only_settings_its_run_never_reads_change(tmp_path):
+  records.save(tmp_path, "a", 0, config(), {"loss": 1.0})   # tiny: the MoE on, the article balancer
+  unread = workdir_lib.override(config(), {"model.moe.sign_update_rate": 0.5, "model.moe.aux_loss_coef": 0.5})
+  assert records.load(tmp_path, "a", 0, unread) == {"loss": 1.0}
+  with pytest.raises(workdir_lib.ConfigChanged, match=r"model\.moe\.correction_step"):
+    records.load(tmp_path, "a", 0, workdir_lib.override(config(), {"model.moe.correction_step": 3.0}))
+  records.save(tmp_path, "off", 0, workdir_lib.override(config(), {"model.moe.enabled": False}), {"loss": 2.0})
+  off = workdir_lib.override(config(), {"model.moe.enabled": False, "model.moe.num_experts": 16})
+  assert records.load(tmp_path, "off", 0, off) == {"loss": 2.0}
+
+
+@pytest.mark.parametrize("notebook, study", [("02_balance", ablations.balance), ("03_residual", ablations.residual),
+                                             ("04_context", ablations.context)])
 def test_the_runs_recorded_on_the_gpu_read_back_with_the_configs_their_study_builds_now(notebook, study):
   """A change to what a GPU-scale study trains makes its committed records another config's, which the notebook
   would refuse: such a change must mean training them again, not slip in unnoticed."""
