@@ -133,8 +133,8 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
 
   article: `L ← (1 − decay) L + decay · n/(T·k/E)` (this step's selection counts n), then
   `b ← clip(b + Δ − mean Δ, ±bound)` with Δ = `article_correction(L, rate · gap)`: `rate` is the largest change a
-  step in units of `gap`, the mean over tokens of the k-th minus the (k+1)-th largest `s + b` (`cutoff_gap`), so
-  the step is as large as the router's scores are close, whatever their spread.
+  step in units of `gap`, the cut-off gap: the mean over real tokens of the k-th minus the (k+1)-th largest
+  `s + b`. So the step follows how close the router's scores are at the cut-off, whatever their spread.
 
   exact / histogram: `b ← b + η((b̂ − mean b̂) − b)` with b̂ the per-expert quantile. sign (baseline):
   `b ← b + sign_rate · sign(mean load − load)`. With `axis_name` (inside shard_map / pmap, scores sharded
@@ -189,9 +189,9 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
 def article_correction(load_E, *, rate):
   """The article method's change of the bias from the decayed load ratios L: `−rate · tanh((L − P50) / LOAD_UNIT)`,
   the deviation from the median load: an expert above the median loses bias, one below gains; the change is smooth
-  in L (in proportion near balance) and never above `rate` a step (`update` passes its step in score units). (Scaling
-  the deviation by the load's spread, P90 − P50, made the step full-size at any imbalance and the load oscillate:
-  docs/design.md, quantile balancing.)"""
+  in L (in proportion near balance) and never above `rate` a step (`update` passes its `rate` times the cut-off
+  gap). (Scaling the deviation by the load's spread, P90 − P50, made the step full-size at any imbalance and the
+  load oscillate: docs/design.md, quantile balancing.)"""
   return -rate * jnp.tanh((load_E - jnp.percentile(load_E, 50.0)) / LOAD_UNIT)
 
 

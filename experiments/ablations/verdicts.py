@@ -248,20 +248,20 @@ def success_error(p, n: int):
 
 
 def rl_rows(r: dict) -> list[dict]:
-  points, runs_ = r["points"], r["runs"]
+  points, runs = r["points"], r["runs"]
   s = r["success"]
-  n = r["eval_examples"] * len(runs_)   # held-out problems per point, over the seeds
+  n = r["eval_examples"] * len(runs)   # held-out problems per point, over the seeds
   # Each seed's problems paired with its own SFT policy's: [P, seeds·N] outcomes before and after.
-  outcomes = {when: [sum((x[when][p]["correct"] for x in runs_), []) for p in points] for when in ("before", "after")}
+  outcomes = {when: [sum((x[when][p]["correct"] for x in runs), []) for p in points] for when in ("before", "after")}
   own = {p: paired_change(outcomes["before"][i], outcomes["after"][i]) for i, p in enumerate(points)}
   delta, noise_delta = paired_change(outcomes["before"], outcomes["after"])
   per_seed = [paired_change([x["before"][p]["correct"] for p in points], [x["after"][p]["correct"] for p in points])[0]
-              for x in runs_]
+              for x in runs]
   noise_delta = max(noise_delta, max(per_seed) - min(per_seed))
   falls = [p for p in points if own[p][0] < -own[p][1]]
   text = "; ".join(f"{p} {fmt(s[p]['before'], 3)} → {fmt(s[p]['after'], 3)}" for p in points)
   why = (f"after − before, mean over points {delta:+.3f}, noise {noise_delta:.3f} ({n} held-out problems per point"
-         + (", one seed" if len(runs_) == 1 else "") + ")"
+         + (", one seed" if len(runs) == 1 else "") + ")"
          + (f"; falls beyond its noise at {', '.join(falls)}" if falls else ""))
   return [{"claim": "RL raises held-out success over the SFT policy", "run": f"{r['run']} (SFT); then {r['rl_run']}",
            "numbers": f"held-out success SFT → RL: {text}",
