@@ -167,12 +167,8 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
     load_E = psum(expert_load(ids_TK[:, :top_k], e, weights_T))
     gap_T = top_TK[:, top_k - 1] - top_TK[:, top_k]
     gap = psum(jnp.sum(gap_T if weights_T is None else gap_T * weights_T)) / jnp.maximum(n_real, 1.0)
-    ratio_E = load_E / jnp.maximum(n_real * top_k / e, 1e-9)
-    old_load = jnp.ones_like(bias_E) if state.load_E is None else state.load_E
-    new_load = jnp.where(any_real, (1.0 - decay) * old_load + decay * ratio_E, old_load)
-    delta_E = article_correction(new_load, rate=rate * gap)
-    return state.replace(bias=jnp.where(any_real, jnp.clip(bias_E + delta_E - jnp.mean(delta_E), -bound, bound),
-                                        bias_E), load_E=new_load)
+    return article_step(state.replace(bias=bias_E), load_E, n_real, top_k=top_k, step=rate * gap, decay=decay,
+                        bound=bound)
   elif method == "exact":
     if axis_name is not None:
       scores_TE = jax.lax.all_gather(scores_TE, axis_name, tiled=True)
@@ -184,6 +180,20 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
                                                  weights_T=weights_T)), bias_E, top_k=top_k)
     new_E = bias_E + eta * ((target_E - jnp.mean(target_E)) - bias_E)
   return state.replace(bias=jnp.where(any_real, new_E, bias_E))
+
+
+def article_step(state: State, load_E, num_tokens, *, top_k: int, step, decay: float, bound: float) -> State:
+  """The article method's state after a step whose selection counts are `load_E` over `num_tokens` real tokens:
+  the decayed load ratios, then the bias moved by `article_correction` at `step` (score units) and clipped to
+  ±`bound`. A step without a real token leaves the state as it is."""
+  bias_E, e = state.bias, load_E.shape[0]
+  any_real = num_tokens > 0
+  ratio_E = load_E / jnp.maximum(num_tokens * top_k / e, 1e-9)
+  old_load = jnp.ones_like(bias_E) if state.load_E is None else state.load_E
+  new_load = jnp.where(any_real, (1.0 - decay) * old_load + decay * ratio_E, old_load)
+  delta_E = article_correction(new_load, rate=step)
+  return state.replace(bias=jnp.where(any_real, jnp.clip(bias_E + delta_E - jnp.mean(delta_E), -bound, bound),
+                                      bias_E), load_E=new_load)
 
 
 def article_correction(load_E, *, rate):

@@ -73,7 +73,7 @@ def format_table(result: dict) -> str:
   for p, s in result["success"].items():
     times = int(p.split("@")[1]) // result["train_length"]
     where = "  (the trained length)" if times == 1 else f"  ({times}x the trained length)"
-    delta, noise = evaluate.paired_change(*(sum((x[when][p]["correct"] for x in result["runs"]), [])
+    delta, noise = evaluate.paired_change(*(verdicts.heldout_outcomes(result["runs"], when, [p])
                                             for when in ("before", "after")))
     lines.append(f"{p:<44} {s['before']['mean']:6.3f} {s['after']['mean']:7.3f} {delta:+8.3f} {noise:7.3f}{where}")
   return "\n".join(lines)

@@ -16,15 +16,10 @@ import jax.numpy as jnp
 from k3jax import balancer
 
 
-def fixed_step_update(state: balancer.State, scores_TE, *, top_k: int, rate: float, decay: float = 0.5,
-                      bound: float = 1.0) -> balancer.State:
+def fixed_step_update(state: balancer.State, scores_TE, *, top_k: int, rate: float) -> balancer.State:
   """The article update with a fixed step of `rate` score units (no cut-off gap), for comparison."""
-  e = scores_TE.shape[1]
-  ratio_E = balancer.expert_load(balancer.select(scores_TE, state.bias, top_k=top_k)[1], e) / (
-      scores_TE.shape[0] * top_k / e)
-  load_E = (1.0 - decay) * state.load_E + decay * ratio_E
-  delta_E = balancer.article_correction(load_E, rate=rate)
-  return balancer.State(bias=jnp.clip(state.bias + delta_E - jnp.mean(delta_E), -bound, bound), load_E=load_E)
+  load_E = balancer.expert_load(balancer.select(scores_TE, state.bias, top_k=top_k)[1], scores_TE.shape[1])
+  return balancer.article_step(state, load_E, scores_TE.shape[0], top_k=top_k, step=rate, decay=0.5, bound=1.0)
 
 
 def run(spread: float, *, step: str, rate: float, experts: int, top_k: int, tokens: int, steps: int,

@@ -247,12 +247,17 @@ def success_error(p, n: int):
   return 2 * (q * (1 - q) / n) ** 0.5
 
 
+def heldout_outcomes(runs: list[dict], when: str, points) -> list[list[int]]:
+  """The RL runs' held-out outcomes `when` ("before" / "after" RL), `[P, seeds·N]`: each seed's problems in turn, so
+  that before and after pair up problem by problem (each seed with its own SFT policy)."""
+  return [sum((x[when][p]["correct"] for x in runs), []) for p in points]
+
+
 def rl_rows(r: dict) -> list[dict]:
   points, runs = r["points"], r["runs"]
   s = r["success"]
   n = r["eval_examples"] * len(runs)   # held-out problems per point, over the seeds
-  # Each seed's problems paired with its own SFT policy's: [P, seeds·N] outcomes before and after.
-  outcomes = {when: [sum((x[when][p]["correct"] for x in runs), []) for p in points] for when in ("before", "after")}
+  outcomes = {when: heldout_outcomes(runs, when, points) for when in ("before", "after")}
   own = {p: paired_change(outcomes["before"][i], outcomes["after"][i]) for i, p in enumerate(points)}
   delta, noise_delta = paired_change(outcomes["before"], outcomes["after"])
   per_seed = [paired_change([x["before"][p]["correct"] for p in points], [x["after"][p]["correct"] for p in points])[0]
