@@ -58,11 +58,16 @@ def load(records, variant: str, seed: int, config) -> dict | None:
   record = read(records, variant, seed)
   if record is None:
     return None
-  p = path(records, variant, seed)
-  diff = workdir_lib.differences(_comparable(workdir_lib.saved_config(record["config"])),
-                                 _comparable(workdir_lib.as_json(config)))
-  _refuse_differences(p, "a run of another config", diff, "train the run again with this config")
+  _refuse_differences(path(records, variant, seed), "a run of another config", differences(record["config"], config),
+                      "train the run again with this config")
   return record["result"]
+
+
+def differences(saved_json: dict, config) -> dict:
+  """{field: (saved, config's)} where a saved config (a record's, a run directory's config.json) and `config`
+  differ in what a run computes (machine settings and the MoE settings the run never reads left out)."""
+  return workdir_lib.differences(_comparable(workdir_lib.saved_config(saved_json)),
+                                 _comparable(workdir_lib.as_json(config)))
 
 
 def _refuse_differences(p: pathlib.Path, what: str, diff: dict, again: str) -> None:
@@ -83,10 +88,12 @@ def load_plan(records, plan) -> dict:
   return {key: result for key, result in found.items() if result is not None}
 
 
-def save(records, variant: str, seed: int, config, result: dict) -> pathlib.Path:
-  """Writes the record of a finished run (the file appears whole or not at all) and returns its path."""
+def save(records, variant: str, seed: int, config, result: dict, *, commit: str | None = None,
+         device: str | None = None) -> pathlib.Path:
+  """Writes the record of a finished run (the file appears whole or not at all) and returns its path. `commit` and
+  `device`: where the run ran, when not here (default: this checkout's commit and this process's device)."""
   p = path(records, variant, seed)
-  _write(p, {"config": workdir_lib.as_json(config), "commit": _commit(), "device": _device(),
+  _write(p, {"config": workdir_lib.as_json(config), "commit": commit or _commit(), "device": device or _device(),
              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "result": result})
   return p
 

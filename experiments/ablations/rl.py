@@ -15,7 +15,8 @@ import numpy as np
 
 from experiments.ablations import records as records_lib
 from experiments.ablations import runs, verdicts
-from k3jax.rl import evaluate, runner
+from k3jax.rl import config as rl_config_lib, evaluate, runner
+from k3jax.train import workdir as workdir_lib
 
 # The RL iterations' logged fields the notebook keeps (metrics.jsonl has more: timing, tool calls, ...).
 CURVES = ("reward_mean", "success_rate", "kl", "loss", "groups_with_signal", "groups_mixed_success",
@@ -47,9 +48,8 @@ def train(study, workdir, *, records=None) -> dict:
     directory = runs.run_dir(workdir, variant, seed)
     print(f"== {variant}, seed {seed}: {directory}", flush=True)
     start = time.perf_counter()
-    result = runner.RLRun(config_s).run(directory)
-    run = records_lib.plain({"variant": variant, "seed": seed, **result, "sft": _curves(directory / "sft", ("loss",)),
-                             "rl": _curves(directory / "rl", CURVES), "wall_s": time.perf_counter() - start})
+    runner.RLRun(config_s).run(directory)
+    run = finished_run(config_s, directory, variant=variant, seed=seed, wall_s=time.perf_counter() - start)
     if records is not None:
       records_lib.save(records, variant, seed, config_s, run)
     out_runs.append(run)
@@ -59,6 +59,61 @@ def train(study, workdir, *, records=None) -> dict:
              for p in points}
   return {"rl_run": describe(study.base), "train_length": r.length, "eval_examples": r.eval_examples,
           "points": points, "runs": out_runs, "success": success}
+
+
+def finished_run(config, directory, *, variant: str, seed: int, wall_s: float | None) -> dict:
+  """The entry of `train`'s "runs" for the finished SFT → RL run of `config` in `directory` (the runner's layout),
+  read from its logs alone (no checkpoint needed). `wall_s`: the run's time, None where it is not known."""
+  directory = pathlib.Path(directory)
+  evaluations = runner.RLRun.evaluations(directory / "rl")
+  before, after = evaluations.get(0), evaluations.get(config.rl.iterations)
+  if before is None or after is None:
+    raise ValueError(f"{directory} holds no finished run: its rl/eval.jsonl has the evaluations of steps "
+                     f"{sorted(evaluations)}, not 0 and {config.rl.iterations}")
+  return records_lib.plain({"variant": variant, "seed": seed, "before": before, "after": after,
+                            "sft": _curves(directory / "sft", ("loss",)), "rl": _curves(directory / "rl", CURVES),
+                            "wall_s": wall_s})
+
+
+def record_run(study, directory, records, *, seed: int, commit: str, device: str) -> pathlib.Path:
+  """Records the finished run in `directory` (e.g. `python -m experiments.rl` on a GPU machine, its logs copied
+  back) as the study's run of `seed`, made at `commit` on `device`, so that the notebook reads it instead of
+  training it. Refused (`ConfigChanged`, before anything is written) unless the directory's SFT and RL configs are
+  the study's config of that seed; ValueError if the run has not finished. Returns the record's path."""
+  (variant,) = study.configs()
+  config = runs.with_seed(study.configs()[variant], seed)
+  directory = pathlib.Path(directory)
+  for part, ran in (("sft", rl_config_lib.sft_config(config)), ("rl", config)):
+    saved = workdir_lib.remembered(directory / part)
+    if saved is None:
+      raise FileNotFoundError(f"{directory / part} has no config.json: not a run directory of experiments.rl")
+    diff = records_lib.differences(saved, ran)
+    if diff:
+      listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+      raise workdir_lib.ConfigChanged(f"{directory / part} ran another config than study {study.name!r} at scale "
+                                      f"{study.scale!r}, seed {seed}; these fields differ:\n{listing}")
+  run = finished_run(config, directory, variant=variant, seed=seed, wall_s=None)
+  return records_lib.save(records, variant, seed, config, run, commit=commit, device=device)
+
+
+NOTEBOOK = "06_rl"
+
+
+def record_for_notebook(results, scale: str, directory, *, commit: str, device: str,
+                        seed: int | None = None) -> pathlib.Path:
+  """`record_run` into the RL notebook's records at `scale` under the results directory `results`, as the study's
+  run of `seed` (default: its first); FileExistsError, before anything is read, where that record exists."""
+  from experiments.ablations import notebook
+  from experiments.configs import ablations
+  study = ablations.NOTEBOOKS[NOTEBOOK](scale)
+  seed = study.seeds[0] if seed is None else seed
+  if seed not in study.seeds:
+    raise ValueError(f"seed {seed} is not one of the study's seeds {list(study.seeds)}")
+  records = notebook.records_dir(pathlib.Path(results) / scale, NOTEBOOK)
+  (variant,) = study.configs()
+  if records_lib.path(records, variant, seed).exists():
+    raise FileExistsError(f"{records_lib.path(records, variant, seed)} exists: delete it to record this run instead")
+  return record_run(study, directory, records, seed=seed, commit=commit, device=device)
 
 
 def _curves(directory: pathlib.Path, fields) -> dict:
