@@ -38,6 +38,8 @@ if importlib.util.find_spec("k3jax") is None:
   subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"k3jax{extras} @ git+{K3JAX_REPO}"])
 
 # %%
+import time
+
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -66,19 +68,26 @@ dtype = jnp.dtype(study.settings["timed_dtype"])
 
 
 def time_the_op():
-  speed = []
-  for v in gate.compiled_variants(study.settings["timed_shapes"], dtype=dtype):   # all compiled at once, first
+  speed, start = [], time.perf_counter()
+  elapsed = lambda: f"{time.perf_counter() - start:.0f} s"
+  variants = gate.compiled_variants(study.settings["timed_shapes"], dtype=dtype)   # all compiled at once, first
+  print(f"compiled {len(variants)} programs ({elapsed()})", flush=True)
+  for v in variants:
     fn, args = v.pop("fn"), v.pop("args")
     speed.append({**v, "ms": 1e3 * harness.pipelined_seconds(fn, *args, repeats=study.settings["repeats"])})
+    print(f"timed {v['gate']} on {v['path']} at {v['shape']} ({elapsed()})", flush=True)
   if jax.default_backend() == "gpu":   # FLA's kernels with each gate, on the same inputs
     for B, T, H, D in study.settings["timed_shapes"]:
       x, do = gate.raw_inputs(B, T, H, D, dtype=dtype)
       for g, path in gate.FLA_PATHS.items():
         fla = kda_benchmark.fla_runner(x, do, gate=g)
         if fla is None:
+          print("fla-core is not installed: FLA's kernels are not timed", flush=True)
           break
+        print(f"FLA, {g} gate at {B}x{T}x{H}x{D}: autotuning and timing ...", flush=True)
         speed.append({"gate": g, "backend": "fla", "path": path, "shape": f"{B}x{T}x{H}x{D}", "dtype": dtype.name,
                       "ms": fla["fwdbwd"]()})
+        print(f"FLA, {g} gate timed ({elapsed()})", flush=True)
   return speed
 
 
