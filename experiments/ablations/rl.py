@@ -104,7 +104,7 @@ def record_for_notebook(results, scale: str, directory, *, commit: str, device: 
   """`record_run` into the RL notebook's records at `scale` under the results directory `results`, as the study's
   run of `seed` (default: its first); FileExistsError, before anything is read, where that record exists."""
   from experiments.ablations import notebook
-  from experiments.configs import ablations
+  from experiments.configs import ablations   # here, not at the top: that module imports this one
   study = ablations.NOTEBOOKS[NOTEBOOK](scale)
   seed = study.seeds[0] if seed is None else seed
   if seed not in study.seeds:
