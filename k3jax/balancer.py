@@ -163,10 +163,9 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
   elif method == "article":
     if not (0.0 < decay <= 1.0 and rate > 0.0 and bound > 0.0):
       raise ValueError(f"need 0 < decay <= 1, rate > 0 and bound > 0, got {decay}, {rate}, {bound}")
-    top_TK, ids_TK = jax.lax.top_k(scores_TE + bias_E, top_k + 1)   # the chosen k, then the first one left out
-    load_E = psum(expert_load(ids_TK[:, :top_k], e, weights_T))
-    gap_T = top_TK[:, top_k - 1] - top_TK[:, top_k]
-    gap = psum(jnp.sum(gap_T if weights_T is None else gap_T * weights_T)) / jnp.maximum(n_real, 1.0)
+    gap_sum, ids_TK = _cutoff_gaps(scores_TE, bias_E, top_k, weights_T)
+    load_E = psum(expert_load(ids_TK, e, weights_T))
+    gap = psum(gap_sum) / jnp.maximum(n_real, 1.0)
     return article_step(state.replace(bias=bias_E), load_E, n_real, top_k=top_k, step=rate * gap, decay=decay,
                         bound=bound)
   elif method == "exact":
@@ -180,6 +179,21 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
                                                  weights_T=weights_T)), bias_E, top_k=top_k)
     new_E = bias_E + eta * ((target_E - jnp.mean(target_E)) - bias_E)
   return state.replace(bias=jnp.where(any_real, new_E, bias_E))
+
+
+def cutoff_gap(scores_TE, bias_E, *, top_k: int, weights_T=None):
+  """The cut-off gap: the mean over real tokens of the k-th minus the (k+1)-th largest `s + b` (how close the
+  scores are where selection is decided; the article method's step unit). 0 without a real token."""
+  gap_sum, _ = _cutoff_gaps(scores_TE.astype(jnp.float32), bias_E, top_k, weights_T)
+  n_real = scores_TE.shape[0] if weights_T is None else jnp.sum(weights_T.astype(jnp.float32))
+  return gap_sum / jnp.maximum(n_real, 1.0)
+
+
+def _cutoff_gaps(scores_TE, bias_E, top_k, weights_T):
+  """(the sum over real tokens of the cut-off gap, the chosen experts `[T, k]`)."""
+  top_TK, ids_TK = jax.lax.top_k(scores_TE + bias_E, top_k + 1)   # the chosen k, then the first one left out
+  gap_T = top_TK[:, top_k - 1] - top_TK[:, top_k]
+  return jnp.sum(gap_T if weights_T is None else gap_T * weights_T), ids_TK[:, :top_k]
 
 
 def article_step(state: State, load_E, num_tokens, *, top_k: int, step, decay: float, bound: float) -> State:

@@ -238,3 +238,16 @@ def test_article_correction_is_smooth_bounded_and_pushes_toward_the_median():
   chex.assert_trees_all_close(delta[2:4], -0.05 * jnp.tanh(load[2:4] - 1.05), atol=1e-7)   # P50 = 1.05: in proportion
   with pytest.raises(ValueError, match="decay"):
     balancer.update(balancer.init(E), skewed_scores(jax.random.key(0)), top_k=K, method="article", decay=0.0)
+
+
+def test_cutoff_gap_is_the_mean_kth_minus_next_biased_score_over_real_tokens():
+  scores = skewed_scores(jax.random.key(3))
+  bias = 0.1 * jax.random.normal(jax.random.key(4), (E,))
+  weights = (jax.random.uniform(jax.random.key(5), (T,)) < 0.7).astype(jnp.float32)
+  ordered = -np.sort(-np.asarray(scores + bias), axis=1)
+  per_token = ordered[:, K - 1] - ordered[:, K]
+  w = np.asarray(weights)
+  np.testing.assert_allclose(balancer.cutoff_gap(scores, bias, top_k=K, weights_T=weights),
+                             np.sum(per_token * w) / np.sum(w), rtol=1e-5)
+  np.testing.assert_allclose(balancer.cutoff_gap(scores, bias, top_k=K), per_token.mean(), rtol=1e-5)
+  assert float(balancer.cutoff_gap(scores, bias, top_k=K, weights_T=jnp.zeros(T))) == 0.0

@@ -62,7 +62,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mod
       metrics = {"loss": jnp.sum(ce_sums) / total_weight, "objective": jnp.sum(objectives),
                  "accuracy": jnp.sum(corrects) / total_weight, "grad_norm": optax.tree.norm(grads),
                  "lr": lr_schedule(state.step), "target_tokens": jnp.sum(batch["weights"]),
-                 **moe_metrics(stats, moe.top_k), **bias_metrics(graphdef, new_state, stats)}
+                 **moe_metrics(stats, moe.top_k), **cutoff_gap_metrics(graphdef, state, stats, moe.top_k),
+                 **bias_metrics(graphdef, new_state, stats)}
     return new_state, metrics
 
   return train_step
@@ -88,6 +89,19 @@ def moe_metrics(stats, top_k: int) -> dict:
   per_layer = [balancer_lib.load_metrics(jnp.sum(s.load_E, axis=0), top_k, real(s)) for s in stats]
   return {"moe_max_vio": jnp.stack([m["max_vio"] for m in per_layer]),
           "moe_load_p90": jnp.stack([m["p90"] for m in per_layer])}
+
+
+def cutoff_gap_metrics(graphdef, state: state_lib.TrainState, stats, top_k: int) -> dict:
+  """Per MoE layer, the cut-off gap of the step's routing (`balancer.cutoff_gap` of its scores under the bias they
+  were routed with, `state`'s, over every micro-batch's real tokens): the article method's step unit, logged for
+  every balancer; {} without MoE or where every expert takes every token."""
+  if not stats or top_k >= stats[0].scores_TE.shape[-1]:
+    return {}
+  bias_LE = state_lib.merge(graphdef, state).balancer_biases()
+  flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])   # micro-batches' tokens as one axis
+  return {"moe_cutoff_gap": jnp.stack([
+      balancer_lib.cutoff_gap(flat(s.scores_TE), bias_LE[i], top_k=top_k, weights_T=flat(s.weights_T))
+      for i, s in enumerate(stats)])}
 
 
 def bias_metrics(graphdef, state: state_lib.TrainState, stats) -> dict:

@@ -201,9 +201,11 @@ def test_scanned_train_steps_match_the_unrolled_ones(tmp_path):
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(s2[0])):
     np.testing.assert_array_equal(a, b)
   # The first step: same parameters.
-  for key in ("loss", "grad_norm", "moe_max_vio", "moe_load_p90", "moe_bias_range"):
+  for key in ("loss", "grad_norm", "moe_max_vio", "moe_load_p90", "moe_cutoff_gap", "moe_bias_range"):
     np.testing.assert_allclose(m2[0][key], m1[0][key], rtol=1e-4, err_msg=key)
-  assert m2[0]["moe_max_vio"].shape == m2[0]["moe_bias_range"].shape == (scanned_cfg.num_layers - 1,)   # per MoE layer
+  per_moe_layer = (scanned_cfg.num_layers - 1,)
+  assert m2[0]["moe_max_vio"].shape == m2[0]["moe_bias_range"].shape == m2[0]["moe_cutoff_gap"].shape == per_moe_layer
+  assert np.all(np.asarray(m2[1]["moe_cutoff_gap"]) > 0)   # the second step routes under a moved bias
   # The bias range in layer order: the unrolled model's own layers, one by one (the ranges differ between layers).
   biases = {int(re.search(r"\[(\d+)\]", jax.tree_util.keystr(path)).group(1)): np.asarray(b)
             for path, b in jax.tree_util.tree_flatten_with_path(s1[1].balancer)[0]
