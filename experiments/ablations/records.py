@@ -58,8 +58,9 @@ def load(records, variant: str, seed: int, config) -> dict | None:
   record = read(records, variant, seed)
   if record is None:
     return None
-  _refuse_differences(path(records, variant, seed), "a run of another config", differences(record["config"], config),
-                      "train the run again with this config")
+  refuse_differences(f"{path(records, variant, seed)} records a run of another config",
+                     differences(record["config"], config),
+                     "Delete the record to train the run again with this config.")
   return record["result"]
 
 
@@ -70,13 +71,12 @@ def differences(saved_json: dict, config) -> dict:
                                  _comparable(workdir_lib.as_json(config)))
 
 
-def _refuse_differences(p: pathlib.Path, what: str, diff: dict, again: str) -> None:
-  """ConfigChanged naming the fields of `diff` ({field: (recorded, asked)}) where the record `p` holds `what`;
-  nothing when `diff` is empty."""
+def refuse_differences(held: str, diff: dict, advice: str = "") -> None:
+  """ConfigChanged saying `held` (what holds a run of another config), the fields of `diff` ({field: (held, asked)})
+  and `advice`; nothing when `diff` is empty."""
   if diff:
     listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-    raise workdir_lib.ConfigChanged(f"{p} records {what}; these fields differ:\n{listing}\n"
-                                    f"Delete the record to {again}.")
+    raise workdir_lib.ConfigChanged(f"{held}; these fields differ:\n{listing}" + (f"\n{advice}" if advice else ""))
 
 
 def load_plan(records, plan) -> dict:
@@ -132,8 +132,9 @@ def measured(records, name: str, settings: dict, measure: Callable[[], object], 
   settings = plain(settings)
   if p.exists():
     record = json.loads(p.read_text())
-    _refuse_differences(p, f"{name!r} measured with other settings",
-                        workdir_lib.differences(record["settings"], settings), "measure again with these settings")
+    refuse_differences(f"{p} records {name!r} measured with other settings",
+                       workdir_lib.differences(record["settings"], settings),
+                       "Delete the record to measure again with these settings.")
     return record["result"], True
   result = plain(measure())
   _write(p, {"settings": settings, "device": device, "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

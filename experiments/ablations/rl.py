@@ -80,18 +80,15 @@ def record_run(study, directory, records, *, seed: int, commit: str, device: str
   back) as the study's run of `seed`, made at `commit` on `device`, so that the notebook reads it instead of
   training it. Refused (`ConfigChanged`, before anything is written) unless the directory's SFT and RL configs are
   the study's config of that seed; ValueError if the run has not finished. Returns the record's path."""
-  (variant,) = study.configs()
-  config = runs.with_seed(study.configs()[variant], seed)
+  ((variant, config),) = study.configs().items()
+  config = runs.with_seed(config, seed)
   directory = pathlib.Path(directory)
   for part, ran in (("sft", rl_config_lib.sft_config(config)), ("rl", config)):
     saved = workdir_lib.remembered(directory / part)
     if saved is None:
       raise FileNotFoundError(f"{directory / part} has no config.json: not a run directory of experiments.rl")
-    diff = records_lib.differences(saved, ran)
-    if diff:
-      listing = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-      raise workdir_lib.ConfigChanged(f"{directory / part} ran another config than study {study.name!r} at scale "
-                                      f"{study.scale!r}, seed {seed}; these fields differ:\n{listing}")
+    records_lib.refuse_differences(f"{directory / part} ran another config than study {study.name!r} at scale "
+                                   f"{study.scale!r}, seed {seed}", records_lib.differences(saved, ran))
   run = finished_run(config, directory, variant=variant, seed=seed, wall_s=None)
   return records_lib.save(records, variant, seed, config, run, commit=commit, device=device)
 
