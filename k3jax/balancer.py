@@ -20,7 +20,7 @@ from k3jax.ops import moe_dispatch
 
 METHODS = ("article", "exact", "histogram", "sign")
 NUM_BINS = 4096
-LOAD_UNIT = 1.0   # the article method's deviation unit, in even shares: twice the median's load is tanh(1) of a step
+LOAD_UNIT = 1.0   # the article method's default deviation unit, in even shares (`article_correction`)
 
 
 @struct.dataclass
@@ -127,13 +127,13 @@ def histogram_quantile(counts_EB, bias_E, *, top_k: int):
 
 def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 1.0, method: str = "exact",
            num_bins: int = NUM_BINS, sign_rate: float = 1e-3, rate: float = 2.0, decay: float = 0.5,
-           bound: float = 1.0, axis_name=None) -> State:
+           bound: float = 1.0, load_unit: float = LOAD_UNIT, axis_name=None) -> State:
   """The state after a step whose router scores (all micro-batches) are `scores_TE`, of tokens weighted `weights_T`
   (0/1; None: all real). A step without a real token leaves the state as it is.
 
   article: `L ← (1 − decay) L + decay · n/(T·k/E)` (this step's selection counts n), then
-  `b ← clip(b + Δ − mean Δ, ±bound)` with Δ = `article_correction(L, rate · gap)`: `rate` is the largest change a
-  step in units of `gap`, the cut-off gap: the mean over real tokens of the k-th minus the (k+1)-th largest
+  `b ← clip(b + Δ − mean Δ, ±bound)` with Δ = `article_correction(L, rate · gap, load_unit)`: `rate` is the largest
+  change a step in units of `gap`, the cut-off gap: the mean over real tokens of the k-th minus the (k+1)-th largest
   `s + b`. So the step follows how close the router's scores are at the cut-off, whatever their spread.
 
   exact / histogram: `b ← b + η((b̂ − mean b̂) − b)` with b̂ the per-expert quantile. sign (baseline):
@@ -161,13 +161,13 @@ def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 
   elif top_k == e:  # every expert takes every token: nothing to balance
     return state
   elif method == "article":
-    if not (0.0 < decay <= 1.0 and rate > 0.0 and bound > 0.0):
-      raise ValueError(f"need 0 < decay <= 1, rate > 0 and bound > 0, got {decay}, {rate}, {bound}")
+    if not (0.0 < decay <= 1.0 and rate > 0.0 and bound > 0.0 and load_unit > 0.0):
+      raise ValueError(f"need 0 < decay <= 1 and rate, bound, load_unit > 0, got {decay}, {rate}, {bound}, {load_unit}")
     gap_sum, ids_TK = _cutoff_gaps(scores_TE, bias_E, top_k, weights_T)
     load_E = psum(expert_load(ids_TK, e, weights_T))
     gap = psum(gap_sum) / jnp.maximum(n_real, 1.0)
     return article_step(state.replace(bias=bias_E), load_E, n_real, top_k=top_k, step=rate * gap, decay=decay,
-                        bound=bound)
+                        bound=bound, load_unit=load_unit)
   elif method == "exact":
     if axis_name is not None:
       scores_TE = jax.lax.all_gather(scores_TE, axis_name, tiled=True)
@@ -196,7 +196,8 @@ def _cutoff_gaps(scores_TE, bias_E, top_k, weights_T):
   return jnp.sum(gap_T if weights_T is None else gap_T * weights_T), ids_TK[:, :top_k]
 
 
-def article_step(state: State, load_E, num_tokens, *, top_k: int, step, decay: float, bound: float) -> State:
+def article_step(state: State, load_E, num_tokens, *, top_k: int, step, decay: float, bound: float,
+                 load_unit: float = LOAD_UNIT) -> State:
   """The article method's state after a step whose selection counts are `load_E` over `num_tokens` real tokens:
   the decayed load ratios, then the bias moved by `article_correction` at `step` (score units) and clipped to
   ±`bound`. A step without a real token leaves the state as it is."""
@@ -205,18 +206,18 @@ def article_step(state: State, load_E, num_tokens, *, top_k: int, step, decay: f
   ratio_E = load_E / jnp.maximum(num_tokens * top_k / e, 1e-9)
   old_load = jnp.ones_like(bias_E) if state.load_E is None else state.load_E
   new_load = jnp.where(any_real, (1.0 - decay) * old_load + decay * ratio_E, old_load)
-  delta_E = article_correction(new_load, rate=step)
+  delta_E = article_correction(new_load, rate=step, unit=load_unit)
   return state.replace(bias=jnp.where(any_real, jnp.clip(bias_E + delta_E - jnp.mean(delta_E), -bound, bound),
                                       bias_E), load_E=new_load)
 
 
-def article_correction(load_E, *, rate):
-  """The article method's change of the bias from the decayed load ratios L: `−rate · tanh((L − P50) / LOAD_UNIT)`,
+def article_correction(load_E, *, rate, unit: float = LOAD_UNIT):
+  """The article method's change of the bias from the decayed load ratios L: `−rate · tanh((L − P50) / unit)`,
   the deviation from the median load: an expert above the median loses bias, one below gains; the change is smooth
-  in L (in proportion near balance) and never above `rate` a step (`update` passes its `rate` times the cut-off
-  gap). (Scaling the deviation by the load's spread, P90 − P50, made the step full-size at any imbalance and the
+  in L (in proportion, `rate / unit` per even share, up to about `unit` shares from the median) and never above
+  `rate` a step (`update` passes its `rate` times the cut-off gap). (Scaling the deviation by the load's spread, P90 − P50, made the step full-size at any imbalance and the
   load oscillate: docs/design.md, quantile balancing.)"""
-  return -rate * jnp.tanh((load_E - jnp.percentile(load_E, 50.0)) / LOAD_UNIT)
+  return -rate * jnp.tanh((load_E - jnp.percentile(load_E, 50.0)) / unit)
 
 
 def switch_aux_loss(scores_TE, expert_ids_TK, weights_T=None):

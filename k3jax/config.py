@@ -87,6 +87,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.moe.correction_step = 2.0             # article: the largest bias change a step, in cut-off gaps (balancer.update)
   m.moe.load_decay = 0.5                  # article: the newest step's weight in the decayed load
   m.moe.correction_bound = 1.0            # article: |bias| at most this
+  m.moe.load_unit = 1.0                   # article: the load deviation (even shares) where the step nears its largest
   m.moe.aux_loss_coef = 1e-2
   m.moe.sign_update_rate = 1e-3
   m.moe.first_dense_layers = 1
@@ -172,7 +173,7 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
   if moe.get("routing", "auto") not in MOE_ROUTINGS:
     raise ValueError(f"{root}.routing must be one of {MOE_ROUTINGS}, got {moe.routing!r}")
   for f, ok, what in (("correction_step", lambda v: v > 0, "> 0"), ("load_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
-                      ("correction_bound", lambda v: v > 0, "> 0")):
+                      ("correction_bound", lambda v: v > 0, "> 0"), ("load_unit", lambda v: v > 0, "> 0")):
     v = moe.get(f, None)
     if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v)):
       raise ValueError(f"{root}.{f} must be a number {what}, got {v!r}")
@@ -182,7 +183,7 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
 # the article method's first, fixed step (score units), in configs saved before `correction_step` replaced it.
 _BALANCER_FIELDS = {"none": (), "aux_loss": ("aux_loss_coef",), "sign": ("sign_update_rate",),
                     "exact": ("balancer_eta",), "histogram": ("balancer_eta",),
-                    "article": ("correction_step", "load_decay", "correction_bound", "correction_rate")}
+                    "article": ("correction_step", "load_decay", "correction_bound", "load_unit", "correction_rate")}
 
 
 def unread_moe_fields(moe: dict) -> set[str]:
@@ -202,11 +203,13 @@ def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
   (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
-  `residual.backward` "fused"."""
+  `residual.backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was a setting)."""
   d = dict(d)
   d.setdefault("scan_layers", False)
   if "residual" in d:
     d["residual"] = {"readout": "layer", "backward": "fused", **d["residual"]}
+  if isinstance(d.get("moe"), dict) and d["moe"]:
+    d["moe"] = {"load_unit": 1.0, **d["moe"]}
   if isinstance(d.get("remat"), bool):
     d["remat"] = "save_kda_out" if d["remat"] else "none"
   return d

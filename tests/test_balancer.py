@@ -240,6 +240,17 @@ def test_article_correction_is_smooth_bounded_and_pushes_toward_the_median():
     balancer.update(balancer.init(E), skewed_scores(jax.random.key(0)), top_k=K, method="article", decay=0.0)
 
 
+def test_article_correction_stays_in_proportion_over_its_load_unit():
+  load = jnp.array([0.2, 0.9, 1.0, 1.1, 3.0, 10.0])    # P50 = 1.05: 3.0 is 1.95 shares above it, 10.0 is 8.95
+  narrow = balancer.article_correction(load, rate=1.0)
+  wide = balancer.article_correction(load, rate=8.0, unit=8.0)
+  assert float(narrow[-1] / narrow[-2]) < 1.1                # both near the largest step
+  assert float(wide[-1] / wide[-2]) > 3.0                     # the further expert moves further
+  chex.assert_trees_all_close(wide[1:4], -(load[1:4] - 1.05), atol=2e-3)   # rate / unit = 1 per share near P50
+  with pytest.raises(ValueError, match="load_unit"):
+    balancer.update(balancer.init(E), skewed_scores(jax.random.key(0)), top_k=K, method="article", load_unit=0.0)
+
+
 def test_cutoff_gap_is_the_mean_kth_minus_next_biased_score_over_real_tokens():
   scores = skewed_scores(jax.random.key(3))
   bias = 0.1 * jax.random.normal(jax.random.key(4), (E,))

@@ -35,6 +35,8 @@ def test_bad_config_raises_a_clear_value_error(changes, match):
     ({"moe.num_shared_experts": None}, r"moe.num_shared_experts must be an int >= 0"),
     ({"moe.balancer": "loss_free"}, r"moe.balancer must be one of"),
     ({"moe.balancer_method": "median"}, r"moe.balancer_method must be one of"),
+    ({"moe.correction_step": 0.0}, r"moe.correction_step must be a number > 0"),
+    ({"moe.load_unit": -1.0}, r"moe.load_unit must be a number > 0"),
 ])
 def test_the_moe_layer_and_the_model_config_raise_the_same_error(changes, match):
   cfg = small_config(**{"moe.enabled": True, "moe.latent_dim": 8, **changes})
@@ -147,7 +149,8 @@ def test_unread_moe_fields_are_other_balancers_settings_or_everything_with_the_m
   on = lambda **kw: dict(moe, enabled=True, **kw)
   article = config_lib.unread_moe_fields(on(balancer="quantile", balancer_method="article"))
   assert {"sign_update_rate", "aux_loss_coef", "balancer_eta"} <= article
-  assert not article & {"correction_step", "load_decay", "correction_bound", "num_experts", "balancer_method"}
+  assert not article & {"correction_step", "load_decay", "correction_bound", "load_unit", "num_experts",
+                       "balancer_method"}
   sign = config_lib.unread_moe_fields(on(balancer="sign"))
   assert {"correction_step", "balancer_eta", "aux_loss_coef", "balancer_method"} <= sign
   assert "sign_update_rate" not in sign

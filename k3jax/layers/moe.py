@@ -165,7 +165,8 @@ class LatentMoE(nnx.Module):
     method = "sign" if cfg.balancer == "sign" else cfg.balancer_method
     update = functools.partial(balancer.update, top_k=cfg.top_k, eta=cfg.get("balancer_eta", 1.0), method=method,
                                sign_rate=cfg.get("sign_update_rate", 1e-3), rate=cfg.get("correction_step", 2.0),
-                               decay=cfg.get("load_decay", 0.5), bound=cfg.get("correction_bound", 1.0))
+                               decay=cfg.get("load_decay", 0.5), bound=cfg.get("correction_bound", 1.0),
+                               load_unit=cfg.get("load_unit", balancer.LOAD_UNIT))
     for _ in range(self.balancer.get_value().bias.ndim - 1):
       update = jax.vmap(update)
     self.balancer.set_value(update(self.balancer.get_value(), scores_TE, weights_T))
