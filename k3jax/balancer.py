@@ -20,7 +20,11 @@ from k3jax.ops import moe_dispatch
 
 METHODS = ("article", "exact", "histogram", "sign")
 NUM_BINS = 4096
-LOAD_UNIT = 1.0   # the article method's default deviation unit, in even shares (`article_correction`)
+# The article method's defaults (`update`): its largest step, in cut-off gaps, and the load deviation, in even shares,
+# up to which the step stays in proportion to it (two gaps per share). A step of two gaps at a unit of one share
+# (the first defaults) slowed to a crawl on a training router whose load had collapsed (docs/design.md).
+CORRECTION_STEP = 16.0
+LOAD_UNIT = 8.0
 
 
 @struct.dataclass
@@ -126,7 +130,7 @@ def histogram_quantile(counts_EB, bias_E, *, top_k: int):
 
 
 def update(state: State, scores_TE, weights_T=None, *, top_k: int, eta: float = 1.0, method: str = "exact",
-           num_bins: int = NUM_BINS, sign_rate: float = 1e-3, rate: float = 2.0, decay: float = 0.5,
+           num_bins: int = NUM_BINS, sign_rate: float = 1e-3, rate: float = CORRECTION_STEP, decay: float = 0.5,
            bound: float = 1.0, load_unit: float = LOAD_UNIT, axis_name=None) -> State:
   """The state after a step whose router scores (all micro-batches) are `scores_TE`, of tokens weighted `weights_T`
   (0/1; None: all real). A step without a real token leaves the state as it is.
@@ -215,8 +219,8 @@ def article_correction(load_E, *, rate, unit: float = LOAD_UNIT):
   """The article method's change of the bias from the decayed load ratios L: `−rate · tanh((L − P50) / unit)`,
   the deviation from the median load: an expert above the median loses bias, one below gains; the change is smooth
   in L (in proportion, `rate / unit` per even share, up to about `unit` shares from the median) and never above
-  `rate` a step (`update` passes its `rate` times the cut-off gap). (Scaling the deviation by the load's spread, P90 − P50, made the step full-size at any imbalance and the
-  load oscillate: docs/design.md, quantile balancing.)"""
+  `rate` a step (`update` passes its `rate` times the cut-off gap). (Scaling the deviation by the load's spread,
+  P90 − P50, made the step full-size at any imbalance and the load oscillate: docs/design.md, quantile balancing.)"""
   return -rate * jnp.tanh((load_E - jnp.percentile(load_E, 50.0)) / unit)
 
 

@@ -84,10 +84,10 @@ def model_config() -> ml_collections.ConfigDict:
   m.moe.balancer = "quantile"
   m.moe.balancer_eta = 1.0
   m.moe.balancer_method = "exact"        # exact / histogram: the cut-off quantile; article: the K3 article's §4.2
-  m.moe.correction_step = 2.0             # article: the largest bias change a step, in cut-off gaps (balancer.update)
+  m.moe.correction_step = 16.0            # article: the largest bias change a step, in cut-off gaps (balancer.update)
   m.moe.load_decay = 0.5                  # article: the newest step's weight in the decayed load
   m.moe.correction_bound = 1.0            # article: |bias| at most this
-  m.moe.load_unit = 1.0                   # article: the load deviation (even shares) where the step nears its largest
+  m.moe.load_unit = 8.0                   # article: the load deviation (even shares) the step is proportional up to
   m.moe.aux_loss_coef = 1e-2
   m.moe.sign_update_rate = 1e-3
   m.moe.first_dense_layers = 1

@@ -235,14 +235,15 @@ def test_article_correction_is_smooth_bounded_and_pushes_toward_the_median():
   delta = balancer.article_correction(load, rate=0.05)
   assert float(jnp.abs(delta).max()) <= 0.05 + 1e-7 and float(delta[-1]) < float(delta[-2]) < 0
   assert float(delta[0]) > float(delta[1]) > 0
-  chex.assert_trees_all_close(delta[2:4], -0.05 * jnp.tanh(load[2:4] - 1.05), atol=1e-7)   # P50 = 1.05: in proportion
+  chex.assert_trees_all_close(delta[2:4], -0.05 * jnp.tanh((load[2:4] - 1.05) / balancer.LOAD_UNIT),
+                              atol=1e-7)   # P50 = 1.05: in proportion
   with pytest.raises(ValueError, match="decay"):
     balancer.update(balancer.init(E), skewed_scores(jax.random.key(0)), top_k=K, method="article", decay=0.0)
 
 
 def test_article_correction_stays_in_proportion_over_its_load_unit():
   load = jnp.array([0.2, 0.9, 1.0, 1.1, 3.0, 10.0])    # P50 = 1.05: 3.0 is 1.95 shares above it, 10.0 is 8.95
-  narrow = balancer.article_correction(load, rate=1.0)
+  narrow = balancer.article_correction(load, rate=1.0, unit=1.0)
   wide = balancer.article_correction(load, rate=8.0, unit=8.0)
   assert float(narrow[-1] / narrow[-2]) < 1.1                # both near the largest step
   assert float(wide[-1] / wide[-2]) > 3.0                     # the further expert moves further

@@ -164,7 +164,8 @@ class LatentMoE(nnx.Module):
       weights_T = jnp.concatenate([ones(s) if s.weights_T is None else s.weights_T for s in stats_list], axis=-1)
     method = "sign" if cfg.balancer == "sign" else cfg.balancer_method
     update = functools.partial(balancer.update, top_k=cfg.top_k, eta=cfg.get("balancer_eta", 1.0), method=method,
-                               sign_rate=cfg.get("sign_update_rate", 1e-3), rate=cfg.get("correction_step", 2.0),
+                               sign_rate=cfg.get("sign_update_rate", 1e-3),
+                               rate=cfg.get("correction_step", balancer.CORRECTION_STEP),
                                decay=cfg.get("load_decay", 0.5), bound=cfg.get("correction_bound", 1.0),
                                load_unit=cfg.get("load_unit", balancer.LOAD_UNIT))
     for _ in range(self.balancer.get_value().bias.ndim - 1):
