@@ -22,7 +22,7 @@ METHODS = ("article", "exact", "histogram", "sign")
 NUM_BINS = 4096
 # The article method's defaults (`update`): its largest step, in cut-off gaps, and the load deviation, in even shares,
 # up to which the step stays in proportion to it (two gaps per share). A step of two gaps at a unit of one share
-# (the first defaults) slowed to a crawl on a training router whose load had collapsed (docs/design.md).
+# (the earlier defaults) slowed to a crawl on a training router whose load had collapsed (docs/design.md).
 CORRECTION_STEP = 16.0
 LOAD_UNIT = 8.0
 

@@ -22,6 +22,9 @@ from k3jax.rl.config import rl_config
 def get_config():
   c = small.get_config()
   c.mesh = "data:1,expert:1"
+  # The article balancer's step as the recorded run (28c5ff4, notebook 06) trained with: at most two cut-off gaps,
+  # in proportion over one share; the defaults changed after it (docs/design.md, quantile balancing).
+  c.model.moe.correction_step, c.model.moe.load_unit = 2.0, 1.0
   with c.unlocked():
     c.rl = rl_config()
   r = c.rl

@@ -78,7 +78,7 @@ def test_a_record_stays_valid_when_only_settings_its_run_never_reads_change(tmp_
   assert records.load(tmp_path, "off", 0, off) == {"loss": 2.0}
 
 
-@pytest.mark.parametrize("notebook", ["01_gate", "02_balance", "03_residual", "04_context", "05_hybrid"])
+@pytest.mark.parametrize("notebook", ["01_gate", "02_balance", "03_residual", "04_context", "05_hybrid", "06_rl"])
 def test_the_runs_recorded_on_the_gpu_read_back_with_the_configs_their_study_builds_now(notebook):
   """A change to what a GPU-scale study trains makes its committed records another config's, which the notebook
   would refuse: such a change must mean training them again, not slip in unnoticed."""
