@@ -78,9 +78,12 @@ def finished_run(config, directory, *, variant: str, seed: int, wall_s: float | 
 def record_run(study, directory, records, *, seed: int, commit: str, device: str) -> pathlib.Path:
   """Records the finished run in `directory` (e.g. `python -m experiments.rl` on a GPU machine, its logs copied
   back) as the study's run of `seed`, made at `commit` on `device`, so that the notebook reads it instead of
-  training it. Refused (`ConfigChanged`, before anything is written) unless the directory's SFT and RL configs are
-  the study's config of that seed; ValueError if the run has not finished. Returns the record's path."""
+  training it. Refused before anything is written: FileExistsError (before anything is read) where that record
+  exists, `ConfigChanged` unless the directory's SFT and RL configs are the study's config of that seed; ValueError
+  if the run has not finished. Returns the record's path."""
   ((variant, config),) = study.configs().items()
+  if records_lib.path(records, variant, seed).exists():
+    raise FileExistsError(f"{records_lib.path(records, variant, seed)} exists: delete it to record this run instead")
   config = runs.with_seed(config, seed)
   directory = pathlib.Path(directory)
   for part, ran in (("sft", rl_config_lib.sft_config(config)), ("rl", config)):
@@ -99,7 +102,7 @@ NOTEBOOK = "06_rl"
 def record_for_notebook(results, scale: str, directory, *, commit: str, device: str,
                         seed: int | None = None) -> pathlib.Path:
   """`record_run` into the RL notebook's records at `scale` under the results directory `results`, as the study's
-  run of `seed` (default: its first); FileExistsError, before anything is read, where that record exists."""
+  run of `seed` (default: its first)."""
   from experiments.ablations import notebook
   from experiments.configs import ablations   # here, not at the top: that module imports this one
   study = ablations.NOTEBOOKS[NOTEBOOK](scale)
@@ -107,9 +110,6 @@ def record_for_notebook(results, scale: str, directory, *, commit: str, device: 
   if seed not in study.seeds:
     raise ValueError(f"seed {seed} is not one of the study's seeds {list(study.seeds)}")
   records = notebook.records_dir(pathlib.Path(results) / scale, NOTEBOOK)
-  (variant,) = study.configs()
-  if records_lib.path(records, variant, seed).exists():
-    raise FileExistsError(f"{records_lib.path(records, variant, seed)} exists: delete it to record this run instead")
   return record_run(study, directory, records, seed=seed, commit=commit, device=device)
 
 
