@@ -12,6 +12,7 @@ bounded one (its sigmoid then starts in its live range; softplus⁻¹(dt) there 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.struct
@@ -41,27 +42,80 @@ class KDACache:
     return KDACache(pick(new.conv_BWC, self.conv_BWC), pick(new.state_BHKV, self.state_BHKV))
 
 
-def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None):
+def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=()):
   """Causal depthwise conv then SiLU: y_t = SiLU(Σ_j w_j x_{t−W+1+j}); inputs of an earlier document count as zero.
 
-  `state_BWC` holds the W−1 inputs before x (zeros when None; taken to belong to x's first document).
-  Returns (y_BTC, the last W−1 inputs: the next call's state).
+  `state_BWC` holds the W−1 inputs before x (zeros when None; taken to belong to x's first document). `split`: the
+  channel indices at which y is returned in parts (as `jnp.split`), each part computed on its own, so that the parts
+  are separate arrays without a copy and their cotangents meet only inside the backward pass (`_conv_silu`).
+  Returns (y_BTC, or the tuple of its parts; the last W−1 inputs: the next call's state).
   """
   B, T, C = x_BTC.shape
   W = w_WC.shape[0]
   if state_BWC is None:
     state_BWC = jnp.zeros((B, W - 1, C), x_BTC.dtype)
   xp = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC], axis=1)         # [B, T+W−1, C]
+  keep_WBT = None
   if segment_ids_BT is not None:
     seg_p = jnp.concatenate([jnp.repeat(segment_ids_BT[:, :1], W - 1, axis=1), segment_ids_BT], axis=1)
-  w = w_WC.astype(jnp.float32)
-  y = jnp.zeros((B, T, C), jnp.float32)
+    keep_WBT = jnp.stack([seg_p[:, j:j + T] == segment_ids_BT for j in range(W - 1)])
+  parts = _conv_silu(xp, w_WC, keep_WBT, tuple(split))
+  return (parts if split else parts[0]), xp[:, T:]
+
+
+def _conv_taps(xp_BSC, keep_WBT, cols, W):
+  """The W shifted inputs of channels `cols` in fp32, `[B, T, c]` each (S = T+W−1); tap j < W−1 zero across a
+  document boundary."""
+  T = xp_BSC.shape[1] - W + 1
+  taps = []
   for j in range(W):
-    tap = xp[:, j:j + T].astype(jnp.float32)
-    if segment_ids_BT is not None and j < W - 1:
-      tap = tap * (seg_p[:, j:j + T] == segment_ids_BT)[..., None]
-    y = y + tap * w[j]
-  return jax.nn.silu(y).astype(x_BTC.dtype), xp[:, T:]
+    tap = xp_BSC[:, j:j + T, cols].astype(jnp.float32)
+    if keep_WBT is not None and j < W - 1:
+      tap = tap * keep_WBT[j][..., None]
+    taps.append(tap)
+  return taps
+
+
+def _conv_pre(xp_BSC, w_WC, keep_WBT, cols):
+  w = w_WC[:, cols].astype(jnp.float32)
+  return sum(tap * w[j] for j, tap in enumerate(_conv_taps(xp_BSC, keep_WBT, cols, w_WC.shape[0])))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_silu(xp_BSC, w_WC, keep_WBT, split):
+  """SiLU of the conv, `[B, T, C]` in xp's dtype, in parts at `split` (a tuple of one array when empty).
+
+  Hand-written backward: the W taps' weight gradients as one reduction over the tokens (autodiff makes one per tap,
+  each reading the inputs and the cotangent again), and the parts' cotangents joined inside the fusion that forms
+  the input's gradient, instead of concatenated first."""
+  bounds = (0, *split, xp_BSC.shape[-1])
+  return tuple(jax.nn.silu(_conv_pre(xp_BSC, w_WC, keep_WBT, slice(lo, hi))).astype(xp_BSC.dtype)
+               for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+def _conv_silu_fwd(xp_BSC, w_WC, keep_WBT, split):
+  return _conv_silu(xp_BSC, w_WC, keep_WBT, split), (xp_BSC, w_WC, keep_WBT)
+
+
+def _conv_silu_bwd(split, residuals, dy_parts):
+  xp_BSC, w_WC, keep_WBT = residuals
+  W, cols = w_WC.shape[0], slice(None)
+  taps = _conv_taps(xp_BSC, keep_WBT, cols, W)
+  pre = sum(tap * w_WC[j].astype(jnp.float32) for j, tap in enumerate(taps))
+  sig = jax.nn.sigmoid(pre)
+  dy = jnp.concatenate([d.astype(jnp.float32) for d in dy_parts], axis=-1)
+  dpre = dy * sig * (1.0 + pre * (1.0 - sig))                                   # SiLU'(pre)
+  dw_WC = jnp.sum(jnp.stack([tap * dpre for tap in taps], axis=2), axis=(0, 1))
+  dxp = 0.0
+  for j in range(W):
+    d = dpre * w_WC[j].astype(jnp.float32)
+    if keep_WBT is not None and j < W - 1:
+      d = d * keep_WBT[j][..., None]
+    dxp = dxp + jnp.pad(d, ((0, 0), (j, W - 1 - j), (0, 0)))
+  return dxp.astype(xp_BSC.dtype), dw_WC.astype(w_WC.dtype), None
+
+
+_conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
 def conv_tail(state_BWC, x_BTC, lengths_B):
@@ -156,18 +210,15 @@ class KDALayer(nnx.Module):
   def _projections(self, x_BTD, conv_state, segment_ids_BT):
     """((q, k, v after the short conv, gate input z, β logits), the new conv state); q and k not yet normalised.
 
-    One product gives the pre-conv q|k|v; the conv (depthwise, so channel by channel) runs on q, k and v apart, each
-    writing its own array: the kernels take q, k and v whole, and splitting one conv output would copy all three."""
+    One product gives the pre-conv q|k|v; the conv (depthwise, so channel by channel) writes q, k and v as arrays of
+    their own (the kernels take each whole: splitting one conv output would copy all three)."""
     B, T, _ = x_BTD.shape
     H, K, V = self.H, self.K, self.V
     cuts = [H * K, 2 * H * K]
-    states = [None] * 3 if conv_state is None else jnp.split(conv_state, cuts, axis=-1)
-    convs = [short_conv(x, w, state, segment_ids_BT) for x, w, state in
-             zip(jnp.split(self.w_qkv(x_BTD), cuts, axis=-1), jnp.split(self.conv[...], cuts, axis=-1), states)]
-    (q, q_state), (k, k_state), (v, v_state) = convs
+    (q, k, v), state = short_conv(self.w_qkv(x_BTD), self.conv[...], conv_state, segment_ids_BT, split=cuts)
     raw = (q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V),
            self.w_f(x_BTD).reshape(B, T, H, K), self.w_beta(x_BTD))
-    return raw, jnp.concatenate([q_state, k_state, v_state], axis=-1)
+    return raw, state
 
   def _output(self, o_BTHV, x_BTD):
     B, T, _ = x_BTD.shape

@@ -51,6 +51,36 @@ def test_short_conv_matches_formula_with_state_and_documents():
   np.testing.assert_array_equal(new_state, xp[:, -(W - 1):])
 
 
+def _short_conv_formula(x, w, state, seg):
+  """The conv as its formula reads, tap by tap, left to autodiff (the gradients' reference)."""
+  W, T = w.shape[0], x.shape[1]
+  xp = jnp.concatenate([state, x], axis=1)
+  segp = jnp.concatenate([jnp.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
+  pre = sum(w[j] * xp[:, j:j + T] * (segp[:, j:j + T] == seg)[..., None] for j in range(W))
+  return jax.nn.silu(pre)
+
+
+@pytest.mark.parametrize("split", [(), (2, 7)])
+def test_short_conv_gradients_match_autodiff_of_formula(split):
+  B, C, W = 2, 9, 4
+  x, w, state = normal(12, (B, T, C)), normal(13, (W, C)), normal(14, (B, W - 1, C))
+  seg = segments(B, (5, T - 5))
+  dy = normal(15, (B, T, C))
+  def loss(fn):
+    return lambda x, w, state: jnp.sum(fn(x, w, state) * dy)
+  def ours(x, w, state):
+    y, _ = short_conv(x, w, state, seg, split=split)
+    return jnp.concatenate(y, axis=-1) if split else y
+  got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, w, state)
+  want = jax.grad(loss(lambda x, w, state: _short_conv_formula(x, w, state, seg)), argnums=(0, 1, 2))(x, w, state)
+  for name, g, r in zip(("x", "w", "state"), got, want):
+    assert float(jnp.max(jnp.abs(r))) > 0.1, name
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=name)
+  if split:
+    parts, _ = short_conv(x, w, state, seg, split=split)
+    assert [p.shape[-1] for p in parts] == np.diff((0, *split, C)).tolist()
+
+
 def test_decode_matches_full_forward(layer):
   x = normal(5, (2, T, layer.w_o.w.shape[1]))
   full = forward(layer, x, None)
