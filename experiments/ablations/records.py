@@ -133,7 +133,8 @@ def measured(records, name: str, settings: dict, measure: Callable[[], object], 
   if p.exists():
     record = json.loads(p.read_text())
     refuse_differences(f"{p} records {name!r} measured with other settings",
-                       workdir_lib.differences(record["settings"], settings),
+                       workdir_lib.differences(_comparable_settings(record["settings"]),
+                                               _comparable_settings(settings)),
                        "Delete the record to measure again with these settings.")
     return record["result"], True
   result = plain(measure())
@@ -173,6 +174,17 @@ def _comparable(config_json: dict) -> dict:
     if out.get(k):
       out[k] = ",".join(pathlib.PurePath(p.strip()).name for p in out[k].split(","))
   return out
+
+
+def _comparable_settings(settings):
+  """A measurement's settings as they are compared: each config inside them (a dict with a "model" entry, such as
+  the models a timing ran) as `_comparable` sees a run's, so that a timing stays valid when only fields its models
+  never read change, or fields they predate are added."""
+  if not isinstance(settings, dict):
+    return settings
+  if isinstance(settings.get("model"), dict):
+    return _comparable(workdir_lib.saved_config(settings))
+  return {k: _comparable_settings(v) for k, v in settings.items()}
 
 
 def _device() -> str:

@@ -1,6 +1,7 @@
 """experiments.ablations.records: a finished run's record reads back only for the same config (where files live
 may differ, and fields added since keep what it computed), with its commit; values read back as they were written;
-the runs recorded on the H200 still read back; a measurement (timings) is taken once per device kind and settings."""
+the runs recorded on the H200 still read back; a measurement (timings) is taken once per device kind and settings,
+and stays valid when only fields its models never read change (notebook 05's committed timings read back)."""
 import json
 import pathlib
 
@@ -114,6 +115,37 @@ def test_a_measurement_is_taken_once_per_device_kind_and_settings_and_read_back_
   with pytest.raises(workdir_lib.ConfigChanged, match=r"fla: '0\.6\.0' -> None"):
     records.measured(tmp_path, "speed", {**settings, "fla": None}, measure, device="NVIDIA H200")
   assert calls == [1, 1]
+
+
+def test_a_measurement_of_models_stays_valid_when_only_fields_they_never_read_change(tmp_path):
+  off = workdir_lib.override(config(), {"model.moe.enabled": False})
+  settings = lambda c: {"repeats": 3, "models": {"a": {"model": workdir_lib.as_json(c.model), "seed": 0}}}
+  records.measured(tmp_path, "speed", settings(off), lambda: 1.0, device="cpu")
+  path = records.measurement_path(tmp_path, "speed", "cpu")
+  record = json.loads(path.read_text())
+  moe = record["settings"]["models"]["a"]["model"]["moe"]
+  moe["correction_rate"] = moe.pop("correction_step")     # as written before the article method's step changed
+  del record["settings"]["models"]["a"]["model"]["residual"]["readout"]   # and before this field existed
+  path.write_text(json.dumps(record))
+  assert records.measured(tmp_path, "speed", settings(off), lambda: 2.0, device="cpu") == (1.0, True)
+  with pytest.raises(workdir_lib.ConfigChanged, match=r"models\.a\.model\.d_model"):
+    records.measured(tmp_path, "speed", settings(workdir_lib.override(off, {"model.d_model": 48})), lambda: 2.0,
+                     device="cpu")
+
+
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_the_committed_timings_of_notebook_05_read_back_with_the_models_its_study_builds_now(scale):
+  """notebook 05 records its forward timings with the models it timed; a committed record must still match them."""
+  from experiments.ablations import throughput
+  s = ablations.NOTEBOOKS["05_hybrid"](scale)
+  timing = {k: s.settings[k] for k in ("throughput_lengths", "throughput_tokens", "repeats")}
+  root = GPU_RECORDS.parent.parent / scale / "records" / "05_hybrid"
+  (path,) = (root / "measured").glob("forward_tokens_per_s@*.json")
+  device = json.loads(path.read_text())["device"]
+  settings = {**timing, "models": throughput.described(s.configs())}
+  result, found = records.measured(root, "forward_tokens_per_s", settings, lambda: pytest.fail("measured again"),
+                                   device=device)
+  assert found and set(result) == set(s.variants)
 
 
 def test_a_measurement_that_fails_records_nothing(tmp_path):
