@@ -15,7 +15,7 @@ import ml_collections
 LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 RESIDUAL_READOUTS = ("layer", "group")
-RESIDUAL_BACKWARDS = ("fused", "barrier")
+RESIDUAL_BACKWARDS = ("fused", "barrier", "kernel")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
@@ -97,8 +97,8 @@ def model_config() -> ml_collections.ConfigDict:
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
   m.residual.block_size = 2               # decoder layers per AttnRes block
   m.residual.readout = "layer"            # scanned groups' buffer of sources: read per read-out, or once per group
-  m.residual.backward = "fused"           # the read-out's backward as XLA fuses it, or its reductions over the
-                                          # tokens behind an optimization barrier (k3jax.ops.attnres; same numbers)
+  m.residual.backward = "fused"           # the read-out's backward as XLA fuses it, its reductions over the tokens
+                                          # behind an optimization barrier, or one Pallas kernel (k3jax.ops.attnres)
   return m.lock()                         # setting a field it does not have is an error (a typo, not a new field)
 
 

@@ -37,16 +37,25 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import attnres as attnres_kernels
 
-def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float, barrier: bool = False):
+
+BACKWARDS = ("fused", "barrier", "kernel")
+
+
+def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float, backward: str = "fused"):
   """h `[B,T,D]` fp32. `query_D`, `scale_D`: the pseudo-query and the key RMSNorm's weight; `buffer_CBTD` fp32 (C
   may be 0) with `valid_C` bool `[C]`; `values` a tuple of E fp32 `[B,T,D]` with `valid_E` bool `[E]`. At least one
   value must be valid (else the weights are NaN).
 
-  `barrier`: the backward pass's reductions over the tokens (`u`) read their coefficients and values through an
-  optimization barrier, so that XLA writes the coefficients once and reduces them in a pass of their own instead of
-  fusing their computation into the reduction. The same arithmetic; which is faster is measured, not assumed."""
-  return _readout(query_D, scale_D, buffer_CBTD, valid_C, tuple(values), valid_E, eps, barrier)
+  `backward` (BACKWARDS), how the backward pass runs; the same arithmetic, which is faster is measured: "fused", as
+  XLA fuses it; "barrier", its reductions over the tokens (`u`) reading their coefficients and values through an
+  optimization barrier, so that XLA writes the coefficients once and reduces them in a pass of their own; "kernel",
+  one Pallas kernel over blocks of tokens (`pallas_kernels.attnres`; "fused" where B·T is not a multiple of its
+  block)."""
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+  return _readout(query_D, scale_D, buffer_CBTD, valid_C, tuple(values), valid_E, eps, backward)
 
 
 def weights(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float):
@@ -86,21 +95,30 @@ def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, barrier):
-  del barrier
+def _readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, backward):
+  del backward
   return _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps)[0]
 
 
-def _readout_fwd(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, barrier):
-  del barrier
+def _readout_fwd(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, backward):
+  del backward
   h, w_N, a_N, r_N = _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps)
   return h, (query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, w_N, a_N, r_N)
 
 
-def _readout_bwd(eps, barrier, residuals, dh):
+def _readout_bwd(eps, backward, residuals, dh):
   del eps
   query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, w_N, a_N, r_N = residuals
   c, d = buffer_CBTD.shape[0], query_D.shape[0]
+  rows = dh.shape[0] * dh.shape[1]
+  if backward == "kernel" and rows % attnres_kernels.BLOCK_ROWS == 0:
+    # Weights of the slots that are not valid are exactly 0, so the kernel gives them zero cotangents.
+    flat = lambda x: x.reshape(*x.shape[:-3], rows, x.shape[-1])
+    d_buffer, d_values, u = attnres_kernels.readout_backward(
+        flat(dh), flat(buffer_CBTD), tuple(map(flat, values)), query_D * scale_D,
+        *(x.reshape(x.shape[0], rows) for x in (w_N, a_N, r_N)))
+    return (scale_D * u, query_D * u, d_buffer.reshape(buffer_CBTD.shape), None,
+            tuple(dv.reshape(dh.shape) for dv in d_values), None)
   dw_C = jnp.sum(dh * buffer_CBTD, axis=-1)
   dw_N = jnp.concatenate([dw_C, *(jnp.sum(dh * v, axis=-1)[None] for v in values)])
   ds_N = w_N * (dw_N - jnp.sum(w_N * dw_N, axis=0))    # 0 where not valid (w = 0)
@@ -113,7 +131,7 @@ def _readout_bwd(eps, barrier, residuals, dh):
 
   d_buffer = jnp.where(valid_C[:, None, None, None], dv(slice(0, c), buffer_CBTD), 0.0)
   d_values = tuple(jnp.where(valid_E[i], dv(c + i, v), 0.0) for i, v in enumerate(values))
-  if barrier:
+  if backward == "barrier":
     c_N, buffer_CBTD, values = jax.lax.optimization_barrier((c_N, buffer_CBTD, values))
   u = jnp.sum(c_N[:c, ..., None] * buffer_CBTD, axis=(0, 1, 2))
   u = u + sum(jnp.sum(c_N[c + i][..., None] * v, axis=(0, 1)) for i, v in enumerate(values))

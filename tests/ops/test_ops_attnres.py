@@ -14,9 +14,9 @@ from model_testing import normal
 EPS = 1e-6
 
 
-def _inputs(C, count, valid_E, *, query_scale=1.0, seed=0, garbage=0.0):
-  B, T, D = 2, 5, 16
-  q = query_scale * normal(seed, (D,))
+def _inputs(C, count, valid_E, *, query_scale=1.0, seed=0, garbage=0.0, T=5, D=16):
+  B = 2
+  q = query_scale * (16 / D) ** 0.5 * normal(seed, (D,))   # scores of the same size whatever D
   g = 1.0 + 0.2 * normal(seed + 1, (D,))
   buffer = normal(seed + 2, (C, B, T, D)) * (1.0 + jnp.arange(C, dtype=jnp.float32))[:, None, None, None]
   valid_C = jnp.arange(C) < count
@@ -45,20 +45,26 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("barrier", [False, True])
+# The kernel's shapes: B·T = 48 rows, three blocks of the kernel's 16 (its partial sums of `u` added up); D = 48, three
+# column slices of 16 (D = 768 is three of 256).
+KERNEL_SHAPE = dict(T=24, D=48)
+
+
+@pytest.mark.parametrize("backward", attnres_ops.BACKWARDS)
 @pytest.mark.parametrize("case", CASES)
-def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case, barrier):
-  kw = dict(CASES[case])
+def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case, backward):
+  kw = dict(CASES[case]) | (KERNEL_SHAPE if backward == "kernel" else {})
   q, g, buffer, valid_C, values, valid_E = _inputs(kw.pop("C"), kw.pop("count"), kw.pop("valid_E"), **kw)
   cot = normal(99, values[0].shape)
 
   def loss(fn, q, g, buffer, values):
     return jnp.sum(fn(q, g, buffer, valid_C, values, valid_E) * cot)
 
-  ours = functools.partial(attnres_ops.readout, eps=EPS, barrier=barrier)
+  ours = functools.partial(attnres_ops.readout, eps=EPS, backward=backward)
   reference = functools.partial(attnres_ops.readout_reference, eps=EPS)
-  np.testing.assert_allclose(ours(q, g, buffer, valid_C, values, valid_E),
-                             reference(q, g, buffer, valid_C, values, valid_E), rtol=2e-5, atol=2e-5)
+  if backward == "fused":   # the forward pass is the same whatever runs the backward
+    np.testing.assert_allclose(ours(q, g, buffer, valid_C, values, valid_E),
+                               reference(q, g, buffer, valid_C, values, valid_E), rtol=2e-5, atol=2e-5)
   got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
   want = jax.jit(jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3)))(q, g, buffer, values)
   _assert_gradients_close(got, want, ("query", "scale", "buffer", "values"))
@@ -68,15 +74,22 @@ def test_readout_and_every_gradient_equal_autodiff_of_the_formula(case, barrier)
     assert ok or not np.any(np.asarray(d))
 
 
-def test_the_barrier_option_puts_the_backward_s_reductions_behind_a_barrier():
-  q, g, buffer, valid_C, values, valid_E = _inputs(3, 2, [True, True])
+@pytest.mark.parametrize("T", [KERNEL_SHAPE["T"], 5])
+def test_each_backward_option_traces_as_it_says(T):
+  """"barrier" puts the reductions behind an optimization barrier; "kernel" is one Pallas call where B·T is a
+  multiple of its block (else the fused form)."""
+  q, g, buffer, valid_C, values, valid_E = _inputs(3, 2, [True, True], T=T, D=KERNEL_SHAPE["D"])
 
-  def backward(barrier):
+  def backward(option):
     f = lambda q, buffer: jnp.sum(attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=EPS,
-                                                      barrier=barrier))
+                                                      backward=option))
     return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(q, buffer))
 
-  assert "optimization_barrier" in backward(True) and "optimization_barrier" not in backward(False)
+  assert "optimization_barrier" in backward("barrier") and "optimization_barrier" not in backward("fused")
+  assert ("pallas_call" in backward("kernel")) == (T == KERNEL_SHAPE["T"])
+  assert "pallas_call" not in backward("fused")
+  with pytest.raises(ValueError, match="backward must be one of"):
+    backward("triton")
 
 
 def test_weights_are_a_softmax_over_the_valid_values():

@@ -1,0 +1,97 @@
+"""The AttnRes read-out's backward pass (`k3jax.ops.attnres`, docs/design.md) as one Triton kernel over the tokens.
+
+Per block of token rows, with the read-out's weights `w`, scores' parts `a`, `r` kept from the forward pass:
+
+    dw_n = dhᵀ v_n,   ds_n = w_n (dw_n − Σ_m w_m dw_m),   c_n = ds_n r_n,   k_n = −ds_n a_n r_n³ / D
+    dv_n = w_n dh + c_n (q ⊙ g) + k_n v_n,          u += Σ_rows c_n v_n   (one partial sum per block)
+
+Two passes over the block's values, the first for the `dw`, the second for the cotangents and `u`, in column
+slices of a power of two (Triton's loads are). A value whose weight is exactly 0 (not valid, or underflowed) gets a
+zero cotangent and adds nothing to `u`, whatever it holds. XLA fuses the same arithmetic into several passes whose
+reductions over the tokens are computed where the coefficients are: this kernel reads each value about twice and
+writes its cotangent once.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._triton import triton_call
+
+BLOCK_ROWS = 16
+
+
+def _column_slice(d: int) -> int:
+  """The widest power of two that divides D (the kernel's column slice)."""
+  return d & -d
+
+
+def readout_backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, *, block_rows: int = BLOCK_ROWS):
+  """(d_buffer `[C, R, D]`, d_values (E × `[R, D]`), u `[D]`), all fp32, of the read-out over R token rows of
+  `buffer_CRD` (C may be 0) and the E `values`. R must be a multiple of `block_rows`."""
+  R, D = dh_RD.shape
+  C, E = buffer_CRD.shape[0], len(values)
+  N = C + E
+  if R % block_rows or block_rows & (block_rows - 1):
+    raise ValueError(f"the read-out kernel needs R={R} a multiple of block_rows={block_rows} (a power of two)")
+  if w_NR.shape != (N, R) or a_NR.shape != (N, R) or r_NR.shape != (N, R):
+    raise ValueError(f"w, a, r must be [N={N}, R={R}], got {w_NR.shape}, {a_NR.shape}, {r_NR.shape}")
+  G = R // block_rows
+  rows = pl.BlockSpec((block_rows, D), lambda i: (i, 0))
+  slots = pl.BlockSpec((C, block_rows, D), lambda i: (0, i, 0))
+  coefs = pl.BlockSpec((N, block_rows), lambda i: (0, i))
+  whole_D = pl.BlockSpec((1, D), lambda i: (0, 0))
+  in_specs = [whole_D, rows, coefs, coefs, coefs] + ([slots] if C else []) + [rows] * E
+  out_specs = ([slots] if C else []) + [rows] * E + [pl.BlockSpec((1, D), lambda i: (i, 0))]
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  out_shape = ([f32(C, R, D)] if C else []) + [f32(R, D)] * E + [f32(G, D)]
+  kernel = functools.partial(_kernel, C=C, E=E, D=D, cols=_column_slice(D))
+  outs = triton_call(kernel, grid=(G,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                     name="attnres_readout_bwd", num_warps=4, num_stages=1)(
+                         qg_D.reshape(1, D), dh_RD, w_NR, a_NR, r_NR, *([buffer_CRD] if C else []), *values)
+  d_buffer = outs[0] if C else jnp.zeros((0, R, D), jnp.float32)
+  d_values = tuple(outs[1:-1] if C else outs[:-1])
+  return d_buffer, d_values, jnp.sum(outs[-1], axis=0)
+
+
+def _kernel(qg_ref, dh_ref, w_ref, a_ref, r_ref, *refs, C, E, D, cols):
+  ins, outs = refs[:(1 if C else 0) + E], refs[(1 if C else 0) + E:]
+  buf_ref, val_refs = (ins[0], ins[1:]) if C else (None, ins)
+  dbuf_ref, dval_refs, u_ref = (outs[0], outs[1:-1], outs[-1]) if C else (None, outs[:-1], outs[-1])
+  N = C + E
+  slices = [pl.ds(j * cols, cols) for j in range(D // cols)]
+
+  def value(n, sl):
+    return buf_ref[n, :, sl] if n < C else val_refs[n - C][:, sl]
+
+  def store(n, sl, x):
+    if n < C:
+      dbuf_ref[n, :, sl] = x
+    else:
+      dval_refs[n - C][:, sl] = x
+
+  dw = [0.0] * N
+  for sl in slices:
+    dh = dh_ref[:, sl]
+    for n in range(N):
+      dw[n] = dw[n] + jnp.sum(dh * value(n, sl), axis=1)
+  w = [w_ref[n, :] for n in range(N)]
+  mean_dw = sum(w[n] * dw[n] for n in range(N))
+  live, c, k = [], [], []
+  for n in range(N):
+    ds = w[n] * (dw[n] - mean_dw)
+    r = r_ref[n, :]
+    live.append((w[n] != 0.0)[:, None])
+    c.append((ds * r)[:, None])
+    k.append((-ds * a_ref[n, :] * r * r * r / D)[:, None])
+  for sl in slices:
+    dh, qg = dh_ref[:, sl], qg_ref[:, sl]
+    u = jnp.zeros_like(qg)
+    for n in range(N):
+      v = value(n, sl)
+      store(n, sl, jnp.where(live[n], w[n][:, None] * dh + c[n] * qg + k[n] * v, 0.0))
+      u = u + jnp.sum(jnp.where(live[n], c[n] * v, 0.0), axis=0, keepdims=True)
+    u_ref[:, sl] = u
