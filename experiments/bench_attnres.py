@@ -1,5 +1,5 @@
 """The AttnRes read-out, forward and forward + backward: the op with its hand-written backward pass
-(`k3jax.ops.attnres.readout`) against autodiff of the same formula (`readout_reference`) and, for a buffer, its
+(`k3jax.ops.attnres.readout`; "op" as XLA fuses it, "op_kernel" the backward as one Pallas kernel) against autodiff of the same formula (`readout_reference`) and, for a buffer, its
 summary (`summarize_buffer` once, then `readout_from_summary` per read-out), at small's shapes:
 
   python -m experiments.bench_attnres                 # GPU: small's read-outs at 4K (B·T = 65,536, d = 768)
@@ -50,9 +50,10 @@ def summarized(qs, gs, buf, vc, vals, ve):
 
 
 IMPLS = {"op": each(attnres_ops.readout),
+         "op_kernel": each(functools.partial(attnres_ops.readout, backward="kernel")),
          "autodiff": each(functools.partial(attnres_ops.readout_reference, precision=jax.lax.Precision.DEFAULT)),
          "summary": summarized}
-CHECKED = ("op", "summary")   # held to fp32 autodiff of the formula
+CHECKED = ("op", "op_kernel", "summary")   # held to fp32 autodiff of the formula
 
 
 def inputs(tokens: int, d: int, C: int, count: int, valid_E, J: int):
@@ -108,7 +109,7 @@ def main(argv):
   harness.write_json(FLAGS.out, rows)
   for r in rows:
     if "fwd_ms" in r:
-      print(f"{r['case']:<26} {r['impl']:<9} fwd {r['fwd_ms']:7.3f} ms ({r['fwd_launches']:.0f} launches, "
+      print(f"{r['case']:<26} {r['impl']:<10} fwd {r['fwd_ms']:7.3f} ms ({r['fwd_launches']:.0f} launches, "
             f"{r['fwd_gb_s']:6.0f} GB/s)  fwd+bwd {r['fwd_bwd_ms']:7.3f} ms ({r['fwd_bwd_launches']:.0f} launches)")
   bad = [f"{r['case']} {r['impl']}" for r in rows if r["impl"] in CHECKED and not r["max_rel_err"] < 1e-5]
   if bad:

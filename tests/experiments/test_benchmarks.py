@@ -126,6 +126,6 @@ def test_bench_attnres_small_checks_the_op_and_the_summary_against_fp32_autodiff
   rows = json.loads((tmp_path / "bench_attnres.json").read_text())
   buffered = ("scanned group", "scanned group, 8 read-outs")
   assert {(r["case"], r["impl"]) for r in rows} == (
-      {(c, i) for c in buffered for i in ("op", "autodiff", "summary")}
-      | {("unrolled layer", "op"), ("unrolled layer", "autodiff")})
-  assert all(r["max_rel_err"] < 1e-5 for r in rows if r["impl"] in ("op", "summary"))
+      {(c, i) for c in buffered for i in ("op", "op_kernel", "autodiff", "summary")}
+      | {("unrolled layer", i) for i in ("op", "op_kernel", "autodiff")})
+  assert all(r["max_rel_err"] < 1e-5 for r in rows if r["impl"] in ("op", "op_kernel", "summary"))
