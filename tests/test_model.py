@@ -210,8 +210,8 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(monkeypatch):
   model = random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3)
   tokens, seg = _tokens(8, (2, T)), segments(2, (7, T - 7))
   l1, g1, s1 = _loss_grads_and_stats(model, tokens, seg)
-  monkeypatch.setattr(attnres_ops, "readout",   # `barrier` shapes the op's backward; the formula has none
-                      lambda *a, barrier, **k: attnres_ops.readout_reference(*a, **k))
+  monkeypatch.setattr(attnres_ops, "readout",   # `backward` shapes the op's backward; the formula has none
+                      lambda *a, backward, **k: attnres_ops.readout_reference(*a, **k))
   jax.clear_caches()   # the layers' jitted forward would otherwise keep the op's trace
   l2, g2, s2 = _loss_grads_and_stats(model, tokens, seg)
   jax.clear_caches()
@@ -224,20 +224,24 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(monkeypatch):
     assert rel_err(b.scores_TE, a.scores_TE) < 1e-5
 
 
-def test_the_barrier_backward_reaches_every_read_out_s_op():
-  """`residual.backward="barrier"` changes how the read-outs' backward pass compiles, not what it computes (the op's
-  tests check both settings against the formula, tests/ops/test_ops_attnres.py): its barriers are in the scanned
-  model's gradient program, beside remat's own."""
+def test_the_backward_option_reaches_every_read_out_s_op():
+  """`residual.backward` changes how the read-outs' backward pass runs, not what it computes (the op's tests check
+  every setting against the formula, tests/ops/test_ops_attnres.py): "barrier" puts its barriers in the scanned
+  model's gradient program beside remat's own, "kernel" makes every read-out's backward the Pallas kernel."""
   fused = SCAN_CASES["blocks_straddle_groups"].copy_and_resolve_references()
-  barrier = fused.copy_and_resolve_references()
-  barrier.residual.backward = "barrier"
-  tokens, seg = _tokens(8, (2, T)), segments(2, (7, T - 7))
+  tokens, seg = _tokens(8, (2, 16)), segments(2, (7, 9))   # B·T = 32: two blocks of the kernel's rows
 
-  def barriers(cfg):
+  def gradient_program(backward):
+    cfg = fused.copy_and_resolve_references()
+    cfg.residual.backward = backward
     graphdef, params, rest = nnx.split(random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3), nnx.Param, ...)
     loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, segment_ids_BT=seg)[0])
-    return str(jax.make_jaxpr(jax.grad(loss))(params)).count("optimization_barrier")
-  assert barriers(barrier) > barriers(fused)
+    return str(jax.make_jaxpr(jax.grad(loss))(params))
+  programs = {b: gradient_program(b) for b in ("fused", "barrier", "kernel")}
+  assert programs["barrier"].count("optimization_barrier") > programs["fused"].count("optimization_barrier")
+  assert "attnres_readout_bwd" not in programs["fused"]
+  # At least one kernel for each place the program calls the op (its custom VJP, named for `_readout`).
+  assert programs["kernel"].count("name=attnres_readout_bwd") >= programs["fused"].count("name=_readout") > 0
 
 
 GROUP_READOUT_CASES = {
