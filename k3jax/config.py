@@ -16,6 +16,7 @@ LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 RESIDUAL_READOUTS = ("layer", "group")
 RESIDUAL_BACKWARDS = ("fused", "barrier", "kernel")
+SHORT_CONV_BACKWARDS = ("fused", "kernel")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
@@ -61,6 +62,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.kda.lower_bound = -5.0                # γ_min of the bounded gate
   m.kda.gate_rank = None                  # None: full-rank decay and output gates (assumed); int: d -> rank -> H·K
   m.kda.backend = "auto"                  # chunk_kda backend
+  m.kda.conv_backward = "fused"           # the short conv's backward as XLA fuses it, or one Pallas kernel
 
   m.mla = ml_collections.ConfigDict()
   m.mla.num_heads = 2
@@ -134,6 +136,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
       raise ValueError(f"model.kda.lower_bound must be negative for the bounded gate, got {m.kda.lower_bound}")
     _optional_positive_int(m, "kda.gate_rank")
     _one_of(m, "kda.backend", ("auto", "xla", "pallas"))
+    _one_of(m, "kda.conv_backward", SHORT_CONV_BACKWARDS)
   if "mla" in types:
     _positive_int(m, "mla.num_heads", "mla.kv_lora_rank", "mla.max_documents")
     mla_head_dims(m)
@@ -203,9 +206,12 @@ def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
   (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
-  `residual.backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was a setting)."""
+  `residual.backward` and `kda.conv_backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was
+  a setting)."""
   d = dict(d)
   d.setdefault("scan_layers", False)
+  if "kda" in d:
+    d["kda"] = {"conv_backward": "fused", **d["kda"]}
   if "residual" in d:
     d["residual"] = {"readout": "layer", "backward": "fused", **d["residual"]}
   if isinstance(d.get("moe"), dict) and d["moe"]:

@@ -12,7 +12,6 @@ bounded one (its sigmoid then starts in its live range; softplus⁻¹(dt) there 
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.struct
@@ -24,6 +23,7 @@ from flax import nnx
 from k3jax import config as config_lib
 from k3jax.layers.common import Linear, RMSNorm, normal_param
 from k3jax.ops.kda import chunk_kda, fused_inputs, fused_kda, kda_decode_step
+from k3jax.ops.short_conv import conv_tail, short_conv
 
 # The KDA output, kept by the decoder's remat policy: the kernels' VJP needs only the layer's inputs, so with o kept
 # the backward recomputes the KDA forward once (inside the VJP) instead of twice.
@@ -42,91 +42,6 @@ class KDACache:
     return KDACache(pick(new.conv_BWC, self.conv_BWC), pick(new.state_BHKV, self.state_BHKV))
 
 
-def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=()):
-  """Causal depthwise conv then SiLU: y_t = SiLU(Σ_j w_j x_{t−W+1+j}); inputs of an earlier document count as zero.
-
-  `state_BWC` holds the W−1 inputs before x (zeros when None; taken to belong to x's first document). `split`: the
-  channel indices at which y is returned in parts (as `jnp.split`), each part computed on its own, so that the parts
-  are separate arrays without a copy and their cotangents meet only inside the backward pass (`_conv_silu`).
-  Returns (y_BTC, or the tuple of its parts; the last W−1 inputs: the next call's state).
-  """
-  B, T, C = x_BTC.shape
-  W = w_WC.shape[0]
-  if state_BWC is None:
-    state_BWC = jnp.zeros((B, W - 1, C), x_BTC.dtype)
-  xp = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC], axis=1)         # [B, T+W−1, C]
-  keep_WBT = None
-  if segment_ids_BT is not None:
-    seg_p = jnp.concatenate([jnp.repeat(segment_ids_BT[:, :1], W - 1, axis=1), segment_ids_BT], axis=1)
-    keep_WBT = jnp.stack([seg_p[:, j:j + T] == segment_ids_BT for j in range(W - 1)])
-  parts = _conv_silu(xp, w_WC, keep_WBT, tuple(split))
-  return (parts if split else parts[0]), xp[:, T:]
-
-
-def _conv_taps(xp_BSC, keep_WBT, cols, W):
-  """The W shifted inputs of channels `cols` in fp32, `[B, T, c]` each (S = T+W−1); tap j < W−1 zero across a
-  document boundary."""
-  T = xp_BSC.shape[1] - W + 1
-  taps = []
-  for j in range(W):
-    tap = xp_BSC[:, j:j + T, cols].astype(jnp.float32)
-    if keep_WBT is not None and j < W - 1:
-      tap = tap * keep_WBT[j][..., None]
-    taps.append(tap)
-  return taps
-
-
-def _conv_pre(xp_BSC, w_WC, keep_WBT, cols):
-  w = w_WC[:, cols].astype(jnp.float32)
-  return sum(tap * w[j] for j, tap in enumerate(_conv_taps(xp_BSC, keep_WBT, cols, w_WC.shape[0])))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _conv_silu(xp_BSC, w_WC, keep_WBT, split):
-  """SiLU of the conv, `[B, T, C]` in xp's dtype, in parts at `split` (a tuple of one array when empty).
-
-  Hand-written backward: the W taps' weight gradients as one reduction over the tokens (autodiff makes one per tap,
-  each reading the inputs and the cotangent again), and the parts' cotangents joined inside the fusion that forms
-  the input's gradient, instead of concatenated first."""
-  bounds = (0, *split, xp_BSC.shape[-1])
-  return tuple(jax.nn.silu(_conv_pre(xp_BSC, w_WC, keep_WBT, slice(lo, hi))).astype(xp_BSC.dtype)
-               for lo, hi in zip(bounds[:-1], bounds[1:]))
-
-
-def _conv_silu_fwd(xp_BSC, w_WC, keep_WBT, split):
-  return _conv_silu(xp_BSC, w_WC, keep_WBT, split), (xp_BSC, w_WC, keep_WBT)
-
-
-def _conv_silu_bwd(split, residuals, dy_parts):
-  xp_BSC, w_WC, keep_WBT = residuals
-  W, cols = w_WC.shape[0], slice(None)
-  taps = _conv_taps(xp_BSC, keep_WBT, cols, W)
-  pre = sum(tap * w_WC[j].astype(jnp.float32) for j, tap in enumerate(taps))
-  sig = jax.nn.sigmoid(pre)
-  dy = jnp.concatenate([d.astype(jnp.float32) for d in dy_parts], axis=-1)
-  dpre = dy * sig * (1.0 + pre * (1.0 - sig))                                   # SiLU'(pre)
-  dw_WC = jnp.sum(jnp.stack([tap * dpre for tap in taps], axis=2), axis=(0, 1))
-  dxp = 0.0
-  for j in range(W):
-    d = dpre * w_WC[j].astype(jnp.float32)
-    if keep_WBT is not None and j < W - 1:
-      d = d * keep_WBT[j][..., None]
-    dxp = dxp + jnp.pad(d, ((0, 0), (j, W - 1 - j), (0, 0)))
-  return dxp.astype(xp_BSC.dtype), dw_WC.astype(w_WC.dtype), None
-
-
-_conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
-
-
-def conv_tail(state_BWC, x_BTC, lengths_B):
-  """The short conv's state after the first `lengths_B[b]` inputs of each row of `x_BTC` (0..T): the last W−1 of
-  (state, those inputs), as `short_conv` returns after all T."""
-  W1 = state_BWC.shape[1]
-  xp = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC], axis=1)         # xp[W−1+t] is input t
-  take_BW = lengths_B[:, None] + jnp.arange(W1)[None]                            # the last W−1 valid entries
-  return jnp.take_along_axis(xp, take_BW[..., None], axis=1)
-
-
 class KDALayer(nnx.Module):
   """KDA token mixer. `__call__` for training (chunked), `prefill` for a prompt, `decode` for one token."""
 
@@ -138,6 +53,7 @@ class KDALayer(nnx.Module):
     self.lower_bound = c.lower_bound if c.gate == "bounded" else None
     self.backend = c.backend
     self.conv_size = c.conv_size
+    self.conv_backward = c.conv_backward
     lin = lambda d_in, d_out, rank=None: Linear(d_in, d_out, rngs=rngs, dtype=self.dtype, rank=rank)
     self.w_qkv = lin(d, H * (2 * K + self.V))
     self.conv = normal_param(rngs, (c.conv_size, H * (2 * K + self.V)), c.conv_size ** -0.5)
@@ -215,7 +131,8 @@ class KDALayer(nnx.Module):
     B, T, _ = x_BTD.shape
     H, K, V = self.H, self.K, self.V
     cuts = [H * K, 2 * H * K]
-    (q, k, v), state = short_conv(self.w_qkv(x_BTD), self.conv[...], conv_state, segment_ids_BT, split=cuts)
+    (q, k, v), state = short_conv(self.w_qkv(x_BTD), self.conv[...], conv_state, segment_ids_BT, split=cuts,
+                                  backward=self.conv_backward)
     raw = (q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V),
            self.w_f(x_BTD).reshape(B, T, H, K), self.w_beta(x_BTD))
     return raw, state

@@ -29,7 +29,7 @@ CONFIG, CHANGES = "config.json", "config_changes.jsonl"
 # stored, how cuDNN lays out documents (`model.mla.max_documents`: the same attention, rounded alike), and how the
 # AttnRes backward is compiled (`model.residual.backward`: the same arithmetic).
 RESUMABLE = ("log_every", "checkpoint_every", "keep_checkpoints", "eval", "data.cache_dir", "model.mla.max_documents",
-             "model.residual.backward")
+             "model.residual.backward", "model.kda.conv_backward")
 # Fields whose change moves the learning-rate schedule over the global steps.
 SCHEDULE = ("steps", "stages", "optimizer.warmup_fraction", "optimizer.decay_fraction", "optimizer.final_lr_fraction")
 ABSENT = "<absent>"

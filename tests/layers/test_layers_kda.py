@@ -1,4 +1,4 @@
-"""KDA layer: shapes and dtypes, short convolution against its formula, decode == full forward, packed documents."""
+"""KDA layer: shapes and dtypes, decode == full forward, packed documents (its short conv: tests/ops/test_ops_short_conv.py)."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.layers.kda import KDALayer, conv_tail, short_conv
+from k3jax.layers.kda import KDALayer
 from k3jax.ops.kda import kda_gate
 from k3jax.numerics import rel_err
 from model_testing import (T, T0, abstract, chunk_lengths, decode, forward, normal, prefill, prefill_chunk,
@@ -34,51 +34,6 @@ def test_shapes_and_dtypes_bf16():
   y1, _ = abstract(make, lambda l, x: l.decode(x, l.init_cache(2)), x1)
   chex.assert_shape(y1, (2, 1, cfg.d_model))
   chex.assert_type(y1, jnp.bfloat16)
-
-
-def test_short_conv_matches_formula_with_state_and_documents():
-  B, C, W = 2, 5, 4
-  x, w, state = normal(2, (B, T, C)), normal(3, (W, C)), normal(4, (B, W - 1, C))
-  seg = segments(B, (4, T - 4))
-  y, new_state = jax.jit(short_conv)(x, w, state, seg)
-  xp = np.concatenate([np.asarray(state), np.asarray(x)], axis=1)      # xp[t + W - 1] is token t
-  segp = np.concatenate([np.repeat(np.asarray(seg)[:, :1], W - 1, axis=1), np.asarray(seg)], axis=1)  # the state: doc 1
-  ref = np.zeros((B, T, C))
-  for t in range(T):
-    for j in range(W):
-      ref[:, t] += np.asarray(w)[j] * xp[:, t + j] * (segp[:, t + j] == np.asarray(seg)[:, t])[:, None]
-  np.testing.assert_allclose(y, ref / (1 + np.exp(-ref)), rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(new_state, xp[:, -(W - 1):])
-
-
-def _short_conv_formula(x, w, state, seg):
-  """The conv as its formula reads, tap by tap, left to autodiff (the gradients' reference)."""
-  W, T = w.shape[0], x.shape[1]
-  xp = jnp.concatenate([state, x], axis=1)
-  segp = jnp.concatenate([jnp.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
-  pre = sum(w[j] * xp[:, j:j + T] * (segp[:, j:j + T] == seg)[..., None] for j in range(W))
-  return jax.nn.silu(pre)
-
-
-@pytest.mark.parametrize("split", [(), (2, 7)])
-def test_short_conv_gradients_match_autodiff_of_formula(split):
-  B, C, W = 2, 9, 4
-  x, w, state = normal(12, (B, T, C)), normal(13, (W, C)), normal(14, (B, W - 1, C))
-  seg = segments(B, (5, T - 5))
-  dy = normal(15, (B, T, C))
-  def loss(fn):
-    return lambda x, w, state: jnp.sum(fn(x, w, state) * dy)
-  def ours(x, w, state):
-    y, _ = short_conv(x, w, state, seg, split=split)
-    return jnp.concatenate(y, axis=-1) if split else y
-  got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, w, state)
-  want = jax.grad(loss(lambda x, w, state: _short_conv_formula(x, w, state, seg)), argnums=(0, 1, 2))(x, w, state)
-  for name, g, r in zip(("x", "w", "state"), got, want):
-    assert float(jnp.max(jnp.abs(r))) > 0.1, name
-    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=name)
-  if split:
-    parts, _ = short_conv(x, w, state, seg, split=split)
-    assert [p.shape[-1] for p in parts] == np.diff((0, *split, C)).tolist()
 
 
 def test_decode_matches_full_forward(layer):
@@ -167,14 +122,6 @@ def test_rows_of_different_lengths_equal_each_row_alone_and_decode_on(layer):
     assert rel_err(y1[b, 0], full[0, n]) < TOL, b
 
 
-def test_conv_tail_is_the_last_valid_inputs():
-  state, x = normal(10, (3, 3, 4)), normal(11, (3, 5, 4))
-  tail = conv_tail(state, x, jnp.asarray([0, 2, 5]))
-  np.testing.assert_array_equal(tail[0], state[0])
-  np.testing.assert_array_equal(tail[1], jnp.concatenate([state[1, 2:], x[1, :2]]))
-  np.testing.assert_array_equal(tail[2], x[2, 2:])
-
-
 def test_keep_rows_takes_the_new_cache_only_where_active(layer):
   old, new = layer.init_cache(2), layer.init_cache(2)
   new = type(new)(new.conv_BWC + 1, new.state_BHKV + 2)
@@ -182,3 +129,15 @@ def test_keep_rows_takes_the_new_cache_only_where_active(layer):
   np.testing.assert_array_equal(kept.state_BHKV[0], new.state_BHKV[0])
   np.testing.assert_array_equal(kept.state_BHKV[1], old.state_BHKV[1])
   np.testing.assert_array_equal(kept.conv_BWC[1], old.conv_BWC[1])
+
+
+@pytest.mark.parametrize("conv_backward", ["fused", "kernel"])
+def test_the_conv_backward_setting_reaches_the_short_conv(conv_backward):
+  """`kda.conv_backward` picks how the layer's short conv runs its backward pass (the op's tests check its values):
+  q, k and v of 128 channels each and T = 64 are shapes the kernel takes."""
+  cfg = small_config(**{"d_model": 128, "kda.num_heads": 1, "kda.conv_backward": conv_backward})
+  graphdef, params, rest = nnx.split(random_module(lambda rngs: KDALayer(cfg, rngs=rngs)), nnx.Param, ...)
+  x = jax.ShapeDtypeStruct((1, 64, cfg.d_model), jnp.float32)
+  loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0])
+  program = str(jax.make_jaxpr(jax.grad(loss))(params, x))
+  assert ("short_conv_bwd" in program) == (conv_backward == "kernel")

@@ -1,0 +1,129 @@
+"""The KDA layer's causal depthwise short convolution with SiLU (docs/design.md, KDA), one op with a hand-written
+backward pass:
+
+    y_t = SiLU(pre_t),   pre_t = Σ_j w_j x_{t−W+1+j},   inputs of an earlier document counting as zero
+
+The W−1 inputs before x are a state (a decode cache, or zeros). The output comes in channel parts (q, k and v of
+one projection), each its own array; their cotangents meet only inside the backward pass, which gives the W taps'
+weight gradients as one reduction over the tokens: "fused" as XLA fuses the formulas, "kernel" as one Pallas kernel
+(`pallas_kernels.short_conv`, where it applies; else "fused").
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import short_conv as conv_kernels
+
+BACKWARDS = ("fused", "kernel")
+
+
+def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=(), backward: str = "fused"):
+  """Causal depthwise conv then SiLU: y_t = SiLU(Σ_j w_j x_{t−W+1+j}); inputs of an earlier document count as zero.
+
+  `state_BWC` holds the W−1 inputs before x (zeros when None; taken to belong to x's first document). `split`: the
+  channel indices at which y is returned in parts (as `jnp.split`), each part computed on its own, so that the parts
+  are separate arrays without a copy. `backward` (BACKWARDS): how the backward pass runs (the same arithmetic).
+  Returns (y_BTC, or the tuple of its parts; the last W−1 inputs: the next call's state).
+  """
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+  B, T, C = x_BTC.shape
+  W = w_WC.shape[0]
+  if state_BWC is None:
+    state_BWC = jnp.zeros((B, W - 1, C), x_BTC.dtype)
+  state_BWC = state_BWC.astype(x_BTC.dtype)
+  seg_p = None
+  if segment_ids_BT is not None:
+    seg_p = jnp.concatenate([jnp.repeat(segment_ids_BT[:, :1], W - 1, axis=1), segment_ids_BT], axis=1)
+  parts = _conv_silu(x_BTC, state_BWC, w_WC, seg_p, tuple(split), backward)
+  return (parts if split else parts[0]), jnp.concatenate([state_BWC, x_BTC], axis=1)[:, T:]
+
+
+def conv_tail(state_BWC, x_BTC, lengths_B):
+  """The short conv's state after the first `lengths_B[b]` inputs of each row of `x_BTC` (0..T): the last W−1 of
+  (state, those inputs), as `short_conv` returns after all T."""
+  W1 = state_BWC.shape[1]
+  xp = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC], axis=1)         # xp[W−1+t] is input t
+  take_BW = lengths_B[:, None] + jnp.arange(W1)[None]                            # the last W−1 valid entries
+  return jnp.take_along_axis(xp, take_BW[..., None], axis=1)
+
+
+def _taps(xp_BSC, seg_p, W):
+  """The W shifted inputs in fp32, `[B, T, C]` each (S = T+W−1); tap j < W−1 zero across a document boundary."""
+  T = xp_BSC.shape[1] - W + 1
+  taps = []
+  for j in range(W):
+    tap = xp_BSC[:, j:j + T].astype(jnp.float32)
+    if seg_p is not None and j < W - 1:
+      tap = tap * (seg_p[:, j:j + T] == seg_p[:, W - 1:])[..., None]
+    taps.append(tap)
+  return taps
+
+
+def _pre(xp_BSC, w_WC, seg_p):
+  w = w_WC.astype(jnp.float32)
+  return sum(tap * w[j] for j, tap in enumerate(_taps(xp_BSC, seg_p, w_WC.shape[0])))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _conv_silu(x_BTC, state_BWC, w_WC, seg_p, split, backward):
+  """SiLU of the conv, `[B, T, C]` in x's dtype, in parts at `split` (a tuple of one array when empty)."""
+  del backward
+  xp = jnp.concatenate([state_BWC, x_BTC], axis=1)
+  bounds = (0, *split, x_BTC.shape[-1])
+  return tuple(jax.nn.silu(_pre(xp[..., lo:hi], w_WC[:, lo:hi], seg_p)).astype(x_BTC.dtype)
+               for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+def _conv_silu_fwd(x_BTC, state_BWC, w_WC, seg_p, split, backward):
+  return _conv_silu(x_BTC, state_BWC, w_WC, seg_p, split, backward), (x_BTC, state_BWC, w_WC, seg_p)
+
+
+def _fused_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
+  """(dx, dstate, dw) from the formulas, left to XLA to fuse: the taps' weight gradients as one reduction, the
+  parts' cotangents joined inside the pass that forms the input's gradient."""
+  W = w_WC.shape[0]
+  xp = jnp.concatenate([state_BWC, x_BTC], axis=1)
+  taps = _taps(xp, seg_p, W)
+  pre = sum(tap * w_WC[j].astype(jnp.float32) for j, tap in enumerate(taps))
+  sig = jax.nn.sigmoid(pre)
+  dy = jnp.concatenate([d.astype(jnp.float32) for d in dy_parts], axis=-1)
+  dpre = dy * sig * (1.0 + pre * (1.0 - sig))                                   # SiLU'(pre)
+  dw_WC = jnp.sum(jnp.stack([tap * dpre for tap in taps], axis=2), axis=(0, 1))
+  dxp = 0.0
+  T = x_BTC.shape[1]
+  for j in range(W):
+    d = dpre * w_WC[j].astype(jnp.float32)
+    if seg_p is not None and j < W - 1:
+      d = d * (seg_p[:, j:j + T] == seg_p[:, W - 1:])[..., None]
+    dxp = dxp + jnp.pad(d, ((0, 0), (j, W - 1 - j), (0, 0)))
+  return dxp[:, W - 1:], dxp[:, :W - 1], dw_WC
+
+
+def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
+  """(dx, dstate, dw): dx and dw from the kernel, on the inputs and cotangents padded with W−1 rows of zeros at the
+  end (the rows past T it reads); the state's W−1 rows from the formulas on the first W−1 tokens, all they reach."""
+  W = w_WC.shape[0]
+  tail = lambda a: jnp.pad(a, ((0, 0), (0, W - 1)) + ((0, 0),) * (a.ndim - 2))
+  xpp = tail(jnp.concatenate([state_BWC, x_BTC], axis=1))
+  segpp = None if seg_p is None else jnp.pad(seg_p, ((0, 0), (0, W - 1)), mode="edge")
+  dx, dw = conv_kernels.conv_backward(xpp, tuple(map(tail, dy_parts)), w_WC, segpp)
+  head = slice(0, W - 1)
+  _, dstate, _ = _fused_backward(x_BTC[:, head], state_BWC, w_WC, None if seg_p is None else seg_p[:, :2 * (W - 1)],
+                                 tuple(d[:, head] for d in dy_parts))
+  return dx, dstate, dw
+
+
+def _conv_silu_bwd(split, backward, residuals, dy_parts):
+  x_BTC, state_BWC, w_WC, seg_p = residuals
+  T, W = x_BTC.shape[1], w_WC.shape[0]
+  sizes = [d.shape[-1] for d in dy_parts]
+  use_kernel = backward == "kernel" and T >= W - 1 and conv_kernels.applies(T, sizes)
+  dx, dstate, dw = (_kernel_backward if use_kernel else _fused_backward)(x_BTC, state_BWC, w_WC, seg_p, dy_parts)
+  return dx.astype(x_BTC.dtype), dstate.astype(state_BWC.dtype), dw.astype(w_WC.dtype), None
+
+
+_conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
