@@ -151,7 +151,7 @@ def _check_context(out):
 
 def _check_hybrid(out):
   r = json.loads((out / "05_hybrid.json").read_text())
-  assert list(r["recall"]) == ["3to1", "7to1", "all_kda", "all_mla"]
+  assert list(r["recall"]) == ["3to1", "all_kda", "all_mla"]   # the CPU setting leaves 7:1 out
   for rows in r["forward_tokens_per_s"].values():
     assert [x["seq_len"] for x in rows] == [256] and all(x["tokens_per_s"] > 0 for x in rows)
   assert all(0.0 <= a["mean"] <= 1.0 for x in r["recall"].values() for a in x["accuracy"].values())
