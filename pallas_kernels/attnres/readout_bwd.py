@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._triton import triton_call
+from pallas_kernels._triton import traced_once, triton_call
 
 BLOCK_ROWS = 16
 
@@ -31,14 +31,25 @@ def _column_slice(d: int) -> int:
 
 def readout_backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, *, block_rows: int = BLOCK_ROWS):
   """(d_buffer `[C, R, D]`, d_values (E × `[R, D]`), u `[D]`), all fp32, of the read-out over R token rows of
-  `buffer_CRD` (C may be 0) and the E `values`. R must be a multiple of `block_rows`."""
-  R, D = dh_RD.shape
-  C, E = buffer_CRD.shape[0], len(values)
-  N = C + E
+  `buffer_CRD` (C may be 0) and the E `values`. R must be a multiple of `block_rows`. One call lowered once per
+  program and input types (`traced_once`): the read-outs of every layer, scanned or not, share one compiled copy."""
+  _check(dh_RD, buffer_CRD, values, w_NR, a_NR, r_NR, block_rows)
+  return _backward_once(dh_RD, buffer_CRD, tuple(values), qg_D, w_NR, a_NR, r_NR, block_rows)
+
+
+def _check(dh_RD, buffer_CRD, values, w_NR, a_NR, r_NR, block_rows):
+  R = dh_RD.shape[0]
+  N = buffer_CRD.shape[0] + len(values)
   if R % block_rows or block_rows & (block_rows - 1):
     raise ValueError(f"the read-out kernel needs R={R} a multiple of block_rows={block_rows} (a power of two)")
   if w_NR.shape != (N, R) or a_NR.shape != (N, R) or r_NR.shape != (N, R):
     raise ValueError(f"w, a, r must be [N={N}, R={R}], got {w_NR.shape}, {a_NR.shape}, {r_NR.shape}")
+
+
+def _backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, block_rows):
+  R, D = dh_RD.shape
+  C, E = buffer_CRD.shape[0], len(values)
+  N = C + E
   G = R // block_rows
   rows = pl.BlockSpec((block_rows, D), lambda i: (i, 0))
   slots = pl.BlockSpec((C, block_rows, D), lambda i: (0, i, 0))
@@ -55,6 +66,9 @@ def readout_backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, *, block
   d_buffer = outs[0] if C else jnp.zeros((0, R, D), jnp.float32)
   d_values = tuple(outs[1:-1] if C else outs[:-1])
   return d_buffer, d_values, jnp.sum(outs[-1], axis=0)
+
+
+_backward_once = traced_once(_backward, static_argnums=(7,))
 
 
 def _kernel(qg_ref, dh_ref, w_ref, a_ref, r_ref, *refs, C, E, D, cols):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._triton import triton_call
+from pallas_kernels._triton import traced_once, triton_call
 
 BLOCK_T = 16      # rows a step of a program's loop
 BLOCK_C = 128     # channels a program
@@ -37,7 +37,8 @@ def conv_backward(xpp_BPC, dy_parts, w_WC, segp_BP=None, *, block_t: int = BLOCK
   `xpp_BPC` `[B, T + 2(W−1), C]`: the state's W−1 inputs, x, then W−1 rows of zeros. `dy_parts`: the cotangents of
   the output's channel parts, in order, each `[B, T + W−1, C_i]` with W−1 rows of zeros appended. `segp_BP`
   `[B, T + 2(W−1)]` int32: each xpp row's document (the state's rows the first document's; the tail's any), or None
-  (one document). `applies` must hold."""
+  (one document). `applies` must hold. One call lowered once per program and input types (`traced_once`): every
+  KDA layer's conv, scanned or not, shares one compiled copy."""
   W = w_WC.shape[0]
   B, P, C = xpp_BPC.shape
   T = P - 2 * (W - 1)
@@ -45,6 +46,15 @@ def conv_backward(xpp_BPC, dy_parts, w_WC, segp_BP=None, *, block_t: int = BLOCK
   if sum(sizes) != C or not applies(T, sizes, block_t=block_t, block_c=block_c, splits=splits):
     raise ValueError(f"conv_backward needs T={T} a multiple of {block_t * splits} and channel parts {sizes} "
                      f"(summing to C={C}) multiples of {block_c}")
+  return _backward_once(xpp_BPC, tuple(dy_parts), w_WC, segp_BP, (block_t, block_c, splits))
+
+
+def _backward(xpp_BPC, dy_parts, w_WC, segp_BP, blocks):
+  block_t, block_c, splits = blocks
+  W = w_WC.shape[0]
+  B, P, C = xpp_BPC.shape
+  T = P - 2 * (W - 1)
+  sizes = [d.shape[-1] for d in dy_parts]
   starts = [sum(sizes[:i]) // block_c for i in range(len(sizes))]
   part_blocks = [c // block_c for c in sizes]
   grid = (B, splits, C // block_c)
@@ -66,6 +76,9 @@ def conv_backward(xpp_BPC, dy_parts, w_WC, segp_BP=None, *, block_t: int = BLOCK
   dx, dw_partial = triton_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                                name="short_conv_bwd", num_warps=4, num_stages=1)(*args)
   return dx, jnp.sum(dw_partial, axis=(0, 1))
+
+
+_backward_once = traced_once(_backward, static_argnums=(4,))
 
 
 def _kernel(xpp_ref, w_ref, *refs, W, rows, block_t, block_c, starts, parts, has_segments):
