@@ -41,15 +41,17 @@ def test_outputs_equal_the_formulas_in_xla_and_a_weightless_slot_gets_zero():
   assert not np.any(np.asarray(d_buffer[2])) and float(jnp.max(jnp.abs(u))) > 1.0
 
 
-def test_lowers_to_triton_for_the_gpu_at_the_model_width(monkeypatch):
+def test_lowers_to_triton_for_the_gpu_at_the_model_width_once_for_two_read_outs(monkeypatch):
   B, T, D, C = 2, 64, 768, 3
   shape = jax.ShapeDtypeStruct((B, T, D), jnp.float32)
   args = (jax.ShapeDtypeStruct((D,), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32),
           jax.ShapeDtypeStruct((C, B, T, D), jnp.float32), (shape, shape))
 
   def grads(q, g, buffer, values):
-    f = lambda q, g, buffer, values: jnp.sum(attnres_ops.readout(
-        q, g, buffer, jnp.array([True, True, False]), values, jnp.array([True, True]), eps=1e-6, backward="kernel"))
+    def f(q, g, buffer, values):   # two read-outs of one buffer (two queries): one kernel lowered for both
+      read = lambda q: attnres_ops.readout(q, g, buffer, jnp.array([True, True, False]), values,
+                                           jnp.array([True, True]), eps=1e-6, backward="kernel")
+      return jnp.sum(read(q) * read(2.0 * q))
     return jax.grad(f, argnums=(0, 1, 2, 3))(q, g, buffer, values)
   text = cuda_module_text(monkeypatch, grads, *args)
-  assert 'name = "attnres_readout_bwd"' in text
+  assert text.count('name = "attnres_readout_bwd"') == 1
