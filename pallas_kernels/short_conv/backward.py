@@ -68,6 +68,7 @@ def _backward(xpp_BPC, dy_parts, w_WC, segp_BP, blocks):
   if segp_BP is not None:
     in_specs.append(pl.BlockSpec((None, P), lambda b, s, c: (b, 0)))
     args.append(segp_BP.astype(jnp.int32))
+  # dx's block is a whole batch row: the `splits` programs of a row each store their own rows of it.
   out_specs = [pl.BlockSpec((None, T, block_c), lambda b, s, c: (b, 0, c)),
                pl.BlockSpec((None, None, W, block_c), lambda b, s, c: (b, s, 0, c))]
   out_shape = [jax.ShapeDtypeStruct((B, T, C), xpp_BPC.dtype), jax.ShapeDtypeStruct((B, splits, W, C), jnp.float32)]
