@@ -37,10 +37,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from k3jax.config import RESIDUAL_BACKWARDS as BACKWARDS
 from pallas_kernels import attnres as attnres_kernels
-
-
-BACKWARDS = ("fused", "barrier", "kernel")
 
 
 def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float, backward: str = "fused"):

@@ -15,9 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.config import SHORT_CONV_BACKWARDS as BACKWARDS
 from pallas_kernels import short_conv as conv_kernels
-
-BACKWARDS = ("fused", "kernel")
 
 
 def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=(), backward: str = "fused"):

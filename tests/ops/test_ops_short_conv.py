@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops import short_conv as conv_ops
 from k3jax.ops.short_conv import conv_tail, short_conv
 from model_testing import T, normal, segments
 
@@ -88,7 +87,3 @@ def test_conv_tail_is_the_last_valid_inputs():
   np.testing.assert_array_equal(tail[1], jnp.concatenate([state[1, 2:], x[1, :2]]))
   np.testing.assert_array_equal(tail[2], x[2, 2:])
 
-
-def test_backwards_are_the_configs():
-  from k3jax import config
-  assert conv_ops.BACKWARDS == config.SHORT_CONV_BACKWARDS
