@@ -38,16 +38,29 @@ def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=(), ba
   if segment_ids_BT is not None:
     seg_p = jnp.concatenate([jnp.repeat(segment_ids_BT[:, :1], W - 1, axis=1), segment_ids_BT], axis=1)
   parts = _conv_silu(x_BTC, state_BWC, w_WC, seg_p, tuple(split), backward)
-  return (parts if split else parts[0]), jnp.concatenate([state_BWC, x_BTC], axis=1)[:, T:]
+  return (parts if split else parts[0]), _with_state(state_BWC, x_BTC)[:, T:]
 
 
 def conv_tail(state_BWC, x_BTC, lengths_B):
   """The short conv's state after the first `lengths_B[b]` inputs of each row of `x_BTC` (0..T): the last W−1 of
   (state, those inputs), as `short_conv` returns after all T."""
   W1 = state_BWC.shape[1]
-  xp = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC], axis=1)         # xp[W−1+t] is input t
+  xp = _with_state(state_BWC.astype(x_BTC.dtype), x_BTC)
   take_BW = lengths_B[:, None] + jnp.arange(W1)[None]                            # the last W−1 valid entries
   return jnp.take_along_axis(xp, take_BW[..., None], axis=1)
+
+
+def _with_state(state_BWC, x_BTC):
+  """xp `[B, T+W−1, C]`: the state's W−1 inputs, then x (xp[W−1+t] is input t)."""
+  return jnp.concatenate([state_BWC, x_BTC], axis=1)
+
+
+def _keep(seg_p, j, T):
+  """Tap j's mask `[B, T, 1]`: its input is of the output's document; None where every tap is (no documents, or
+  the last tap, the output's own input)."""
+  if seg_p is None or j == seg_p.shape[1] - T:
+    return None
+  return (seg_p[:, j:j + T] == seg_p[:, -T:])[..., None]
 
 
 def _taps(xp_BSC, seg_p, W):
@@ -55,25 +68,23 @@ def _taps(xp_BSC, seg_p, W):
   T = xp_BSC.shape[1] - W + 1
   taps = []
   for j in range(W):
-    tap = xp_BSC[:, j:j + T].astype(jnp.float32)
-    if seg_p is not None and j < W - 1:
-      tap = tap * (seg_p[:, j:j + T] == seg_p[:, W - 1:])[..., None]
-    taps.append(tap)
+    tap, keep = xp_BSC[:, j:j + T].astype(jnp.float32), _keep(seg_p, j, T)
+    taps.append(tap if keep is None else tap * keep)
   return taps
 
 
-def _pre(xp_BSC, w_WC, seg_p):
-  w = w_WC.astype(jnp.float32)
-  return sum(tap * w[j] for j, tap in enumerate(_taps(xp_BSC, seg_p, w_WC.shape[0])))
+def _pre(taps, w_WC):
+  """Σ_j w_j tap_j in fp32."""
+  return sum(tap * w_WC[j].astype(jnp.float32) for j, tap in enumerate(taps))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _conv_silu(x_BTC, state_BWC, w_WC, seg_p, split, backward):
   """SiLU of the conv, `[B, T, C]` in x's dtype, in parts at `split` (a tuple of one array when empty)."""
   del backward
-  xp = jnp.concatenate([state_BWC, x_BTC], axis=1)
+  xp, W = _with_state(state_BWC, x_BTC), w_WC.shape[0]
   bounds = (0, *split, x_BTC.shape[-1])
-  return tuple(jax.nn.silu(_pre(xp[..., lo:hi], w_WC[:, lo:hi], seg_p)).astype(x_BTC.dtype)
+  return tuple(jax.nn.silu(_pre(_taps(xp[..., lo:hi], seg_p, W), w_WC[:, lo:hi])).astype(x_BTC.dtype)
                for lo, hi in zip(bounds[:-1], bounds[1:]))
 
 
@@ -84,21 +95,18 @@ def _conv_silu_fwd(x_BTC, state_BWC, w_WC, seg_p, split, backward):
 def _fused_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
   """(dx, dstate, dw) from the formulas, left to XLA to fuse: the taps' weight gradients as one reduction, the
   parts' cotangents joined inside the pass that forms the input's gradient."""
-  W = w_WC.shape[0]
-  xp = jnp.concatenate([state_BWC, x_BTC], axis=1)
-  taps = _taps(xp, seg_p, W)
-  pre = sum(tap * w_WC[j].astype(jnp.float32) for j, tap in enumerate(taps))
+  W, T = w_WC.shape[0], x_BTC.shape[1]
+  taps = _taps(_with_state(state_BWC, x_BTC), seg_p, W)
+  pre = _pre(taps, w_WC)
   sig = jax.nn.sigmoid(pre)
   dy = jnp.concatenate([d.astype(jnp.float32) for d in dy_parts], axis=-1)
   dpre = dy * sig * (1.0 + pre * (1.0 - sig))                                   # SiLU'(pre)
   dw_WC = jnp.sum(jnp.stack([tap * dpre for tap in taps], axis=2), axis=(0, 1))
   dxp = 0.0
-  T = x_BTC.shape[1]
   for j in range(W):
     d = dpre * w_WC[j].astype(jnp.float32)
-    if seg_p is not None and j < W - 1:
-      d = d * (seg_p[:, j:j + T] == seg_p[:, W - 1:])[..., None]
-    dxp = dxp + jnp.pad(d, ((0, 0), (j, W - 1 - j), (0, 0)))
+    keep = _keep(seg_p, j, T)
+    dxp = dxp + jnp.pad(d if keep is None else d * keep, ((0, 0), (j, W - 1 - j), (0, 0)))
   return dxp[:, W - 1:], dxp[:, :W - 1], dw_WC
 
 
@@ -107,7 +115,7 @@ def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
   end (the rows past T it reads); the state's W−1 rows from the formulas on the first W−1 tokens, all they reach."""
   W = w_WC.shape[0]
   tail = lambda a: jnp.pad(a, ((0, 0), (0, W - 1)) + ((0, 0),) * (a.ndim - 2))
-  xpp = tail(jnp.concatenate([state_BWC, x_BTC], axis=1))
+  xpp = tail(_with_state(state_BWC, x_BTC))
   segpp = None if seg_p is None else jnp.pad(seg_p, ((0, 0), (0, W - 1)), mode="edge")
   dx, dw = conv_kernels.conv_backward(xpp, tuple(map(tail, dy_parts)), w_WC, segpp)
   head = slice(0, W - 1)
