@@ -109,22 +109,24 @@ def _kernel(xpp_ref, w_ref, *refs, W, rows, block_t, block_c, starts, parts, has
     return x if k is None else jnp.where(k, x, 0.0)
 
   def dpre_at(r0):
-    """dpre at rows r0.. (zero past T: the cotangent's appended rows are)."""
-    pre = sum(w[j] * masked(x_at(r0 + j), keep(r0, j)) for j in range(W))
+    """(dpre at rows r0.. (zero past T: the cotangent's appended rows are), the rows' taps, their masks)."""
+    keeps = [keep(r0, j) for j in range(W)]
+    taps = [masked(x_at(r0 + j), keeps[j]) for j in range(W)]
+    pre = sum(w[j] * taps[j] for j in range(W))
     sig = jax.nn.sigmoid(pre)
-    return dy_at(r0) * sig * (1.0 + pre * (1.0 - sig))
+    return dy_at(r0) * sig * (1.0 + pre * (1.0 - sig)), taps, keeps
 
   first = pl.program_id(1) * rows   # program ids outside the loop: interpret mode reads them only there
 
   def step(i, dw):
     t0 = first + i * block_t
-    d0 = dpre_at(t0)
-    dw = tuple(dw[j] + jnp.sum(masked(x_at(t0 + j), keep(t0, j)) * d0, axis=0) for j in range(W))
+    rows_at = [dpre_at(t0 + s) for s in range(W)]   # dpre at the W row shifts dx reads
+    d0, taps0, _ = rows_at[0]
+    dw = tuple(dw[j] + jnp.sum(taps0[j] * d0, axis=0) for j in range(W))
     dx = 0.0
     for j in range(W):
-      s = W - 1 - j
-      d = d0 if s == 0 else dpre_at(t0 + s)
-      dx = dx + w[j] * masked(d, keep(t0 + s, j))
+      d, _, keeps = rows_at[W - 1 - j]
+      dx = dx + w[j] * masked(d, keeps[j])
     dx_ref[pl.ds(t0, block_t), :] = dx.astype(dx_ref.dtype)
     return dw
 
