@@ -12,8 +12,8 @@
 #
 # **Scale.** `SCALE = "cpu"` is a smoke run (d = 32, the pre-norm residual, 8 steps, prefill timed at one length,
 # 256, without the 7:1 model): it checks that the notebook runs; its numbers are not evidence (on a CPU at these
-# lengths attention is cheap, and nothing is learned in 8 steps). `SCALE = "gpu"` is the research setting (one H200: d = 256, Block AttnRes, 120 steps of 16K
-# MQAR tokens, two seeds; prefill timed up to 32K).
+# lengths attention is cheap, and nothing is learned in 8 steps). `SCALE = "gpu"` is the research setting (one H200:
+# d = 256, Block AttnRes, 120 steps of 16K MQAR tokens, two seeds; prefill timed up to 32K).
 
 # %%
 # Installs k3jax where it is not importable (Colab, a fresh VM). The repository has no public URL yet: set

@@ -1,4 +1,5 @@
-"""KDA layer: shapes and dtypes, decode == full forward, packed documents (its short conv: tests/ops/test_ops_short_conv.py)."""
+"""KDA layer: shapes and dtypes, decode == full forward, packed documents, the short conv's backward setting (the
+conv itself: tests/ops/test_ops_short_conv.py)."""
 import chex
 import jax
 import jax.numpy as jnp
