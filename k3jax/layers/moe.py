@@ -61,7 +61,7 @@ def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, options: Group
     # The GPU kernels leave rows past the groups unwritten; zero them so nothing non-finite reaches dW.
     valid_M1 = (jnp.arange(x_ML.shape[0]) < jnp.sum(group_sizes_G))[:, None]
     ab_MF = jnp.where(valid_M1, ab_MF, 0)
-  return options.matmul(situ_glu(ab_MF[:, :h], ab_MF[:, h:]), w_down_GHL, group_sizes_G)
+  return options.matmul(situ_glu(ab_MF.reshape(-1, 2, h)), w_down_GHL, group_sizes_G)
 
 
 def dense_routed_outputs(z_TL, expert_ids_TK, weights_TK, w_gate_up_ELF, w_down_EHL):
@@ -72,7 +72,7 @@ def dense_routed_outputs(z_TL, expert_ids_TK, weights_TK, w_gate_up_ELF, w_down_
   GEMMs' are; the combine in fp32, returned in z's dtype."""
   E, h = w_down_EHL.shape[:2]
   ab_ETF = jnp.einsum("tl,elf->etf", z_TL, w_gate_up_ELF, preferred_element_type=jnp.float32).astype(z_TL.dtype)
-  y_ETL = jnp.einsum("eth,ehl->etl", situ_glu(ab_ETF[..., :h], ab_ETF[..., h:]), w_down_EHL,
+  y_ETL = jnp.einsum("eth,ehl->etl", situ_glu(ab_ETF.reshape(*ab_ETF.shape[:-1], 2, h)), w_down_EHL,
                      preferred_element_type=jnp.float32)
   chosen_TKE = expert_ids_TK[..., None] == jnp.arange(E)
   w_ET1 = jnp.sum(jnp.where(chosen_TKE, weights_TK[..., None].astype(jnp.float32), 0.0), axis=1).T[..., None]

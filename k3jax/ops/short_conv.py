@@ -5,8 +5,9 @@ backward pass:
 
 The W−1 inputs before x are a state (a decode cache, or zeros). The output comes in channel parts (q, k and v of
 one projection), each its own array; their cotangents meet only inside the backward pass, which gives the W taps'
-weight gradients as one reduction over the tokens: "fused" as XLA fuses the formulas, "kernel" as one Pallas kernel
-(`pallas_kernels.short_conv`, where it applies; else "fused").
+weight gradients as one reduction over the tokens: "fused" as XLA fuses the formulas, "kernel" with the
+pre-activation's gradient and the weights' from one Pallas kernel pass (`pallas_kernels.short_conv`, where it
+applies; else "fused") and the input's from that by XLA.
 """
 from __future__ import annotations
 
@@ -92,43 +93,46 @@ def _conv_silu_fwd(x_BTC, state_BWC, w_WC, seg_p, split, backward):
   return _conv_silu(x_BTC, state_BWC, w_WC, seg_p, split, backward), (x_BTC, state_BWC, w_WC, seg_p)
 
 
-def _fused_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
-  """(dx, dstate, dw) from the formulas, left to XLA to fuse: the taps' weight gradients as one reduction, the
-  parts' cotangents joined inside the pass that forms the input's gradient."""
-  W, T = w_WC.shape[0], x_BTC.shape[1]
-  taps = _taps(_with_state(state_BWC, x_BTC), seg_p, W)
+def _dpre(taps, w_WC, dy_parts):
+  """dpre = dy · SiLU'(pre), fp32 `[B, T, C]`, the parts' cotangents joined."""
   pre = _pre(taps, w_WC)
   sig = jax.nn.sigmoid(pre)
   dy = jnp.concatenate([d.astype(jnp.float32) for d in dy_parts], axis=-1)
-  dpre = dy * sig * (1.0 + pre * (1.0 - sig))                                   # SiLU'(pre)
-  dw_WC = jnp.sum(jnp.stack([tap * dpre for tap in taps], axis=2), axis=(0, 1))
+  return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
+def _input_gradients(dpre_BTC, w_WC, seg_p):
+  """(dx, dstate) from dpre: input xp[s] reaches the outputs s−j through tap j, so its gradient is
+  Σ_j w_j keep_j[s−j] dpre[s−j] (one elementwise pass over dpre's W shifts)."""
+  W, T = w_WC.shape[0], dpre_BTC.shape[1]
   dxp = 0.0
   for j in range(W):
-    d = dpre * w_WC[j].astype(jnp.float32)
+    d = dpre_BTC * w_WC[j].astype(jnp.float32)
     keep = _keep(seg_p, j, T)
     dxp = dxp + jnp.pad(d if keep is None else d * keep, ((0, 0), (j, W - 1 - j), (0, 0)))
-  return dxp[:, W - 1:], dxp[:, :W - 1], dw_WC
+  return dxp[:, W - 1:], dxp[:, :W - 1]
+
+
+def _fused_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
+  """(dx, dstate, dw) from the formulas, left to XLA to fuse: the taps' weight gradients as one reduction, the
+  parts' cotangents joined inside the pass that forms the input's gradient."""
+  taps = _taps(_with_state(state_BWC, x_BTC), seg_p, w_WC.shape[0])
+  dpre = _dpre(taps, w_WC, dy_parts)
+  dw_WC = jnp.sum(jnp.stack([tap * dpre for tap in taps], axis=2), axis=(0, 1))
+  return *_input_gradients(dpre, w_WC, seg_p), dw_WC
 
 
 def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
-  """(dx, dstate, dw): dx and dw from the kernel, on the inputs and cotangents padded with W−1 rows of zeros at the
-  end (the rows past T it reads); the state's W−1 rows from the formulas on the first W−1 tokens, all they reach."""
-  W = w_WC.shape[0]
-  tail = lambda a: jnp.pad(a, ((0, 0), (0, W - 1)) + ((0, 0),) * (a.ndim - 2))
-  xpp = tail(_with_state(state_BWC, x_BTC))
-  segpp = None if seg_p is None else jnp.pad(seg_p, ((0, 0), (0, W - 1)), mode="edge")
-  dx, dw = conv_kernels.conv_backward(xpp, tuple(map(tail, dy_parts)), w_WC, segpp)
-  head = slice(0, W - 1)
-  _, dstate, _ = _fused_backward(x_BTC[:, head], state_BWC, w_WC, None if seg_p is None else seg_p[:, :2 * (W - 1)],
-                                 tuple(d[:, head] for d in dy_parts))
-  return dx, dstate, dw
+  """(dx, dstate, dw): dpre and dw from the kernel in one pass, dx and dstate from dpre by XLA."""
+  dpre, dw_WC = conv_kernels.dpre_and_dw(_with_state(state_BWC, x_BTC), dy_parts, w_WC, seg_p)
+  return *_input_gradients(dpre, w_WC, seg_p), dw_WC
 
 
 def _conv_silu_bwd(split, backward, residuals, dy_parts):
   x_BTC, state_BWC, w_WC, seg_p = residuals
   T, W = x_BTC.shape[1], w_WC.shape[0]
   sizes = [d.shape[-1] for d in dy_parts]
-  use_kernel = backward == "kernel" and T >= W - 1 and conv_kernels.applies(T, sizes)
+  use_kernel = backward == "kernel" and conv_kernels.applies(T, sizes)
   dx, dstate, dw = (_kernel_backward if use_kernel else _fused_backward)(x_BTC, state_BWC, w_WC, seg_p, dy_parts)
   return dx.astype(x_BTC.dtype), dstate.astype(state_BWC.dtype), dw.astype(w_WC.dtype), None
 

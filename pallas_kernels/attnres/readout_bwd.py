@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._triton import traced_once, triton_call
 
-BLOCK_ROWS = 16
+BLOCK_ROWS = 16   # token rows a program
+NUM_WARPS = 4
 
 
 def _column_slice(d: int) -> int:
@@ -29,12 +30,13 @@ def _column_slice(d: int) -> int:
   return d & -d
 
 
-def readout_backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, *, block_rows: int = BLOCK_ROWS):
+def readout_backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, *, block_rows: int = BLOCK_ROWS,
+                     num_warps: int = NUM_WARPS):
   """(d_buffer `[C, R, D]`, d_values (E × `[R, D]`), u `[D]`), all fp32, of the read-out over R token rows of
   `buffer_CRD` (C may be 0) and the E `values`. R must be a multiple of `block_rows`. One call lowered once per
   program and input types (`traced_once`): the read-outs of every layer, scanned or not, share one compiled copy."""
   _check(dh_RD, buffer_CRD, values, w_NR, a_NR, r_NR, block_rows)
-  return _backward_once(dh_RD, buffer_CRD, tuple(values), qg_D, w_NR, a_NR, r_NR, block_rows)
+  return _backward_once(dh_RD, buffer_CRD, tuple(values), qg_D, w_NR, a_NR, r_NR, (block_rows, num_warps))
 
 
 def _check(dh_RD, buffer_CRD, values, w_NR, a_NR, r_NR, block_rows):
@@ -46,7 +48,8 @@ def _check(dh_RD, buffer_CRD, values, w_NR, a_NR, r_NR, block_rows):
     raise ValueError(f"w, a, r must be [N={N}, R={R}], got {w_NR.shape}, {a_NR.shape}, {r_NR.shape}")
 
 
-def _backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, block_rows):
+def _backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, launch):
+  block_rows, num_warps = launch
   R, D = dh_RD.shape
   C, E = buffer_CRD.shape[0], len(values)
   N = C + E
@@ -61,7 +64,7 @@ def _backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, block_rows):
   out_shape = ([f32(C, R, D)] if C else []) + [f32(R, D)] * E + [f32(G, D)]
   kernel = functools.partial(_kernel, C=C, E=E, D=D, cols=_column_slice(D))
   outs = triton_call(kernel, grid=(G,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                     name="attnres_readout_bwd", num_warps=4, num_stages=1)(
+                     name="attnres_readout_bwd", num_warps=num_warps, num_stages=1)(
                          qg_D.reshape(1, D), dh_RD, w_NR, a_NR, r_NR, *([buffer_CRD] if C else []), *values)
   d_buffer = outs[0] if C else jnp.zeros((0, R, D), jnp.float32)
   d_values = tuple(outs[1:-1] if C else outs[:-1])

@@ -8,18 +8,47 @@ from k3jax.layers.ffn import SiTUGLU, situ_glu
 from model_testing import abstract, normal, random_module
 
 
+def pair(a, b):
+  """The gate and up units stacked as situ_glu takes them, `[..., 2, F]`."""
+  return jnp.stack([a, b], axis=-2)
+
+
+def formula(a, b, beta1=4.0, beta2=25.0):
+  return beta1 * jnp.tanh(a / beta1) * jax.nn.sigmoid(a) * beta2 * jnp.tanh(b / beta2)
+
+
 def test_situ_glu_matches_its_formula():
   a, b = 6.0 * normal(0, (64,)), 40.0 * normal(1, (64,))
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   want = 4.0 * np.tanh(a64 / 4.0) / (1 + np.exp(-a64)) * 25.0 * np.tanh(b64 / 25.0)
-  np.testing.assert_allclose(situ_glu(a, b), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(situ_glu(pair(a, b)), want, rtol=1e-5, atol=1e-6)
 
 
 def test_situ_glu_tends_to_swiglu_and_stays_bounded():
   a, b = normal(2, (64,)), normal(3, (64,))
-  np.testing.assert_allclose(situ_glu(a, b, 1e4, 1e4), jax.nn.silu(a) * b, rtol=1e-5, atol=1e-6)
-  big = situ_glu(1e3 * normal(4, (256,)), 1e3 * normal(5, (256,)))
+  np.testing.assert_allclose(situ_glu(pair(a, b), 1e4, 1e4), jax.nn.silu(a) * b, rtol=1e-5, atol=1e-6)
+  big = situ_glu(pair(1e3 * normal(4, (256,)), 1e3 * normal(5, (256,))))
   assert float(jnp.max(jnp.abs(big))) <= 4.0 * 25.0
+
+
+def test_situ_glu_gradient_is_autodiff_of_the_formula_saturated_units_included():
+  # Units from the linear range to deep saturation of both tanh and of the sigmoid, either sign.
+  a = normal(7, (3, 256)) * jnp.array([1.0, 10.0, 200.0])[:, None]
+  b = normal(8, (3, 256)) * jnp.array([1.0, 60.0, 500.0])[:, None]
+  dout = normal(9, (3, 256))
+  close = lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+  got, = jax.vjp(situ_glu, pair(a, b))[1](dout)
+  close(got, pair(*jax.vjp(formula, a, b)[1](dout)))
+  close(jax.grad(lambda ab: jnp.sum(situ_glu(ab, 7.0, 3.0) * dout))(pair(a, b)),
+        pair(*jax.grad(lambda a, b: jnp.sum(formula(a, b, 7.0, 3.0) * dout), (0, 1))(a, b)))
+
+
+def test_situ_glu_in_bf16_rounds_once_and_returns_bf16_cotangents():
+  ab = pair(3.0 * normal(10, (512,)), 30.0 * normal(11, (512,))).astype(jnp.bfloat16)
+  out, vjp = jax.vjp(situ_glu, ab)
+  chex.assert_type((out, vjp(jnp.ones_like(out))[0]), (jnp.bfloat16, jnp.bfloat16))
+  want = formula(*(ab[..., i, :].astype(jnp.float32) for i in range(2)))
+  np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
 
 
 def test_dense_ffn_is_w_down_of_situ_glu():

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from k3jax import balancer, parallel
-from k3jax.layers.ffn import SiTUGLU, situ_glu
+from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats, dense_routed_outputs, expert_ffn
 from k3jax.ops import moe_dispatch
 from model_testing import equations
@@ -25,7 +25,9 @@ def dense_reference(layer, x_BTD):
   dense_p = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts) * p[..., None], axis=1)        # [T, E]
   z = x @ layer.latent_down.w[...]
   ab = jnp.einsum("tl,elgh->tegh", z, layer.w_gate_up[...])
-  y_e = jnp.einsum("teh,ehl->tel", situ_glu(ab[:, :, 0], ab[:, :, 1]), layer.w_down[...])
+  a, b = ab[:, :, 0], ab[:, :, 1]
+  h = 4.0 * jnp.tanh(a / 4.0) * jax.nn.sigmoid(a) * 25.0 * jnp.tanh(b / 25.0)                # SiTU-GLU
+  y_e = jnp.einsum("teh,ehl->tel", h, layer.w_down[...])
   u = jnp.einsum("te,tel->tl", dense_p, y_e)
   u = u * jax.lax.rsqrt(jnp.mean(u ** 2, -1, keepdims=True) + 1e-6) * layer.norm.weight[...]
   return (u @ layer.latent_up.w[...]).reshape(x_BTD.shape) + layer.shared(x_BTD)

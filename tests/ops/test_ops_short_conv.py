@@ -74,8 +74,8 @@ def test_the_kernel_backward_is_taken_where_it_applies(n):
   def program(backward):
     f = lambda x, w: sum(jnp.sum(p) for p in short_conv(x, w, split=KERNEL_SPLIT, backward=backward)[0])
     return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
-  assert ("short_conv_bwd" in program("kernel")) == (n == KERNEL_T)
-  assert "short_conv_bwd" not in program("fused")
+  assert ("short_conv_dpre_dw" in program("kernel")) == (n == KERNEL_T)
+  assert "short_conv_dpre_dw" not in program("fused")
   with pytest.raises(ValueError, match="backward must be one of"):
     program("triton")
 
