@@ -120,6 +120,16 @@ def test_bench_mla_decode_small_checks_every_implementation(tmp_path):
 
 
 @pytest.mark.xdist_group("benchmarks")
+def test_bench_short_conv_small_checks_the_kernel_against_the_fused_backward(tmp_path):
+  done = run_script("experiments.bench_short_conv", "--small", out_dir=tmp_path)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "bench_short_conv.json").read_text())
+  assert {(r["impl"], r["documents"]) for r in rows} == {(i, d) for i in ("fused", "kernel (16, 128, 4, 4)")
+                                                          for d in (False, True)}
+  assert all(r["max_rel_err"] < 1e-5 for r in rows)
+
+
+@pytest.mark.xdist_group("benchmarks")
 def test_bench_attnres_small_checks_the_op_and_the_summary_against_fp32_autodiff(tmp_path):
   done = run_script("experiments.bench_attnres", "--small", out_dir=tmp_path)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

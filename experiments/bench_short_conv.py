@@ -1,0 +1,84 @@
+"""The KDA layer's short conv backward pass (`k3jax.ops.short_conv`) at small's shapes: XLA's fused formulas against
+the Pallas kernel (dpre and dw in one pass, dx from dpre by XLA), over the kernel's tilings:
+
+  python -m experiments.bench_short_conv            # GPU: B·T = 16 × 4,096, q|k|v of 768 channels each, bf16
+  python -m experiments.bench_short_conv --small    # CPU: tiny shapes, checks only (the kernel interpreted)
+
+Each row: device time per backward call (pipelined), on one document per row and on packed documents, and the
+largest difference from the fused backward over dx, the state's gradient and dw (max |error| / max |value|). Rows to
+$OUT/bench_short_conv.json; a tiling that differs from the fused backward by more than 1e-5 fails the command.
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from experiments import harness
+from k3jax.ops import short_conv as conv_ops
+from pallas_kernels import short_conv as conv_kernels
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("repeats", 5, "timed repetitions (median)")
+flags.DEFINE_bool("small", False, "tiny shapes on the CPU: checks, no meaningful times")
+flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_short_conv.json") if os.environ.get("OUT") else "",
+                    "JSON file for the rows")
+
+W = 4
+PARTS = (768, 768, 768)
+# (rows, channels, splits, num_warps): the default first
+TILINGS = ((16, 128, 4, 4), (16, 64, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4), (16, 128, 16, 4), (32, 128, 16, 4),
+           (16, 128, 4, 8), (32, 128, 4, 8), (16, 64, 16, 4), (32, 64, 16, 8))
+
+
+def inputs(B: int, T: int, documents: bool):
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  C = sum(PARTS)
+  x = jax.random.normal(keys[0], (B, T, C), jnp.bfloat16)
+  state = jax.random.normal(keys[1], (B, W - 1, C), jnp.bfloat16)
+  w = 0.5 * jax.random.normal(keys[2], (W, C), jnp.float32)
+  dys = tuple(jax.random.normal(jax.random.fold_in(keys[3], i), (B, T, c), jnp.bfloat16) for i, c in enumerate(PARTS))
+  seg_p = None
+  if documents:   # about four documents a row
+    seg = jnp.cumsum(jax.random.bernoulli(keys[4], 4 / T, (B, T)), axis=1).astype(jnp.int32)
+    seg_p = jnp.concatenate([jnp.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
+  return x, state, w, seg_p, dys
+
+
+def kernel_backward(blocks):
+  def backward(x, state, w, seg_p, dys):
+    dpre, dw = conv_kernels.dpre_and_dw(conv_ops._with_state(state, x), dys, w, seg_p, blocks)
+    return (*conv_ops._input_gradients(dpre, w, seg_p), dw)
+  return jax.jit(backward)
+
+
+def max_rel_err(got, want):
+  return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                   (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30)) for a, b in zip(got, want))
+
+
+def main(argv):
+  harness.check_argv(argv)
+  (B, T), tilings = ((1, 128), TILINGS[:1]) if FLAGS.small else ((16, 4096), TILINGS)
+  rows = []
+  for documents in (False, True):
+    args = inputs(B, T, documents)
+    fused = jax.jit(conv_ops._fused_backward)
+    want = fused(*args)
+    impls = [("fused", None, fused)] + [(f"kernel {t}", t, kernel_backward(conv_kernels.Blocks(*t))) for t in tilings]
+    for name, tiling, fn in impls:
+      row = {"impl": name, "tiling": tiling, "documents": documents, "B": B, "T": T,
+             "max_rel_err": max_rel_err(fn(*args), want)}
+      if not FLAGS.small:
+        row["ms"] = 1e3 * harness.pipelined_seconds(fn, *args, repeats=FLAGS.repeats)
+      rows.append(row)
+      print(f"{'documents' if documents else 'one document':<13} {name:<26} "
+            f"{row.get('ms', float('nan')):8.3f} ms   differs from fused {row['max_rel_err']:.1e}", flush=True)
+  harness.write_json(FLAGS.out, rows)
+  bad = [f"{r['impl']} (documents={r['documents']})" for r in rows if not r["max_rel_err"] < 1e-5]
+  if bad:
+    raise SystemExit(f"differs from the fused backward: {bad}")
+
+
+if __name__ == "__main__":
+  app.run(main)
