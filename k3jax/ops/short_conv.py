@@ -130,7 +130,7 @@ def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
 
 def _conv_silu_bwd(split, backward, residuals, dy_parts):
   x_BTC, state_BWC, w_WC, seg_p = residuals
-  T, W = x_BTC.shape[1], w_WC.shape[0]
+  T = x_BTC.shape[1]
   sizes = [d.shape[-1] for d in dy_parts]
   use_kernel = backward == "kernel" and conv_kernels.applies(T, sizes)
   dx, dstate, dw = (_kernel_backward if use_kernel else _fused_backward)(x_BTC, state_BWC, w_WC, seg_p, dy_parts)
