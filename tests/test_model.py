@@ -244,10 +244,9 @@ def test_the_backward_option_reaches_every_read_out_s_op():
   assert programs["kernel"].count("name=attnres_readout_bwd") >= programs["fused"].count("name=_readout") > 0
 
 
-GROUP_READOUT_CASES = {
-    "blocks_straddle_groups": SCAN_CASES["blocks_straddle_groups"],   # the recomputing scan (remat)
+GROUP_READOUT_CASES = {   # block mode under the recomputing scan (remat); full mode under the plain scan (autodiff)
+    "blocks_straddle_groups": SCAN_CASES["blocks_straddle_groups"],
     "full": SCAN_CASES["full"],
-    "no_remat": small_config(**{**SCANNED, "remat": "none"}),         # the plain scan, autodiff through it
 }
 
 
