@@ -8,6 +8,7 @@ Each row: device time per backward call (pipelined), on one document per row and
 largest difference from the fused backward over dx, the state's gradient and dw (max |error| / max |value|). Rows to
 $OUT/bench_short_conv.json; a tiling that differs from the fused backward by more than 1e-5 fails the command.
 """
+import functools
 import os
 
 import jax
@@ -41,15 +42,8 @@ def inputs(B: int, T: int, documents: bool):
   seg_p = None
   if documents:   # about four documents a row
     seg = jnp.cumsum(jax.random.bernoulli(keys[4], 4 / T, (B, T)), axis=1).astype(jnp.int32)
-    seg_p = jnp.concatenate([jnp.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
+    seg_p = conv_ops.segments_with_state(seg, W)
   return x, state, w, seg_p, dys
-
-
-def kernel_backward(blocks):
-  def backward(x, state, w, seg_p, dys):
-    dpre, dw = conv_kernels.dpre_and_dw(conv_ops._with_state(state, x), dys, w, seg_p, blocks)
-    return (*conv_ops._input_gradients(dpre, w, seg_p), dw)
-  return jax.jit(backward)
 
 
 def max_rel_err(got, want):
@@ -65,7 +59,8 @@ def main(argv):
     args = inputs(B, T, documents)
     fused = jax.jit(conv_ops._fused_backward)
     want = fused(*args)
-    impls = [("fused", None, fused)] + [(f"kernel {t}", t, kernel_backward(conv_kernels.Blocks(*t))) for t in tilings]
+    kernel = lambda t: jax.jit(functools.partial(conv_ops._kernel_backward, blocks=conv_kernels.Blocks(*t)))
+    impls = [("fused", None, fused)] + [(f"kernel {t}", t, kernel(t)) for t in tilings]
     for name, tiling, fn in impls:
       row = {"impl": name, "tiling": tiling, "documents": documents, "B": B, "T": T,
              "max_rel_err": max_rel_err(fn(*args), want)}

@@ -35,9 +35,7 @@ def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=(), ba
   if state_BWC is None:
     state_BWC = jnp.zeros((B, W - 1, C), x_BTC.dtype)
   state_BWC = state_BWC.astype(x_BTC.dtype)
-  seg_p = None
-  if segment_ids_BT is not None:
-    seg_p = jnp.concatenate([jnp.repeat(segment_ids_BT[:, :1], W - 1, axis=1), segment_ids_BT], axis=1)
+  seg_p = None if segment_ids_BT is None else segments_with_state(segment_ids_BT, W)
   parts = _conv_silu(x_BTC, state_BWC, w_WC, seg_p, tuple(split), backward)
   return (parts if split else parts[0]), _with_state(state_BWC, x_BTC)[:, T:]
 
@@ -54,6 +52,11 @@ def conv_tail(state_BWC, x_BTC, lengths_B):
 def _with_state(state_BWC, x_BTC):
   """xp `[B, T+W−1, C]`: the state's W−1 inputs, then x (xp[W−1+t] is input t)."""
   return jnp.concatenate([state_BWC, x_BTC], axis=1)
+
+
+def segments_with_state(segment_ids_BT, W: int):
+  """seg_p `[B, T+W−1]`: each xp row's document, the state's W−1 rows taken as the first token's."""
+  return _with_state(jnp.repeat(segment_ids_BT[:, :1], W - 1, axis=1), segment_ids_BT)
 
 
 def _keep(seg_p, j, T):
@@ -122,9 +125,9 @@ def _fused_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
   return *_input_gradients(dpre, w_WC, seg_p), dw_WC
 
 
-def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
-  """(dx, dstate, dw): dpre and dw from the kernel in one pass, dx and dstate from dpre by XLA."""
-  dpre, dw_WC = conv_kernels.dpre_and_dw(_with_state(state_BWC, x_BTC), dy_parts, w_WC, seg_p)
+def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts, blocks: conv_kernels.Blocks = conv_kernels.Blocks()):
+  """(dx, dstate, dw): dpre and dw from the kernel in one pass (tiled as `blocks`), dx and dstate from dpre by XLA."""
+  dpre, dw_WC = conv_kernels.dpre_and_dw(_with_state(state_BWC, x_BTC), dy_parts, w_WC, seg_p, blocks)
   return *_input_gradients(dpre, w_WC, seg_p), dw_WC
 
 

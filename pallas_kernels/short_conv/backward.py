@@ -100,17 +100,17 @@ def _kernel(xp_ref, w_ref, *refs, W, rows, block_t, starts, parts, has_segments)
     load = lambda i: lambda: dy_refs[i][pl.ds(t0, block_t), :].astype(jnp.float32)
     return load(0)() if parts == 1 else jax.lax.switch(part, [load(i) for i in range(parts)])
 
-  def tap(t0, j):
-    """tap_j at rows t0..: xp's rows t0+j.., zero where the input is of an earlier document."""
+  def tap(t0, j, own):
+    """tap_j at rows t0..: xp's rows t0+j.., zero where the input is not of `own`, the rows' own documents."""
     x = xp_ref[pl.ds(t0 + j, block_t), :].astype(jnp.float32)
-    if not has_segments or j == W - 1:
+    if own is None or j == W - 1:
       return x
-    keep = segp_ref[pl.ds(t0 + j, block_t)] == segp_ref[pl.ds(t0 + W - 1, block_t)]
-    return jnp.where(keep[:, None], x, 0.0)
+    return jnp.where((segp_ref[pl.ds(t0 + j, block_t)] == own)[:, None], x, 0.0)
 
   def step(i, dw):
     t0 = first + i * block_t
-    taps = [tap(t0, j) for j in range(W)]
+    own = segp_ref[pl.ds(t0 + W - 1, block_t)] if has_segments else None
+    taps = [tap(t0, j, own) for j in range(W)]
     pre = sum(w[j] * taps[j] for j in range(W))
     sig = jax.nn.sigmoid(pre)
     dpre = dy_at(t0) * sig * (1.0 + pre * (1.0 - sig))                 # SiLU'(pre)
