@@ -13,8 +13,10 @@ once in the backward pass): `jax.checkpoint` with the policy named for an unroll
 the groups, which keeps the carry's buffer of AttnRes sources once rather than once per group.
 
 Initialisation: embedding N(0, 1); untied LM head N(0, 1/d); a tied head reuses the embedding scaled by d^-0.5.
-The layers are initialised one by one in layer order, then stacked: a scanned model starts from the parameters of
-the unrolled one (`scanned_layout` maps the one to the other).
+Layer i draws its parameters from its own key (the i-th of a split of the model's key); the layers of a scanned
+group position are built at once, vmapped over their keys, so a scanned model starts from the parameters of the
+unrolled one (`scanned_layout` maps the one to the other) and its compiled init holds each position's initialisers
+once.
 """
 from __future__ import annotations
 
@@ -148,10 +150,14 @@ class K3Model(nnx.Module):
     self.remat = model_cfg.remat
     self.plan, self.closes, self.moe_ids = spec.plan, spec.closes, spec.moe_layers
     self.embed = normal_param(rngs, (V, d), 1.0)
-    layers = [DecoderLayer(model_cfg, layer, rngs=rngs, mesh=mesh) for layer in spec.layers]
-    self.layers = nnx.List([layers[i] for i in self.plan.unrolled])
-    self.groups = nnx.List([stack_modules([layers[i] for i in self.plan.position(j)])
-                            for j in range(self.plan.group_size)]) if self.plan.num_groups else None
+    # Layer i draws from keys[i] (see the module docstring).
+    keys = jax.random.split(rngs.params(), len(spec.layers))
+    build = lambda i, key: DecoderLayer(model_cfg, spec.layers[i], rngs=nnx.Rngs(key), mesh=mesh)
+    self.layers = nnx.List([build(i, keys[i]) for i in self.plan.unrolled])
+    # A position's layers share their mixer and FFN kinds (`config.layer_plan`), all a DecoderLayer's build reads.
+    positions = [self.plan.position(j) for j in range(self.plan.group_size)] if self.plan.num_groups else []
+    self.groups = nnx.List([_build_stacked(functools.partial(build, p[0]), keys[np.asarray(p)])
+                            for p in positions]) if positions else None
     self.final_res = None if self.mode == "none" else attnres.DepthAttention(
         d, eps=model_cfg.norm_eps, backward=model_cfg.residual.backward)
     self.final_norm = RMSNorm(d, eps=model_cfg.norm_eps)
@@ -454,13 +460,12 @@ def _stack(trees):
   return nnx.spmd.add_axis(jax.tree.map(stack, *trees), 0, {nnx.PARTITION_NAME: None})
 
 
-def stack_modules(modules):
-  """One module whose Variables are those of `modules` (alike: same structure and static data) stacked on a new
-  leading axis."""
-  graphdef = nnx.graphdef(modules[0])
-  if any(nnx.graphdef(m) != graphdef for m in modules[1:]):
-    raise ValueError("stack_modules needs modules of the same structure and static attributes")
-  return nnx.merge(graphdef, _stack([nnx.state(m) for m in modules]))
+def _build_stacked(build, keys):
+  """The modules `build(key)` of every key (alike: same structure and static data) as one module, its Variables
+  stacked on a new leading axis (not sharded), built in one vmapped program."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(keys[0])))
+  return nnx.merge(graphdef, nnx.spmd.add_axis(jax.vmap(lambda key: nnx.state(build(key)))(keys), 0,
+                                                {nnx.PARTITION_NAME: None}))
 
 
 def scanned_layout(tree, model_cfg):
