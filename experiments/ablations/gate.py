@@ -69,14 +69,14 @@ def timed_variants(platform: str | None = None) -> list[dict]:
 def compiled_variants(shapes, *, dtype=jnp.bfloat16, platform: str | None = None) -> list[dict]:
   """Every `timed_variants` pair at every (B, T, H, D) of `shapes`, compiled ahead: one dict each with the
   variant, "shape", "dtype", "fn" (the compiled `fused_fwd_bwd`) and "args" (its inputs, fresh draws). The
-  programs are lowered first and then compiled all at once on threads (XLA compiles outside the GIL)."""
+  programs are lowered first and then compiled (`benchmark.compile_lowered`)."""
   rows = []
   for B, T, H, D in shapes:
     x, do = raw_inputs(B, T, H, D, dtype=dtype)
     for v in timed_variants(platform):
       rows.append({**v, "shape": f"{B}x{T}x{H}x{D}", "dtype": jnp.dtype(dtype).name, "args": (x, do),
                    "lowered": fused_fwd_bwd(v["gate"], v["backend"]).lower(x, do)})
-  compiled = benchmark.compile_in_threads({i: r.pop("lowered") for i, r in enumerate(rows)})
+  compiled = benchmark.compile_lowered({i: r.pop("lowered") for i, r in enumerate(rows)})
   return [{**r, "fn": compiled[i][0]} for i, r in enumerate(rows)]
 
 

@@ -1,9 +1,10 @@
 """Forward (prefill) throughput of models against sequence length, at a constant number of tokens per call.
 
 The cost of a KDA layer per token does not depend on the length; an MLA layer's attention grows with it. Every
-(model, length) pair is its own program: all are lowered first, then compiled at once on threads (XLA compiles
-outside the GIL; a GPU program takes tens of seconds), then timed one after another. A call runs `tokens // length`
-rows of random tokens through the model to its logits and reduces them to one number, so the whole forward is timed.
+(model, length) pair is its own program: all are lowered first, then compiled (`benchmark.compile_lowered`: at
+once on threads on a GPU, where a program takes tens of seconds), then timed one after another. A call runs
+`tokens // length` rows of random tokens through the model to its logits and reduces them to one number, so the
+whole forward is timed.
 A dense model's forward takes the same time whatever its weights, so `models_at_init` gives models to time without
 a trained checkpoint (an MoE model's routing, and so its expert loads, would differ from a trained one's).
 """
@@ -44,7 +45,7 @@ def _forward(graphdef, state, tokens_BT):
 
 
 def forward_tokens_per_s(models: Mapping, lengths, *, tokens: int, repeats: int = 5, seed: int = 0) -> dict:
-  """{name: one row per length: {"seq_len", "rows", "compile_s" (wall time of the concurrent compile that built it),
+  """{name: one row per length: {"seq_len", "rows", "compile_s" (wall time of the compile that built it),
   "ms" (median of `repeats` calls after one untimed), "tokens_per_s"}} for `models` ({name: model}). `tokens` must
   be a multiple of every length."""
   lengths = list(lengths)
@@ -57,7 +58,7 @@ def forward_tokens_per_s(models: Mapping, lengths, *, tokens: int, repeats: int 
   lowered = {(name, t): _forward.lower(graphdef, state, inputs[t])
              for name, (graphdef, state) in split.items() for t in lengths}
 
-  compiled = benchmark.compile_in_threads(lowered)
+  compiled = benchmark.compile_lowered(lowered)
   out = {}
   for name, (_, state) in split.items():
     out[name] = []

@@ -3,7 +3,7 @@ batched decode of a config with its own layer pattern and with every layer MLA, 
 
 Weights are random (speed does not depend on them), matrices in bf16 for inference. Per (pattern, batch) one cache
 of the largest context that fits plus the decode steps, one compiled prefill chunk step and one compiled decode
-loop, compiled together in threads before anything is timed; per context:
+loop, all compiled (`benchmark.compile_lowered`) before anything is timed; per context:
 - prefill (`Settings.prefill`; off: the decode loop alone is compiled and timed): the chunk step timed at the
   first chunk and at the last (start L − chunk); a chunk's time is affine in its start (the MLA attention over the
   prefix grows linearly, the rest is constant), so the whole prefill takes n·(t_first + t_last)/2 ("est"). Where
@@ -153,7 +153,7 @@ def plan(model, model_cfg, pattern, B, contexts, chunk_tokens, steps, memory_fra
 
 
 def compile_all(programs: list[Programs], steps: int, check: bool, prefill: bool = True) -> None:
-  """Lowers every program (tracing is Python: one after another), then compiles them in threads; without
+  """Lowers every program (tracing is Python: one after another), then compiles them all (`benchmark.compile_lowered`); without
   `prefill` the decode loops alone."""
   lowered = []
   for p in programs:
@@ -168,7 +168,7 @@ def compile_all(programs: list[Programs], steps: int, check: bool, prefill: bool
     lowered.append((p, (*calls, forward, reference), time.perf_counter() - start))
 
   roles = ("step", "loop", "forward", "reference")
-  compiled = benchmark.compile_in_threads({(i, role): program for i, (_, calls, _) in enumerate(lowered)
+  compiled = benchmark.compile_lowered({(i, role): program for i, (_, calls, _) in enumerate(lowered)
                                            for role, program in zip(roles, calls)})
   for i, (p, _, trace_s) in enumerate(lowered):
     p.step, p.loop, p.forward, p.reference = (compiled[(i, role)][0] for role in roles)

@@ -4,7 +4,7 @@ minutes to compile), then measured one variant at a time on rows of the config's
 
 Compiling side by side has two forms: `side_by_side` traces and compiles each task in a process of its own
 (tracing is Python under the GIL; `measure_in_turn` is it for train steps, the studies' `precompile_variants` for
-their programs), and threads (`background.Background`; `compile_in_threads` for programs already lowered, the RL
+their programs), and threads (`background.Background`; `compile_lowered` for programs already lowered, the RL
 run's compile-ahead for its programs): XLA compiles outside the GIL."""
 from __future__ import annotations
 
@@ -30,14 +30,17 @@ PATTERNS = {"config": None, "mla": ("mla",), "kda": ("kda",)}
 K = TypeVar("K")
 
 
-def compile_in_threads(lowered: Mapping[K, Any]) -> dict[K, tuple[Any, float]]:
-  """{key: (compiled program, compile seconds)} of `lowered` ({key: a lowered program, or None}), all compiled at
-  once in threads (`background.Background`); None stays None (0 seconds)."""
+def compile_lowered(lowered: Mapping[K, Any]) -> dict[K, tuple[Any, float]]:
+  """{key: (compiled program, compile seconds)} of `lowered` ({key: a lowered program, or None}); None stays None (0
+  seconds). On an accelerator all at once in threads (`background.Background`: XLA compiles outside the GIL); on a
+  CPU one after another, since XLA:CPU's compile already spreads over the cores and threads beside it only contend
+  for them (more CPU time in all, and the slowest program done later)."""
   def compile_one(program):
     start = time.perf_counter()
     return program and program.compile(), time.perf_counter() - start
   jobs = [functools.partial(compile_one, program) for program in lowered.values()]
-  return dict(zip(lowered, background.Background(jobs).wait()))
+  results = [job() for job in jobs] if jax.default_backend() == "cpu" else background.Background(jobs).wait()
+  return dict(zip(lowered, results))
 
 
 def parse_changes(text: str) -> tuple[str, dict[str, Any]]:

@@ -133,11 +133,11 @@ def test_every_kernel_of_the_train_step_is_under_a_named_scope():
   """Every instruction of the compiled step (KDA and MLA layers, dense FFN and MoE; CPU) that carries an op_name
   falls under a layer's or the step's named scope, so a profile's glue reads as the model's parts; the step's own
   parts each appear; the layers scanned in groups of (KDA, MLA) after two unrolled ones."""
-  run = benchmark.compile_run(_scanned_step_config("layer"))
+  step = benchmark.lower_step(trainer.Run(_scanned_step_config("layer"))).compile()   # the step alone, no init
   skip = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
   scopes = collections.Counter(
       profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
-      for name, (opcode, op_name) in profile.hlo_instructions(run.step.as_text()).items()
+      for name, (opcode, op_name) in profile.hlo_instructions(step.as_text()).items()
       if op_name.startswith("jit(train_step)") and opcode not in skip)
   assert "unscoped" not in scopes, scopes
   assert {"embed", "head", "loss", "optimizer", "metrics", "kda", "mla", "moe", "ffn", "attnres"} <= set(scopes)
@@ -269,10 +269,10 @@ def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
   assert all("profile" in r for r in rows)
 
 
-def test_compile_in_threads_gives_each_lowered_program_compiled_under_its_key():
+def test_compile_lowered_gives_each_lowered_program_compiled_under_its_key():
   double, square = jax.jit(lambda x: 2 * x), jax.jit(lambda x: x * x)
   x = jnp.arange(3.0)
-  got = benchmark.compile_in_threads({"double": double.lower(x), ("square", 1): square.lower(x), "none": None})
+  got = benchmark.compile_lowered({"double": double.lower(x), ("square", 1): square.lower(x), "none": None})
   assert set(got) == {"double", ("square", 1), "none"} and got["none"] == (None, got["none"][1])
   assert list(got["double"][0](x)) == [0.0, 2.0, 4.0] and list(got[("square", 1)][0](x)) == [0.0, 1.0, 4.0]
   assert all(seconds >= 0 for _, seconds in got.values())
