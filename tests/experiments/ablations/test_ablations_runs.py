@@ -63,8 +63,9 @@ def test_each_variant_trains_in_its_own_directory_and_its_history_is_what_it_log
     assert len(h["evals"]) == 1 and np.isfinite(h["evals"][0]["heldout_loss"]) and h["wall_s"] > 0
     assert json.loads((directory / "config.json").read_text())["model"]["residual"]["mode"] == name
   # Same seed, same batches, same initial parameters: the first losses agree (AttnRes starts uniform either way
-  # and the first sub-layers see the same sources).
-  assert histories["block"][0]["metrics"]["loss"][0] == pytest.approx(histories["full"][0]["metrics"]["loss"][0])
+  # and the first sub-layers see the same sources) to fp32 roundoff (the two modes sum in other orders: 1.4e-6 seen).
+  assert histories["block"][0]["metrics"]["loss"][0] == pytest.approx(histories["full"][0]["metrics"]["loss"][0],
+                                                                      rel=1e-5)
 
 
 def test_a_second_call_reuses_finished_runs_and_refuses_a_directory_of_another_config(trained):
