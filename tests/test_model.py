@@ -313,6 +313,20 @@ def test_the_scanned_backward_keeps_the_source_buffer_once_not_per_group(readout
   assert unrolled < scanned <= unrolled + 2 * buffer, (unrolled, scanned)
 
 
+def test_the_init_traces_a_group_position_once_however_many_groups():
+  """A scanned group position's layers are built in one vmapped program: the init of 4 groups traces to as many
+  equations as that of 2 (the unrolled init, a layer's build per layer, grows with them); each layer still draws
+  values of its own."""
+  def init(num_layers, scan=True):
+    cfg = small_config(**{**SCANNED, "num_layers": num_layers, "scan_layers": scan})
+    assert nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))).plan.num_groups == (num_layers - 2) // 2 * scan
+    return lambda: nnx.state(K3Model(cfg, rngs=nnx.Rngs(0)))
+  equations = lambda num_layers, scan=True: len(jax.make_jaxpr(init(num_layers, scan))().eqns)
+  assert equations(6) == equations(10) and equations(6, scan=False) < equations(10, scan=False)
+  stacked = [x for x in jax.tree.leaves(jax.jit(init(10))()["groups"]) if x.ndim >= 3]   # the stacked matrices
+  assert stacked and all(x.shape[0] == 4 and not np.array_equal(x[0], x[g]) for x in stacked for g in range(1, 4))
+
+
 def test_decode_with_scanned_groups_matches_the_full_forward():
   model = shared_model(tuple(SCANNED.items()))
   assert model.plan.num_groups == 2

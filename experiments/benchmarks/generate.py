@@ -153,8 +153,8 @@ def plan(model, model_cfg, pattern, B, contexts, chunk_tokens, steps, memory_fra
 
 
 def compile_all(programs: list[Programs], steps: int, check: bool, prefill: bool = True) -> None:
-  """Lowers every program (tracing is Python: one after another), then compiles them all (`benchmark.compile_lowered`); without
-  `prefill` the decode loops alone."""
+  """Lowers every program (tracing is Python: one after another), then compiles them all
+  (`benchmark.compile_lowered`); without `prefill` the decode loops alone."""
   lowered = []
   for p in programs:
     start = time.perf_counter()

@@ -4,8 +4,8 @@ minutes to compile), then measured one variant at a time on rows of the config's
 
 Compiling side by side has two forms: `side_by_side` traces and compiles each task in a process of its own
 (tracing is Python under the GIL; `measure_in_turn` is it for train steps, the studies' `precompile_variants` for
-their programs), and threads (`background.Background`; `compile_lowered` for programs already lowered, the RL
-run's compile-ahead for its programs): XLA compiles outside the GIL."""
+their programs), and threads (`background.Background`; `compile_lowered` for programs already lowered, on a GPU;
+the RL run's compile-ahead for its programs): XLA compiles outside the GIL."""
 from __future__ import annotations
 
 import ast

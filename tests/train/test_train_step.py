@@ -185,8 +185,8 @@ def _run_steps(model_cfg, steps: int, *, resume_at: int | None = None, directory
 
 def test_scanned_train_steps_match_the_unrolled_ones(tmp_path):
   # Layer i draws from its own key, one by one or vmapped over a group position's keys, so both models start from
-  # the same parameters. Muon orthogonalises the stacked matrices over their batch axis; quantile balancing updates the
-  # stacked MoE layers from stacked micro-batch stats.
+  # the same parameters. Muon orthogonalises the stacked matrices over their batch axis; quantile balancing updates
+  # the stacked MoE layers from stacked micro-batch stats.
   # Rematerialised (the scanned groups' own recomputing VJP) under the scan over micro-batches.
   scanned_cfg = small_config(**SCANNED, remat="save_kda_out")
   unrolled_cfg = small_config(**SCANNED, remat="save_kda_out", scan_layers=False)
