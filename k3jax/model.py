@@ -155,9 +155,9 @@ class K3Model(nnx.Module):
     build = lambda i, key: DecoderLayer(model_cfg, spec.layers[i], rngs=nnx.Rngs(key), mesh=mesh)
     self.layers = nnx.List([build(i, keys[i]) for i in self.plan.unrolled])
     # A position's layers share their mixer and FFN kinds (`config.layer_plan`), all a DecoderLayer's build reads.
-    positions = [self.plan.position(j) for j in range(self.plan.group_size)] if self.plan.num_groups else []
+    positions = [self.plan.position(j) for j in range(self.plan.group_size)]
     self.groups = nnx.List([_build_stacked(functools.partial(build, p[0]), keys[np.asarray(p)])
-                            for p in positions]) if positions else None
+                            for p in positions]) if self.plan.num_groups else None
     self.final_res = None if self.mode == "none" else attnres.DepthAttention(
         d, eps=model_cfg.norm_eps, backward=model_cfg.residual.backward)
     self.final_norm = RMSNorm(d, eps=model_cfg.norm_eps)
