@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax import envs, generate_lib
+from k3jax import envs, generate_lib, parallel
 from k3jax.data import pipeline, tokenizer as tok
 from k3jax.envs.trajectory import Trajectory
 from k3jax.rl import config as rl_config_lib
@@ -58,14 +58,16 @@ class RLRun:
     self.tx = optimizer.make_optimizer(config.optimizer, self.lr)
     self.graphdef, self.abstract, _ = state_lib.abstract_state(config, self.tx, self.mesh)
     shardings = state_lib.shardings_of(self.abstract)
+    options = parallel.compiler_options(self.mesh)
     self.start_state = jax.jit(lambda s: state_lib.TrainState(jnp.zeros((), jnp.int32), s.params,
                                                               self.tx.init(s.params), s.balancer, s.other),
-                               out_shardings=shardings)
+                               out_shardings=shardings, compiler_options=options)
     loss_cfg = grpo.LossConfig(clip_eps=r.clip_eps, kl_coef=r.kl_coef)
     self.rl_step = jax.jit(rl_step_lib.make_rl_step(self.graphdef, self.tx, self.lr, config.model, loss_cfg,
                                                     r.temperature),
-                           donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())))
-    self.logprobs = jax.jit(rl_step_lib.make_logprob_fn(self.graphdef, r.temperature))
+                           donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())),
+                           compiler_options=options)
+    self.logprobs = jax.jit(rl_step_lib.make_logprob_fn(self.graphdef, r.temperature), compiler_options=options)
     self.rollout_cfg = rollout.RolloutConfig(r.length, r.max_turns, r.turn_tokens)
     self.reward_cfg = rewards.RewardConfig(r.format_weight, r.length_weight)
     self.sampling = sampler_lib.rollout_options(r.temperature, r.top_p)

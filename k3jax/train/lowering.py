@@ -38,7 +38,8 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
   spec = lambda dtype: jax.ShapeDtypeStruct((micro_batches, batch, seq_len), dtype, sharding=sharding)
   batch_spec = {"tokens": spec(jnp.int32), "segment_ids": spec(jnp.int32), "targets": spec(jnp.int32),
                 "weights": spec(jnp.float32)}
-  step = jax.jit(step_lib.make_train_step(graphdef, tx, lr, config.model), donate_argnums=0)
+  step = jax.jit(step_lib.make_train_step(graphdef, tx, lr, config.model), donate_argnums=0,
+                 compiler_options=parallel.compiler_options(mesh))
   clock.lap()
   traced = step.trace(abstract, batch_spec)
   t_trace = clock.lap()

@@ -122,10 +122,12 @@ class Run:
     self.graphdef, self.abstract = spec.graphdef, spec.abstract
     shardings = state_lib.shardings_of(self.abstract)
     # One program for every seed (the seed is its argument): a run of another seed finds it compiled.
-    self.init_program = jax.jit(spec.init, out_shardings=shardings)
+    options = parallel.compiler_options(self.mesh)
+    self.init_program = jax.jit(spec.init, out_shardings=shardings, compiler_options=options)
     step = step_lib.make_train_step(self.graphdef, self.tx, self.plan.learning_rate, self.config.model)
-    self.train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())))
-    self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef))
+    self.train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())),
+                              compiler_options=options)
+    self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef), compiler_options=options)
 
   @property
   def stages(self) -> tuple[stages_lib.Stage, ...]:
@@ -333,7 +335,9 @@ def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None =
   """Evaluates a run's checkpoint (see `restore`; the "mesh" override also places the arrays); returns
   {stage, step, seq_len, **evaluation}. Writes nothing."""
   r = restore(workdir, stage=stage, step=step, overrides=overrides)
-  result = evaluate.evaluate(jax.jit(step_lib.make_eval_step(r.spec.graphdef)), r.state, r.config,
+  eval_step = jax.jit(step_lib.make_eval_step(r.spec.graphdef),
+                      compiler_options=parallel.compiler_options(r.spec.mesh))
+  result = evaluate.evaluate(eval_step, r.state, r.config,
                              r.meta["seq_len"], r.spec.mesh)
   print(f"stage {r.stage}, step {r.meta['step']}:\n"
         + evaluate.format_table(result, r.config.data.task_length or r.meta["seq_len"]), flush=True)

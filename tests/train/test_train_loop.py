@@ -5,7 +5,8 @@ interrupted ones with a checkpoint of the step they reached; a damaged latest ch
 previous one used, and a stage whose every checkpoint is damaged stops instead of starting over; a changed config
 or a missing metrics.jsonl is refused before anything is written; stage 1 starts from stage 0's final checkpoint;
 evaluation reproduces the run's and leaves the run directory as it was; a diverging run stops at the step, with
-no non-finite checkpoint and strict-JSON metrics."""
+no non-finite checkpoint and strict-JSON metrics; a one-device run's programs compile without the latency-hiding
+scheduler."""
 import json
 import os
 import re
@@ -255,3 +256,17 @@ def test_divergence_stops_at_the_step_without_a_non_finite_checkpoint_or_json(tm
   with pytest.raises(checkpoint.NonFiniteState, match="non-finite values"):
     with checkpoint.Checkpointer(tmp_path / "other", keep=1) as ckpt:
       ckpt.save(1, jax.tree.map(lambda x: x * np.nan if x.dtype == np.float32 else x, state), {})
+
+
+@pytest.mark.parametrize("mesh, options", [("data:1,expert:1", (("xla_gpu_enable_latency_hiding_scheduler", False),)),
+                                           ("data:2,expert:2", ())])
+def test_one_device_programs_compile_without_the_latency_hiding_scheduler(mesh, options):
+  c = tiny.get_config()
+  c.model.num_layers = 1
+  c.seq_len, c.batch_size, c.steps, c.mesh = 32, 8, 2, mesh
+  run = trainer.Run(c)
+  batch = run.batch(run.stages[0], 0)
+  rows = jax.tree.map(lambda x: x[0], batch)
+  programs = {"init": run.init_program.trace(run.seed), "train": run.train_step.trace(run.abstract, batch),
+              "eval": run.eval_step.trace(run.abstract, rows)}
+  assert {name: t._params["compiler_options_kvs"] for name, t in programs.items()} == dict.fromkeys(programs, options)
