@@ -7,8 +7,8 @@ ShapeDtypeStruct, so this measures the Python side of compilation: building the 
 (forward, backward, optimizer, balancer update) to a jaxpr, and lowering it to StableHLO. `--compile` also runs
 XLA's compile (only sensible for small configs). The mesh defaults to every local device on `data` (on the CPU
 run it with XLA_FLAGS=--xla_force_host_platform_device_count=8 to see the expert-parallel path with
-`--mesh=data:1,expert:8`). `--compile --profile_compile` prints XLA's compile by phase (passes, autotuning, each
-kernel's compile) without initialising or running anything, e.g. on the GPU for `small`'s step with every layer
+`--mesh=data:1,expert:8`). `--compile` compiles the state's init as well; `--compile --profile_compile` prints XLA's
+compile of each by phase (passes, autotuning, each kernel's compile) without initialising or running anything, e.g. on the GPU for `small`'s step with every layer
 MLA: `--config=small --seq_len=4096 --batch=16 --pattern=mla --compile --profile_compile`. The measurement is
 `k3jax.train.lowering.lower_train_step`.
 """
@@ -41,12 +41,15 @@ def main(argv):
                        mesh_spec=_MESH.value, compile_too=_COMPILE.value, compile_phases=_PHASES.value)
   print(f"{_CONFIG.value}: {config.model.num_layers} layers, {_MICRO.value} x {_BATCH.value} x {_SEQ_LEN.value} "
         f"tokens, mesh {_MESH.value} on {jax.devices()[0].platform}")
-  phases = r.pop("compile_phases", None)
+  phases = {name: r.pop(key, None) for name, key in (("step", "compile_phases"), ("init", "init_compile_phases"))}
   for k, v in r.items():
     print(f"  {k:<20}{v:>10.2f}" if isinstance(v, float) else f"  {k:<20}{v:>10}")
-  if phases is not None:
-    print("XLA's compile by phase (summed over threads):\n" + profile.format_compile_phases(phases))
-  harness.write_json(_OUT.value, {"config": _CONFIG.value, "pattern": _PATTERN.value, **r, "compile_phases": phases})
+  for name, program_phases in phases.items():
+    if program_phases is not None:
+      print(f"XLA's compile of the {name} by phase (summed over threads):\n"
+            + profile.format_compile_phases(program_phases))
+  harness.write_json(_OUT.value, {"config": _CONFIG.value, "pattern": _PATTERN.value, **r,
+                                  "compile_phases": phases["step"], "init_compile_phases": phases["init"]})
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ from k3jax.train import batches, optimizer, profile, stages as stages_lib, state
 def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, mesh_spec: str,
                      compile_too: bool = False, compile_phases: bool = False) -> dict:
   """Wall seconds to build the abstract state, trace and lower the train step (and compile it), the process-CPU
-  seconds of trace + lower, and the StableHLO size. `compile_phases` (with `compile_too`): the compile runs under
-  the profiler and `out["compile_phases"]` holds XLA's phases (`profile.trace_compile`), with no init and no step
-  run, the quickest way to see where a GPU compile goes."""
+  seconds of trace + lower, and the StableHLO size. With `compile_too` the state's init is compiled too, after the
+  step (`init_compile_s`), nothing run. `compile_phases` (with `compile_too`): the compiles run under the profiler
+  and `out["compile_phases"]` / `out["init_compile_phases"]` hold XLA's phases (`profile.trace_compile`), the
+  quickest way to see where a GPU compile goes."""
   if compile_phases and not compile_too:
     raise ValueError("compile_phases needs compile_too")
   config = config.copy_and_resolve_references()
@@ -32,14 +33,14 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
   lr = plan.learning_rate
   tx = optimizer.make_optimizer(config.optimizer, lr)
   clock = _Clock()
-  graphdef, abstract, _ = state_lib.abstract_state(config, tx, mesh)
+  graphdef, abstract, init = state_lib.abstract_state(config, tx, mesh)
   t_state = clock.lap()
   sharding = batches.micro_batch_sharding(mesh)
   spec = lambda dtype: jax.ShapeDtypeStruct((micro_batches, batch, seq_len), dtype, sharding=sharding)
   batch_spec = {"tokens": spec(jnp.int32), "segment_ids": spec(jnp.int32), "targets": spec(jnp.int32),
                 "weights": spec(jnp.float32)}
-  step = jax.jit(step_lib.make_train_step(graphdef, tx, lr, config.model), donate_argnums=0,
-                 compiler_options=parallel.compiler_options(mesh))
+  options = parallel.compiler_options(mesh)
+  step = jax.jit(step_lib.make_train_step(graphdef, tx, lr, config.model), donate_argnums=0, compiler_options=options)
   clock.lap()
   traced = step.trace(abstract, batch_spec)
   t_trace = clock.lap()
@@ -50,14 +51,19 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
          "trace_lower_cpu_s": t_trace[1] + t_lower[1], "stablehlo_mb": len(text.encode()) / 1e6,
          "jaxpr_eqns": len(traced.jaxpr.eqns), **kernel_calls(text)}
   if compile_too:
+    compile_ = lambda lowered: profile.trace_compile(lowered.compile) if compile_phases else (lowered.compile(), None)
     clock.lap()
-    compiled, phases = profile.trace_compile(lowered.compile) if compile_phases else (lowered.compile(), None)
+    compiled, phases = compile_(lowered)
     mem = compiled.memory_analysis()
     out["compile_s"], out["compile_cpu_s"] = clock.lap()
     if mem is not None:  # XLA's own count for the step: its temporaries (activations and the like)
       out["temp_gib"] = mem.temp_size_in_bytes / 2 ** 30
+    init_program = jax.jit(init, out_shardings=state_lib.shardings_of(abstract), compiler_options=options)
+    clock.lap()
+    _, init_phases = compile_(init_program.lower(jnp.int32(config.seed)))
+    out["init_compile_s"] = clock.lap()[0]
     if phases is not None:
-      out["compile_phases"] = phases
+      out["compile_phases"], out["init_compile_phases"] = phases, init_phases
   return out
 
 

@@ -48,6 +48,8 @@ def test_compile_phases_name_xlas_passes_and_need_a_compile():
   names = {p["name"] for p in r["compile_phases"]}
   assert all(p["s"] >= 0 and p["count"] >= 1 for p in r["compile_phases"]), r["compile_phases"]
   assert any("HloPass" in n or "jit_train_step" in n for n in names), names   # XLA's own events, not ours
-  assert r["compile_s"] > 0
+  assert r["compile_s"] > 0 and r["init_compile_s"] > 0
+  init_names = {p["name"] for p in r["init_compile_phases"]}
+  assert any("jit_init" in n for n in init_names) and not any("jit_train_step" in n for n in init_names), init_names
   with pytest.raises(ValueError, match="compile_too"):
     lower_train_step(c, seq_len=32, batch=2, micro_batches=1, mesh_spec="data:1,expert:1", compile_phases=True)
