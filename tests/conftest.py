@@ -37,14 +37,16 @@ def trained(tmp_path_factory):
     yield t
 
 
-# Run first: the longest tests (minutes each), so that no worker is left running one of them alone at the end.
-LONGEST_FIRST = ("test_notebooks.py",)
+# Run first, in this order: the files of the longest tests (the notebooks a minute each, then the whole-model
+# equivalence tests of 30-60 s), so that no worker is left running one of them alone at the end while the other idles.
+LONGEST_FIRST = ("test_notebooks.py", "test_train_step.py", "test_model.py")
 
 
 def pytest_collection_modifyitems(config, items):
   _skip_gpu_tests_without_a_gpu(items)
   _group_for_loadgroup(config, items)
-  items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)   # stable: the rest keep their order
+  first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: first.get(item.path.name, len(first)))   # stable: the rest keep their order
 
 
 def _skip_gpu_tests_without_a_gpu(items):
