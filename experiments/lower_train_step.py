@@ -8,9 +8,9 @@ ShapeDtypeStruct, so this measures the Python side of compilation: building the 
 XLA's compile (only sensible for small configs). The mesh defaults to every local device on `data` (on the CPU
 run it with XLA_FLAGS=--xla_force_host_platform_device_count=8 to see the expert-parallel path with
 `--mesh=data:1,expert:8`). `--compile` compiles the state's init as well; `--compile --profile_compile` prints XLA's
-compile of each by phase (passes, autotuning, each kernel's compile) without initialising or running anything, e.g. on the GPU for `small`'s step with every layer
-MLA: `--config=small --seq_len=4096 --batch=16 --pattern=mla --compile --profile_compile`. The measurement is
-`k3jax.train.lowering.lower_train_step`.
+compile of each by phase (passes, autotuning, each kernel's compile) without initialising or running anything, e.g.
+on the GPU for `small`'s step with every layer MLA: `--config=small --seq_len=4096 --batch=16 --pattern=mla --compile
+--profile_compile`. The measurement is `k3jax.train.lowering.lower_train_step`.
 """
 import jax
 from absl import app, flags

@@ -337,8 +337,7 @@ def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None =
   r = restore(workdir, stage=stage, step=step, overrides=overrides)
   eval_step = jax.jit(step_lib.make_eval_step(r.spec.graphdef),
                       compiler_options=parallel.compiler_options(r.spec.mesh))
-  result = evaluate.evaluate(eval_step, r.state, r.config,
-                             r.meta["seq_len"], r.spec.mesh)
+  result = evaluate.evaluate(eval_step, r.state, r.config, r.meta["seq_len"], r.spec.mesh)
   print(f"stage {r.stage}, step {r.meta['step']}:\n"
         + evaluate.format_table(result, r.config.data.task_length or r.meta["seq_len"]), flush=True)
   return {"stage": r.stage, "step": r.meta["step"], "seq_len": r.meta["seq_len"], **result}
