@@ -127,7 +127,7 @@ class Run:
     step = step_lib.make_train_step(self.graphdef, self.tx, self.plan.learning_rate, self.config.model)
     self.train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())),
                               compiler_options=options)
-    self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef), compiler_options=options)
+    self.eval_step = eval_program(self.graphdef, self.mesh)
 
   @property
   def stages(self) -> tuple[stages_lib.Stage, ...]:
@@ -330,14 +330,18 @@ def restore(workdir, *, stage: int | None = None, step: int | None = None, overr
   return Restored(stage, config, spec, *restored)
 
 
+def eval_program(graphdef, mesh):
+  """The eval step (`step.make_eval_step`) jitted for `mesh`: a Run's, and a checkpoint's evaluation's."""
+  return jax.jit(step_lib.make_eval_step(graphdef), compiler_options=parallel.compiler_options(mesh))
+
+
 def evaluate_checkpoint(workdir, *, stage: int | None = None, step: int | None = None,
                         overrides: dict | None = None) -> dict:
   """Evaluates a run's checkpoint (see `restore`; the "mesh" override also places the arrays); returns
   {stage, step, seq_len, **evaluation}. Writes nothing."""
   r = restore(workdir, stage=stage, step=step, overrides=overrides)
-  eval_step = jax.jit(step_lib.make_eval_step(r.spec.graphdef),
-                      compiler_options=parallel.compiler_options(r.spec.mesh))
-  result = evaluate.evaluate(eval_step, r.state, r.config, r.meta["seq_len"], r.spec.mesh)
+  result = evaluate.evaluate(eval_program(r.spec.graphdef, r.spec.mesh), r.state, r.config, r.meta["seq_len"],
+                             r.spec.mesh)
   print(f"stage {r.stage}, step {r.meta['step']}:\n"
         + evaluate.format_table(result, r.config.data.task_length or r.meta["seq_len"]), flush=True)
   return {"stage": r.stage, "step": r.meta["step"], "seq_len": r.meta["seq_len"], **result}
