@@ -58,7 +58,7 @@ def lower_train_step(config, *, seq_len: int, batch: int, micro_batches: int, me
     out["compile_s"], out["compile_cpu_s"] = clock.lap()
     if mem is not None:  # XLA's own count for the step: its temporaries (activations and the like)
       out["temp_gib"] = mem.temp_size_in_bytes / 2 ** 30
-    init_program = jax.jit(init, out_shardings=state_lib.shardings_of(abstract), compiler_options=options)
+    init_program = state_lib.InitProgram(init, abstract, mesh)
     clock.lap()
     _, init_phases = compile_(init_program.lower(jnp.int32(config.seed)))
     out["init_compile_s"] = clock.lap()[0]

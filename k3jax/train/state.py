@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax._src import config as jax_config   # the threefry-lowering context (jax exports no public one)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k3jax import parallel
 from k3jax.balancer import BalancerState
 from k3jax.model import K3Model
 
@@ -51,6 +53,28 @@ def abstract_state(config, tx: optax.GradientTransformation, mesh):
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
                           _shardings(shapes, mesh))
   return graphdef, abstract, init
+
+
+class InitProgram:
+  """`init` (of `abstract_state`) under `jax.jit` for a mesh: one program for every seed, laid out as `abstract`.
+
+  Its random draws lower to threefry's GPU kernel (`jax_threefry_gpu_kernel_lowering`) where XLA would otherwise
+  get threefry's unrolled rounds as HLO, one large fusion per parameter shape for its fusion pass and codegen:
+  the same bits either way, and on the GPU a fraction of the compile (docs/design.md, Compilation). Elsewhere the
+  option changes nothing."""
+
+  def __init__(self, init, abstract, mesh):
+    # The jitted init itself: its options and trace; lowered outside `lower` its draws would be threefry's rounds.
+    self.jitted = jax.jit(init, out_shardings=shardings_of(abstract), compiler_options=parallel.compiler_options(mesh))
+
+  def lower(self, seed, *, platforms: tuple[str, ...] | None = None):
+    """The program lowered for this process's devices, or for `platforms` (e.g. ("cuda",), from any machine)."""
+    with jax_config.threefry_gpu_kernel_lowering(True):
+      return self.jitted.trace(seed).lower(lowering_platforms=platforms)
+
+  def __call__(self, seed):
+    with jax_config.threefry_gpu_kernel_lowering(True):   # in jit's cache key: the call lowers the same way
+      return self.jitted(seed)
 
 
 def _shardings(shapes, mesh):

@@ -4,6 +4,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax._src import config as jax_config
 
 from experiments.configs import common
 from k3jax import parallel
@@ -22,7 +23,7 @@ def test_init_is_one_program_for_every_seed_and_gives_each_seed_its_rngs_paramet
   c = _config()
   mesh = parallel.mesh_from_string(c.mesh)
   _, abstract, init = state_lib.abstract_state(c, optax.adam(1e-3), mesh)
-  program = jax.jit(init, out_shardings=state_lib.shardings_of(abstract))
+  program = state_lib.InitProgram(init, abstract, mesh)
   assert program.lower(np.int32(0)).as_text() == program.lower(np.int32(5)).as_text()
   params = {}
   for seed in (0, 5):
@@ -32,6 +33,17 @@ def test_init_is_one_program_for_every_seed_and_gives_each_seed_its_rngs_paramet
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), state.params, eager)
     params[seed] = state.params
   assert not np.array_equal(params[0]["embed"].get_value(), params[5]["embed"].get_value())
+
+
+def test_the_init_lowers_its_draws_for_the_gpu_to_threefrys_kernel_not_to_its_rounds():
+  c = _config()
+  mesh = parallel.mesh_from_string(c.mesh)
+  _, abstract, init = state_lib.abstract_state(c, optax.adam(1e-3), mesh)
+  text = state_lib.InitProgram(init, abstract, mesh).lower(np.int32(0), platforms=("cuda",)).as_text()
+  with jax_config.threefry_gpu_kernel_lowering(False):
+    rounds = jax.jit(init).trace(np.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "cu_threefry2x32_ffi" in text and "shift_left" not in text
+  assert "cu_threefry2x32_ffi" not in rounds and "shift_left" in rounds   # what the option changes
 
 
 def test_a_run_builds_the_state_of_its_configs_seed():

@@ -267,6 +267,6 @@ def test_one_device_programs_compile_without_the_latency_hiding_scheduler(mesh, 
   run = trainer.Run(c)
   batch = run.batch(run.stages[0], 0)
   rows = jax.tree.map(lambda x: x[0], batch)
-  programs = {"init": run.init_program.trace(run.seed), "train": run.train_step.trace(run.abstract, batch),
+  programs = {"init": run.init_program.jitted.trace(run.seed), "train": run.train_step.trace(run.abstract, batch),
               "eval": run.eval_step.trace(run.abstract, rows)}
   assert {name: t._params["compiler_options_kvs"] for name, t in programs.items()} == dict.fromkeys(programs, options)
