@@ -84,15 +84,12 @@ def blocked_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, *, scale: float, b
   """`causal_attention`'s result by blocks of `block` queries and keys with an online softmax (FlashAttention's),
   in fp32: exact, O(T) memory besides one block pair, every pair at or below the diagonal computed (no document
   skipped). The backward recomputes the blocks from the saved log-sum-exps. Slow; it is the cuDNN path's fallback
-  for rows of more documents than slots, where the dense mask would be O(T²) memory."""
-  B, T, H, _ = q_BTHD.shape
-  Tp = -(-T // block) * block
-  pad = lambda a: jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
-  # Padding positions are a document of their own (−1): no real query sees them, and each sees itself.
-  seg = jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)
-  heads = lambda a: pad(a).transpose(0, 2, 1, 3).astype(jnp.float32)                    # [B, H, Tp, D]
-  o = _blocked(heads(q_BTHD), heads(k_BTHD), heads(v_BTHV), seg, float(scale), int(block))
-  return o.transpose(0, 2, 1, 3)[:, :T].astype(q_BTHD.dtype)
+  for rows of more documents than slots, where the dense mask would be O(T²) memory.
+
+  It saves for the backward its inputs as given, its output in their dtype and the log-sum-exps, nothing in its
+  fp32 `[B, H, T, D]` working layout: under the cuDNN path's `lax.cond` a residual of one branch fills a slot of the
+  other branch's residual of the same shape and dtype, and any other is written as zeros whichever branch runs."""
+  return _blocked(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT.astype(jnp.int32), float(scale), int(block))
 
 
 _dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)   # the blocked attention's fp32 products
@@ -112,12 +109,28 @@ def _rows(a, n, block, axis=2):
   return jax.lax.dynamic_slice_in_dim(a, n * block, block, axis=axis)
 
 
+def _heads(block, seg_BT, *xs_BTHD):
+  """The working layout: segment ids `[B, Tp]` and each of `xs` as fp32 `[B, H, Tp, ·]`, Tp = T rounded up to a
+  whole block; padding positions are a document of their own (−1): no real query sees them, and each sees itself."""
+  T = seg_BT.shape[1]
+  Tp = -(-T // block) * block
+  seg = jnp.pad(seg_BT, ((0, 0), (0, Tp - T)), constant_values=-1)
+  return seg, *(jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3).astype(jnp.float32)
+                for x in xs_BTHD)
+
+
+def _back(x_BHTD, T, dtype):
+  """`[B, H, Tp, ·]` back to the caller's `[B, T, H, ·]` and dtype."""
+  return x_BHTD.transpose(0, 2, 1, 3)[:, :T].astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _blocked(q, k, v, seg, scale, block):
-  return _blocked_fwd(q, k, v, seg, scale, block)[0]
+def _blocked(q_BTHD, k_BTHD, v_BTHV, seg_BT, scale, block):
+  return _blocked_fwd(q_BTHD, k_BTHD, v_BTHV, seg_BT, scale, block)[0]
 
 
-def _blocked_fwd(q, k, v, seg, scale, block):
+def _blocked_fwd(q_BTHD, k_BTHD, v_BTHV, seg_BT, scale, block):
+  seg, q, k, v = _heads(block, seg_BT, q_BTHD, k_BTHD, v_BTHV)
   B, H, Tp, Dv = v.shape
 
   def query_block(i):
@@ -138,13 +151,14 @@ def _blocked_fwd(q, k, v, seg, scale, block):
     return acc / l[..., None], m + jnp.log(l)
 
   o, lse = jax.lax.map(query_block, jnp.arange(Tp // block))          # [n, B, H, block, ·]
-  o = jnp.moveaxis(o, 0, 2).reshape(B, H, Tp, Dv)
+  o = _back(jnp.moveaxis(o, 0, 2).reshape(B, H, Tp, Dv), seg_BT.shape[1], q_BTHD.dtype)
   lse = jnp.moveaxis(lse, 0, 2).reshape(B, H, Tp)
-  return o, (q, k, v, seg, o, lse)
+  return o, (q_BTHD, k_BTHD, v_BTHV, seg_BT, o, lse)
 
 
-def _blocked_bwd(scale, block, res, do):
-  q, k, v, seg, o, lse = res
+def _blocked_bwd(scale, block, res, do_BTHV):
+  q_BTHD, k_BTHD, v_BTHV, seg_BT, o_BTHV, lse = res
+  seg, q, k, v, o, do = _heads(block, seg_BT, q_BTHD, k_BTHD, v_BTHV, o_BTHV, do_BTHV)
   n = q.shape[2] // block
   delta = jnp.sum(do * o, axis=-1)                                      # [B, H, Tp]
 
@@ -167,10 +181,12 @@ def _blocked_bwd(scale, block, res, do):
               dv + _dot("bhqk,bhqd->bhkd", p, _rows(do, i, block)))
     return jax.lax.fori_loop(j, n, step, (jnp.zeros_like(_rows(k, j, block)), jnp.zeros_like(_rows(v, j, block))))
 
-  merge = lambda blocks: jnp.moveaxis(blocks, 0, 2).reshape(blocks.shape[1], blocks.shape[2], -1, blocks.shape[-1])
-  dq = merge(jax.lax.map(dq_block, jnp.arange(n)))
-  dk, dv = (merge(b) for b in jax.lax.map(dkv_block, jnp.arange(n)))
-  return dq, dk, dv, None
+  T = seg_BT.shape[1]
+  merge = lambda blocks, like: _back(
+      jnp.moveaxis(blocks, 0, 2).reshape(blocks.shape[1], blocks.shape[2], -1, blocks.shape[-1]), T, like.dtype)
+  dq = merge(jax.lax.map(dq_block, jnp.arange(n)), q_BTHD)
+  dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
+  return dq, merge(dk, k_BTHD), merge(dv, v_BTHV), None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)

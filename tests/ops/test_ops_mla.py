@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.ad_checkpoint import saved_residuals   # jax prints them publicly (print_saved_residuals), not returns
 
 from k3jax.numerics import rel_err
 from k3jax.ops import mla
@@ -168,6 +169,20 @@ def test_causal_attention_is_the_formula_within_documents(with_segments):
     o = mla.causal_attention(q, k, v, jnp.asarray(seg) if with_segments else None, scale=D ** -0.5, impl="xla")
   assert o.shape == (B, T, H, DV)
   assert rel_err(o, _causal_reference(q, k, v, seg, D ** -0.5)) < 1e-5
+
+
+def test_blocked_attention_saves_its_inputs_output_and_log_sum_exps_in_their_own_layout():
+  """What the backward keeps: q, k, v as given, the output in their dtype, the log-sum-exps and the segment ids;
+  none of the fp32 `[B, H, T, D]` working copies. Under the cuDNN path's `lax.cond` the branches' residuals share
+  slots by shape and dtype, so these fill cuDNN's own (its q, k, v and output) instead of being written as zeros
+  when cuDNN runs."""
+  T = 40
+  q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in jax.random.split(jax.random.PRNGKey(1), 3))
+  seg = jnp.asarray(random_segments(7, B, T, 3, 2))
+  saved = saved_residuals(lambda q, k, v: mla.blocked_attention(q, k, v, seg, scale=0.1, block=16), q, k, v)
+  big = [(aval.dtype, aval.shape) for aval, _ in saved if aval.size >= B * T * H * D]
+  assert big == [(jnp.dtype(jnp.bfloat16), (B, T, H, D))] * 4   # q, k, v and the output
+  assert sum(aval.size for aval, _ in saved) < 4 * B * T * H * D + 2 * B * H * 48
 
 
 def test_causal_attention_rejects_an_unknown_impl():
