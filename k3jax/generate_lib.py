@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax import sampling
+from k3jax import parallel, sampling
 from k3jax.layers import attnres
 
 
@@ -169,7 +169,7 @@ def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: in
   num_chunks = -(-int(lengths.max()) // chunk)
   tokens_BT = jnp.pad(tokens_BT.astype(jnp.int32), ((0, 0), (0, max(0, num_chunks * chunk - T))))
   graphdef, state = nnx.split(model)
-  step = step or functools.partial(_prefill_step, graphdef)
+  step = step or functools.partial(_programs(state)[0], graphdef)
   if logits_BV is not None and (logits_BV.shape != (B, model.vocab_size) or logits_BV.dtype != jnp.float32):
     raise ValueError(f"logits_BV must be fp32 [B={B}, V={model.vocab_size}], got {logits_BV.dtype}"
                      f"{tuple(logits_BV.shape)}")
@@ -183,7 +183,6 @@ def prefill_chunked(model, tokens_BT, lengths_B=None, *, chunk: int, max_len: in
   return logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "logits_BV"))
 def _prefill_step(graphdef, state, cache, tokens_BT, lengths_B, logits_BV):
   new, cache = prefill_chunk(nnx.merge(graphdef, state), cache, tokens_BT, lengths_B)
   return jnp.where((lengths_B > 0)[:, None], new, logits_BV), cache
@@ -207,7 +206,7 @@ def decode_loop(model, logits_BV, cache: GenerationCache, rng, *, max_new, max_n
   if logits_BV.shape != (B, model.vocab_size):
     raise ValueError(f"logits must be [B={B}, V={model.vocab_size}], got {tuple(logits_BV.shape)}")
   graphdef, state = nnx.split(model)
-  loop = loop or functools.partial(_decode_loop, graphdef, max_new=max_new, options=options)
+  loop = loop or functools.partial(_programs(state)[1], graphdef, max_new=max_new, options=options)
   return loop(state, *_placed(_replicated(state), (cache, logits_BV, rng, jnp.asarray(budget, jnp.int32))))
 
 
@@ -223,7 +222,7 @@ def lower(model, batch: int, max_len: int, *, chunk: int | None, max_new: int,
 def lower_prefill(model, batch: int, max_len: int, *, chunk: int):
   """The prefill chunk step lowered for `batch` rows, a cache of `max_len` and chunks of `chunk` tokens."""
   graphdef, state, spec, cache = _abstract_inputs(model, batch, max_len)
-  return _prefill_step.lower(graphdef, state, cache, spec((batch, chunk), jnp.int32), spec((batch,), jnp.int32),
+  return _programs(state)[0].lower(graphdef, state, cache, spec((batch, chunk), jnp.int32), spec((batch,), jnp.int32),
                              spec((batch, model.vocab_size), jnp.float32))
 
 
@@ -232,8 +231,25 @@ def lower_decode(model, batch: int, max_len: int, *, max_new: int,
   """The decode loop lowered for `batch` rows, a cache of `max_len`, `max_new` tokens and `options`."""
   graphdef, state, spec, cache = _abstract_inputs(model, batch, max_len)
   rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  return _decode_loop.lower(graphdef, state, cache, spec((batch, model.vocab_size), jnp.float32),
+  return _programs(state)[1].lower(graphdef, state, cache, spec((batch, model.vocab_size), jnp.float32),
                             spec(rng.shape, rng.dtype), spec((batch,), jnp.int32), max_new=max_new, options=options)
+
+
+def _programs(state) -> tuple:
+  """(prefill chunk step, decode loop) jitted for a model of weights `state`: with the XLA options of the weights'
+  mesh (`parallel.compiler_options`; weights on no mesh are on one device)."""
+  sharding = _replicated(state)
+  return _jitted(tuple(parallel.compiler_options(sharding and sharding.mesh).items()))
+
+
+@functools.cache
+def _jitted(options: tuple) -> tuple:
+  """The two generation programs jitted once per set of XLA options (`options`: its items)."""
+  options = dict(options)
+  return (jax.jit(_prefill_step, static_argnames=("graphdef",), donate_argnames=("cache", "logits_BV"),
+                  compiler_options=options),
+          jax.jit(_decode_loop, static_argnames=("graphdef", "max_new", "options"), donate_argnames=("cache",),
+                  compiler_options=options))
 
 
 def _abstract_inputs(model, batch: int, max_len: int):
@@ -246,7 +262,6 @@ def _abstract_inputs(model, batch: int, max_len: int):
   return graphdef, state, spec, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "options"), donate_argnames=("cache",))
 def _decode_loop(graphdef, state, cache, logits_BV, rng, budget_B, *, max_new, options):
   model = nnx.merge(graphdef, state)
   layers = decoder_layers(model)          # cut once: the loop's body then reads the same weights every step

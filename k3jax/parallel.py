@@ -46,12 +46,12 @@ def mesh_from_string(spec: str, devices=None) -> Mesh:
               axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def compiler_options(mesh: Mesh) -> dict:
-  """XLA options for a program on `mesh`: on one device, no latency-hiding scheduler. It orders a program to overlap
-  collectives and asynchronous copies with compute, which a one-device program has none of, and on the GPU its order
-  kept a third more memory live in the train step for no speed (docs/design.md, Compilation). On a mesh of several
-  devices XLA's defaults stand."""
-  return {"xla_gpu_enable_latency_hiding_scheduler": False} if mesh.size == 1 else {}
+def compiler_options(mesh: Mesh | None) -> dict:
+  """XLA options for a program on `mesh` (None: on the default device alone): on one device, no latency-hiding
+  scheduler. It orders a program to overlap collectives and asynchronous copies with compute, which a one-device
+  program has none of, and on the GPU its order kept a third more memory live in the train step for no speed
+  (docs/design.md, Compilation). On a mesh of several devices XLA's defaults stand."""
+  return {"xla_gpu_enable_latency_hiding_scheduler": False} if mesh is None or mesh.size == 1 else {}
 
 
 def expert_parallel_size(mesh: Mesh | None) -> int:

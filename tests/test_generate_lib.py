@@ -219,6 +219,23 @@ def test_a_model_on_a_mesh_gets_each_program_once_for_a_new_cache_and_for_its_ow
   assert not {"_decode_loop", "_prefill_step"} & set(calls), calls
 
 
+@pytest.mark.parametrize("devices,options", [(1, (("xla_gpu_enable_latency_hiding_scheduler", False),)), (2, ())])
+def test_the_generation_programs_take_the_compiler_options_of_the_weights_mesh(devices, options):
+  """As the trainer's programs (`parallel.compiler_options`): on one device no latency-hiding scheduler, on a mesh of
+  several XLA's defaults; the prefill step and the decode loop both."""
+  graphdef, state = nnx.split(shared_model())
+  mesh = parallel.mesh_from_string(f"data:{devices},expert:1", jax.devices()[:devices])
+  state = jax.device_put(state, NamedSharding(mesh, P()))
+  _, _, spec, cache = generate_lib._abstract_inputs(nnx.merge(graphdef, state), 2, 19)
+  prefill, decode = generate_lib._programs(state)
+  V = shared_model().vocab_size
+  traced = [prefill.trace(graphdef, state, cache, spec((2, 4), jnp.int32), spec((2,), jnp.int32),
+                          spec((2, V), jnp.float32)),
+            decode.trace(graphdef, state, cache, spec((2, V), jnp.float32), spec((2,), jnp.uint32),
+                         spec((2,), jnp.int32), max_new=3, options=sampling.SamplingOptions())]
+  assert [t._params["compiler_options_kvs"] for t in traced] == [options, options]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(lengths=[-1, 3, 3]), "lengths_B must be B=3 ints in \\[0, T=12\\]"),
     (dict(lengths=[3, 3, 13]), "lengths_B must be B=3 ints in \\[0, T=12\\]"),
