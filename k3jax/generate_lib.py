@@ -222,8 +222,8 @@ def lower(model, batch: int, max_len: int, *, chunk: int | None, max_new: int,
 def lower_prefill(model, batch: int, max_len: int, *, chunk: int):
   """The prefill chunk step lowered for `batch` rows, a cache of `max_len` and chunks of `chunk` tokens."""
   graphdef, state, spec, cache = _abstract_inputs(model, batch, max_len)
-  return _programs(state)[0].lower(graphdef, state, cache, spec((batch, chunk), jnp.int32), spec((batch,), jnp.int32),
-                             spec((batch, model.vocab_size), jnp.float32))
+  return _programs(state)[0].lower(graphdef, state, cache, spec((batch, chunk), jnp.int32),
+                                   spec((batch,), jnp.int32), spec((batch, model.vocab_size), jnp.float32))
 
 
 def lower_decode(model, batch: int, max_len: int, *, max_new: int,
@@ -232,7 +232,8 @@ def lower_decode(model, batch: int, max_len: int, *, max_new: int,
   graphdef, state, spec, cache = _abstract_inputs(model, batch, max_len)
   rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   return _programs(state)[1].lower(graphdef, state, cache, spec((batch, model.vocab_size), jnp.float32),
-                            spec(rng.shape, rng.dtype), spec((batch,), jnp.int32), max_new=max_new, options=options)
+                                   spec(rng.shape, rng.dtype), spec((batch,), jnp.int32), max_new=max_new,
+                                   options=options)
 
 
 def _programs(state) -> tuple:
