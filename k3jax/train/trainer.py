@@ -122,8 +122,8 @@ class Run:
     self.graphdef, self.abstract = spec.graphdef, spec.abstract
     shardings = state_lib.shardings_of(self.abstract)
     # One program for every seed (the seed is its argument): a run of another seed finds it compiled.
-    options = parallel.compiler_options(self.mesh)
     self.init_program = state_lib.InitProgram(spec.init, spec.abstract, self.mesh)
+    options = parallel.compiler_options(self.mesh)
     step = step_lib.make_train_step(self.graphdef, self.tx, self.plan.learning_rate, self.config.model)
     self.train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, NamedSharding(self.mesh, P())),
                               compiler_options=options)
