@@ -1,10 +1,14 @@
 """The AttnRes read-out, forward and forward + backward: the op with its hand-written backward pass
-(`k3jax.ops.attnres.readout`; "op" as XLA fuses it, "op_kernel" the backward as one Pallas kernel) against autodiff
-of the same formula (`readout_reference`) and, for a buffer, its summary (`summarize_buffer` once, then
-`readout_from_summary` per read-out), at small's shapes:
+(`k3jax.ops.attnres.readout`; "op" as XLA fuses it, "op_kernel" the backward as one Pallas kernel, "op_fwd_kernel"
+the forward) against autodiff of the same formula (`readout_reference`) and, for a buffer, its summary
+(`summarize_buffer` once, then `readout_from_summary` per read-out), at small's shapes:
 
   python -m experiments.bench_attnres                 # GPU: small's read-outs at 4K (B·T = 65,536, d = 768)
   python -m experiments.bench_attnres --small         # CPU: tiny shapes, checks only
+  python -m experiments.bench_attnres --forward_launches=4:4,8:4,16:4,16:8   # the forward kernel's (rows, warps)
+
+`--forward_launches` times the forward kernel alone at each (token rows, warps) of a program against the fused
+op's forward (h, w, a, r), on each case's first read-out, instead of the table below.
 
 "autodiff" is the formula at the matrix units' default precision, as the model ran it before the op; both are
 checked against the formula in full fp32 (`readout_reference`). The read-outs, as the model has them: a scanned
@@ -23,12 +27,14 @@ from absl import app, flags
 
 from experiments import harness
 from k3jax.ops import attnres as attnres_ops
+from pallas_kernels import attnres as attnres_kernels
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("tokens", 65536, "B·T")
 flags.DEFINE_integer("d_model", 768, "d")
 flags.DEFINE_integer("repeats", 10, "timed repetitions (median)")
 flags.DEFINE_bool("small", False, "tiny shapes on the CPU: checks, no meaningful times")
+flags.DEFINE_list("forward_launches", [], "ROWS:WARPS of the forward kernel to time alone (see the docstring)")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_attnres.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows")
 
@@ -52,9 +58,10 @@ def summarized(qs, gs, buf, vc, vals, ve):
 
 IMPLS = {"op": each(attnres_ops.readout),
          "op_kernel": each(functools.partial(attnres_ops.readout, backward="kernel")),
+         "op_fwd_kernel": each(functools.partial(attnres_ops.readout, forward="kernel")),
          "autodiff": each(functools.partial(attnres_ops.readout_reference, precision=jax.lax.Precision.DEFAULT)),
          "summary": summarized}
-CHECKED = ("op", "op_kernel", "summary")   # held to fp32 autodiff of the formula
+CHECKED = ("op", "op_kernel", "op_fwd_kernel", "summary")   # held to fp32 autodiff of the formula
 
 
 def inputs(tokens: int, d: int, C: int, count: int, valid_E, J: int):
@@ -79,9 +86,43 @@ def programs(fn):
   return fwd, fwd_bwd
 
 
+def forward_launches(tokens: int, d: int, launches) -> list[dict]:
+  """The forward kernel alone at each (rows, warps) against the fused op's forward, each case's first read-out:
+  rows of {case, impl, fwd_ms, max_abs_err of h}."""
+  rows = []
+  for name, C, count, valid_E, _ in CASES[::2]:   # a scanned group's read-out, an unrolled layer's
+    q, g, buf, vc, vals, ve, _ = inputs(tokens, d, C, count, valid_E, 1)
+    flat = lambda x: x.reshape(*x.shape[:-3], tokens, d)
+    buf_R, vals_R = flat(buf), tuple(map(flat, vals[0]))
+    fused = jax.jit(lambda q, g, buf, vals: attnres_ops._forward(q[0], g[0], buf, vc, vals, ve, EPS))
+    want = fused(q, g, buf, vals[0])[0].reshape(tokens, d)
+    runs = {"fused": (fused, (q, g, buf, vals[0]))}
+    valid_N = jnp.concatenate([vc, ve])
+    bias = jnp.broadcast_to(jnp.where(valid_N, 0.0, -jnp.inf)[:, None], (valid_N.shape[0], tokens))
+    for launch in launches:
+      block_rows, num_warps = map(int, launch.split(":"))
+      kernel = jax.jit(functools.partial(attnres_kernels.readout_forward, eps=EPS, block_rows=block_rows,
+                                         num_warps=num_warps))
+      runs[f"kernel {block_rows}:{num_warps}"] = (kernel, (buf_R, vals_R, q[0] * g[0], bias))
+    for impl, (f, args) in runs.items():
+      h = f(*args)[0].reshape(tokens, d)
+      row = {"case": name, "impl": impl, "max_abs_err": float(jnp.max(jnp.abs(h - want)))}
+      if not FLAGS.small:
+        row["fwd_ms"] = 1e3 * harness.pipelined_seconds(f, *args, repeats=FLAGS.repeats)
+      rows.append(row)
+      print(row, flush=True)
+  return rows
+
+
 def main(argv):
   harness.check_argv(argv)
   tokens, d = (64, 32) if FLAGS.small else (FLAGS.tokens, FLAGS.d_model)
+  if FLAGS.forward_launches:
+    rows = forward_launches(tokens, d, FLAGS.forward_launches)
+    harness.write_json(FLAGS.out, rows)
+    if any(r["max_abs_err"] > 1e-4 for r in rows):
+      raise SystemExit("a forward kernel's h differs from the fused op's")
+    return
   rows = []
   for name, C, count, valid_E, J in CASES:
     q, g, buf, vc, vals, ve, dh = inputs(tokens, d, C, count, valid_E, J)

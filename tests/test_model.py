@@ -228,20 +228,44 @@ def test_the_backward_option_reaches_every_read_out_s_op():
   """`residual.backward` changes how the read-outs' backward pass runs, not what it computes (the op's tests check
   every setting against the formula, tests/ops/test_ops_attnres.py): "barrier" puts its barriers in the scanned
   model's gradient program beside remat's own, "kernel" makes every read-out's backward the Pallas kernel."""
-  fused = SCAN_CASES["blocks_straddle_groups"].copy_and_resolve_references()
-  tokens, seg = _tokens(8, (2, 16)), segments(2, (7, 9))   # B·T = 32: two blocks of the kernel's rows
-
-  def gradient_program(backward):
-    cfg = fused.copy_and_resolve_references()
-    cfg.residual.backward = backward
-    graphdef, params, rest = nnx.split(random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3), nnx.Param, ...)
-    loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, segment_ids_BT=seg)[0])
-    return str(jax.make_jaxpr(jax.grad(loss))(params))
-  programs = {b: gradient_program(b) for b in ("fused", "barrier", "kernel")}
+  programs = {b: _gradient_program(backward=b) for b in ("fused", "barrier", "kernel")}
   assert programs["barrier"].count("optimization_barrier") > programs["fused"].count("optimization_barrier")
   assert "attnres_readout_bwd" not in programs["fused"]
   # At least one kernel for each place the program calls the op (its custom VJP, named for `_readout`).
   assert programs["kernel"].count("name=attnres_readout_bwd") >= programs["fused"].count("name=_readout") > 0
+
+
+def test_the_forward_kernel_reaches_every_read_out_and_keeps_the_loss_and_gradients():
+  """`residual.forward="kernel"`: every read-out's forward (and its recomputation) is the Pallas kernel, and the
+  scanned, rematerialised model's loss and gradients are the fused forward's (interpret mode here)."""
+  programs = {f: _gradient_program(forward=f) for f in ("fused", "kernel")}
+  assert "attnres_readout_fwd" not in programs["fused"]
+  assert programs["kernel"].count("name=attnres_readout_fwd") >= programs["fused"].count("name=_readout") > 0
+  (l0, g0), (l1, g1) = (_loss_and_gradients(forward=f) for f in ("fused", "kernel"))
+  assert rel_err(l1, l0) < 1e-6
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  assert rel_err(flat(g1), flat(g0)) < 1e-5
+
+
+def _read_out_case(**residual):
+  """The scanned case whose AttnRes blocks straddle its groups, its read-outs' passes set as `residual` says, on
+  B·T = 32 tokens (two blocks of the kernels' rows): (loss of the parameters, the parameters)."""
+  cfg = SCAN_CASES["blocks_straddle_groups"].copy_and_resolve_references()
+  for field, value in residual.items():
+    cfg.residual[field] = value
+  tokens, seg = _tokens(8, (2, 16)), segments(2, (7, 9))
+  graphdef, params, rest = nnx.split(random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3), nnx.Param, ...)
+  return lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, segment_ids_BT=seg)[0]), params
+
+
+def _gradient_program(**residual) -> str:
+  loss, params = _read_out_case(**residual)
+  return str(jax.make_jaxpr(jax.grad(loss))(params))
+
+
+def _loss_and_gradients(**residual):
+  loss, params = _read_out_case(**residual)
+  return jax.jit(jax.value_and_grad(loss))(params)
 
 
 GROUP_READOUT_CASES = {   # block mode under the recomputing scan (remat); full mode under the plain scan (autodiff)

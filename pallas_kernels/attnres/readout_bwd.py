@@ -25,7 +25,7 @@ BLOCK_ROWS = 16   # token rows a program
 NUM_WARPS = 4
 
 
-def _column_slice(d: int) -> int:
+def column_slice(d: int) -> int:
   """The widest power of two that divides D (the kernel's column slice)."""
   return d & -d
 
@@ -62,7 +62,7 @@ def _backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, launch):
   out_specs = ([slots] if C else []) + [rows] * E + [pl.BlockSpec((1, D), lambda i: (i, 0))]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   out_shape = ([f32(C, R, D)] if C else []) + [f32(R, D)] * E + [f32(G, D)]
-  kernel = functools.partial(_kernel, C=C, E=E, D=D, cols=_column_slice(D))
+  kernel = functools.partial(_kernel, C=C, E=E, D=D, cols=column_slice(D))
   outs = triton_call(kernel, grid=(G,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                      name="attnres_readout_bwd", num_warps=num_warps, num_stages=1)(
                          qg_D.reshape(1, D), dh_RD, w_NR, a_NR, r_NR, *([buffer_CRD] if C else []), *values)

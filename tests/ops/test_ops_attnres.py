@@ -92,6 +92,25 @@ def test_each_backward_option_traces_as_it_says(T):
     backward("triton")
 
 
+@pytest.mark.parametrize("T", [KERNEL_SHAPE["T"], 5])
+def test_each_forward_option_traces_as_it_says(T):
+  """"kernel" is one Pallas call where B·T is a multiple of its block (else the fused form), in the op's forward
+  and in the forward that its VJP keeps residuals of; "fused" has none."""
+  q, g, buffer, valid_C, values, valid_E = _inputs(3, 2, [True, True], T=T, D=KERNEL_SHAPE["D"])
+
+  def program(option, grad):
+    f = lambda q, buffer: jnp.sum(attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=EPS,
+                                                      forward=option))
+    return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)) if grad else f)(q, buffer))
+
+  fits = (2 * T) % 4 == 0
+  for grad in (False, True):
+    assert ("attnres_readout_fwd" in program("kernel", grad)) == fits
+    assert "pallas_call" not in program("fused", grad)
+  with pytest.raises(ValueError, match="forward must be one of"):
+    program("triton", False)
+
+
 def test_weights_are_a_softmax_over_the_valid_values():
   q, g, buffer, valid_C, values, valid_E = _inputs(4, 3, [True, False], query_scale=3.0)
   w = attnres_ops.weights(q, g, buffer, valid_C, values, valid_E, eps=EPS)
