@@ -5,10 +5,11 @@ the forward) against autodiff of the same formula (`readout_reference`) and, for
 
   python -m experiments.bench_attnres                 # GPU: small's read-outs at 4K (B·T = 65,536, d = 768)
   python -m experiments.bench_attnres --small         # CPU: tiny shapes, checks only
-  python -m experiments.bench_attnres --forward_launches=4:4,8:4,16:4,16:8   # the forward kernel's (rows, warps)
+  python -m experiments.bench_attnres --forward_launches=4:4,8:4,16:4 --backward_launches=4:4,16:4
 
-`--forward_launches` times the forward kernel alone at each (token rows, warps) of a program against the fused
-op's forward (h, w, a, r), on each case's first read-out, instead of the table below.
+`--forward_launches` / `--backward_launches` time the forward / backward kernel alone at each (token rows, warps)
+of a program against the fused op's same pass (forward: h, w, a, r; backward: every cotangent), on each case's
+first read-out, instead of the table below.
 
 "autodiff" is the formula at the matrix units' default precision, as the model ran it before the op; both are
 checked against the formula in full fp32 (`readout_reference`). The read-outs, as the model has them: a scanned
@@ -35,6 +36,7 @@ flags.DEFINE_integer("d_model", 768, "d")
 flags.DEFINE_integer("repeats", 10, "timed repetitions (median)")
 flags.DEFINE_bool("small", False, "tiny shapes on the CPU: checks, no meaningful times")
 flags.DEFINE_list("forward_launches", [], "ROWS:WARPS of the forward kernel to time alone (see the docstring)")
+flags.DEFINE_list("backward_launches", [], "ROWS:WARPS of the backward kernel to time alone (see the docstring)")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_attnres.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows")
 
@@ -86,29 +88,46 @@ def programs(fn):
   return fwd, fwd_bwd
 
 
-def forward_launches(tokens: int, d: int, launches) -> list[dict]:
-  """The forward kernel alone at each (rows, warps) against the fused op's forward, each case's first read-out:
-  rows of {case, impl, fwd_ms, max_abs_err of h}."""
+def kernel_launches(tokens: int, d: int, launches, *, backward: bool) -> list[dict]:
+  """A kernel alone (the forward's, or with `backward` the backward's) at each (rows, warps) against the fused op's
+  same pass, on each case's first read-out: rows of {case, impl, fwd_ms or bwd_ms, max_abs_err of h or d_buffer
+  and d_values}."""
   rows = []
   for name, C, count, valid_E, _ in CASES[::2]:   # a scanned group's read-out, an unrolled layer's
-    q, g, buf, vc, vals, ve, _ = inputs(tokens, d, C, count, valid_E, 1)
+    q, g, buf, vc, vals, ve, dh = inputs(tokens, d, C, count, valid_E, 1)
+    q, g, vals, dh = q[0], g[0], vals[0], dh[0]
     flat = lambda x: x.reshape(*x.shape[:-3], tokens, d)
-    buf_R, vals_R = flat(buf), tuple(map(flat, vals[0]))
-    fused = jax.jit(lambda q, g, buf, vals: attnres_ops._forward(q[0], g[0], buf, vc, vals, ve, EPS))
-    want = fused(q, g, buf, vals[0])[0].reshape(tokens, d)
-    runs = {"fused": (fused, (q, g, buf, vals[0]))}
-    valid_N = jnp.concatenate([vc, ve])
-    bias = jnp.broadcast_to(jnp.where(valid_N, 0.0, -jnp.inf)[:, None], (valid_N.shape[0], tokens))
+    buf_R, vals_R, dh_R = flat(buf), tuple(map(flat, vals)), flat(dh)
+    if backward:
+      _, residuals = attnres_ops._readout_fwd(q, g, buf, vc, vals, ve, EPS, "fused", "fused")
+      w, a, r = (x.reshape(x.shape[0], tokens) for x in residuals[-3:])
+      fused = jax.jit(lambda residuals, dh: attnres_ops._readout_bwd(EPS, "fused", "fused", residuals, dh))
+      runs = {"fused": (fused, (residuals, dh))}
+      outputs = lambda out: [out[2].reshape(-1, tokens, d), *(v.reshape(tokens, d) for v in out[4])]
+      kernel_outputs = lambda out: [out[0], *out[1]]
+      make = lambda rows_, warps: (jax.jit(functools.partial(attnres_kernels.readout_backward, block_rows=rows_,
+                                                             num_warps=warps)),
+                                   (dh_R, buf_R, vals_R, q * g, w, a, r))
+    else:
+      fused = jax.jit(lambda q, g, buf, vals: attnres_ops._forward(q, g, buf, vc, vals, ve, EPS))
+      runs = {"fused": (fused, (q, g, buf, vals))}
+      outputs = lambda out: [out[0].reshape(tokens, d)]
+      kernel_outputs = outputs
+      valid_N = jnp.concatenate([vc, ve])
+      bias = jnp.broadcast_to(jnp.where(valid_N, 0.0, -jnp.inf)[:, None], (valid_N.shape[0], tokens))
+      make = lambda rows_, warps: (jax.jit(functools.partial(attnres_kernels.readout_forward, eps=EPS,
+                                                             block_rows=rows_, num_warps=warps)),
+                                   (buf_R, vals_R, q * g, bias))
     for launch in launches:
       block_rows, num_warps = map(int, launch.split(":"))
-      kernel = jax.jit(functools.partial(attnres_kernels.readout_forward, eps=EPS, block_rows=block_rows,
-                                         num_warps=num_warps))
-      runs[f"kernel {block_rows}:{num_warps}"] = (kernel, (buf_R, vals_R, q[0] * g[0], bias))
+      runs[f"kernel {block_rows}:{num_warps}"] = make(block_rows, num_warps)
+    want = outputs(fused(*runs["fused"][1]))
     for impl, (f, args) in runs.items():
-      h = f(*args)[0].reshape(tokens, d)
-      row = {"case": name, "impl": impl, "max_abs_err": float(jnp.max(jnp.abs(h - want)))}
+      got = (outputs if impl == "fused" else kernel_outputs)(f(*args))
+      row = {"case": name, "impl": impl,
+             "max_abs_err": max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(got, want, strict=True) if y.size)}
       if not FLAGS.small:
-        row["fwd_ms"] = 1e3 * harness.pipelined_seconds(f, *args, repeats=FLAGS.repeats)
+        row["bwd_ms" if backward else "fwd_ms"] = 1e3 * harness.pipelined_seconds(f, *args, repeats=FLAGS.repeats)
       rows.append(row)
       print(row, flush=True)
   return rows
@@ -117,11 +136,13 @@ def forward_launches(tokens: int, d: int, launches) -> list[dict]:
 def main(argv):
   harness.check_argv(argv)
   tokens, d = (64, 32) if FLAGS.small else (FLAGS.tokens, FLAGS.d_model)
-  if FLAGS.forward_launches:
-    rows = forward_launches(tokens, d, FLAGS.forward_launches)
+  if FLAGS.forward_launches or FLAGS.backward_launches:
+    rows = [{"pass": "forward", **r} for r in kernel_launches(tokens, d, FLAGS.forward_launches, backward=False)]
+    if FLAGS.backward_launches:
+      rows += [{"pass": "backward", **r} for r in kernel_launches(tokens, d, FLAGS.backward_launches, backward=True)]
     harness.write_json(FLAGS.out, rows)
     if any(r["max_abs_err"] > 1e-4 for r in rows):
-      raise SystemExit("a forward kernel's h differs from the fused op's")
+      raise SystemExit("a kernel's output differs from the fused op's")
     return
   rows = []
   for name, C, count, valid_E, J in CASES:
