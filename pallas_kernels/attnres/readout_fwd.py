@@ -4,9 +4,9 @@ Per block of token rows, over the values v_n (the buffer's C slots, then the E s
 
     a_n = (q ⊙ g)ᵀ v_n,   r_n = (mean_d v_n² + ε)^-½,   w = softmax_n(a_n r_n + bias_n),   h = Σ_n w_n v_n
 
-Two passes over the block's values in column slices of a power of two (Triton's loads are), the first for `a` and
-`r`, the second for `h`; the second finds the block's values in L2. `bias_n` is 0 for a valid value and −inf for
-one that is not, which then has weight exactly 0. It writes `h` and the `w`, `a`, `r` the backward pass keeps.
+The block's values are read once, in column slices of a power of two (Triton's loads are), and kept: a first pass
+over the tiles forms `a` and `r`, a second the weighted sum. `bias_n` is 0 for a valid value and −inf for one that
+is not, which then has weight exactly 0. It writes `h` and the `w`, `a`, `r` the backward pass keeps.
 
 XLA computes the same sum as one fusion over the values; the kernel is an opaque call to XLA's fusion passes, whose
 priority fusion spends seconds of every compile on the read-outs' sums (BUILD_NOTES, AttnRes).
@@ -22,10 +22,10 @@ from jax.experimental import pallas as pl
 from pallas_kernels._triton import traced_once, triton_call
 from pallas_kernels.attnres.readout_bwd import column_slice
 
-# Token rows and warps a program: the fastest of 4-32 rows and 1-8 warps alone on the H100 at small's scanned
-# read-out (BUILD_NOTES, AttnRes); 16 rows ran at half its speed.
+# Token rows and warps a program. Few rows: a program holds its rows of every value (at small's read-out, 7 values
+# of 768 columns: 21.5k fp32 at 4 rows, 84 registers a thread at 8 warps); BUILD_NOTES, AttnRes, has the sweep.
 BLOCK_ROWS = 4
-NUM_WARPS = 4
+NUM_WARPS = 8
 
 
 def readout_forward(buffer_CRD, values, qg_D, bias_NR, *, eps: float, block_rows: int = BLOCK_ROWS,
@@ -72,11 +72,14 @@ def _kernel(qg_ref, bias_ref, *refs, C, E, D, cols, eps):
   def value(n, sl):
     return buf_ref[n, :, sl] if n < C else val_refs[n - C][:, sl]
 
+  # Every value's tile is loaded once, up front, and kept for the weighted sum (in registers at a few rows a
+  # program): one read of the values, all loads in flight together.
+  tiles = [[value(n, sl) for sl in slices] for n in range(N)]
   a, sq = [0.0] * N, [0.0] * N
-  for sl in slices:
+  for j, sl in enumerate(slices):
     qg = qg_ref[:, sl]
     for n in range(N):
-      v = value(n, sl)
+      v = tiles[n][j]
       a[n] = a[n] + jnp.sum(v * qg, axis=1)
       sq[n] = sq[n] + jnp.sum(v * v, axis=1)
   r = [jax.lax.rsqrt(sq[n] / D + eps) for n in range(N)]
@@ -87,5 +90,5 @@ def _kernel(qg_ref, bias_ref, *refs, C, E, D, cols, eps):
   w = [e[n] / total for n in range(N)]
   for n in range(N):
     w_ref[n, :], a_ref[n, :], r_ref[n, :] = w[n], a[n], r[n]
-  for sl in slices:
-    h_ref[:, sl] = sum(w[n][:, None] * value(n, sl) for n in range(N))
+  for j, sl in enumerate(slices):
+    h_ref[:, sl] = sum(w[n][:, None] * tiles[n][j] for n in range(N))
