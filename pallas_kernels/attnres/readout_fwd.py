@@ -6,7 +6,8 @@ Per block of token rows, over the values v_n (the buffer's C slots, then the E s
 
 The block's values are read once, in column slices of a power of two (Triton's loads are), and kept: a first pass
 over the tiles forms `a` and `r`, a second the weighted sum. `bias_n` is 0 for a valid value and −inf for one that
-is not, which then has weight exactly 0. It writes `h` and the `w`, `a`, `r` the backward pass keeps.
+is not: that one is not read (its tile is zeros, so its `a` is 0 and its `r` ε^-½) and has weight exactly 0. It
+writes `h` and the `w`, `a`, `r` the backward pass keeps.
 
 XLA computes the same sum as one fusion over the values; the kernel is an opaque call to XLA's fusion passes, whose
 priority fusion spends seconds of every compile on the read-outs' sums (BUILD_NOTES, AttnRes).
@@ -18,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._triton import traced_once, triton_call
 from pallas_kernels.attnres.readout_bwd import column_slice
@@ -68,9 +70,14 @@ def _kernel(qg_ref, bias_ref, *refs, C, E, D, cols, eps):
   buf_ref, val_refs = (ins[0], ins[1:]) if C else (None, ins)
   N = C + E
   slices = [pl.ds(j * cols, cols) for j in range(D // cols)]
+  bias = [bias_ref[n, :] for n in range(N)]
 
   def value(n, sl):
-    return buf_ref[n, :, sl] if n < C else val_refs[n - C][:, sl]
+    """A value's tile, read only where the value is valid (bias 0): the buffer's empty slots cost no traffic, and
+    what they hold (zeros here) never meets the weight 0 they get."""
+    ref = buf_ref.at[jnp.int32(n), :, sl] if n < C else val_refs[n - C].at[:, sl]
+    valid = jnp.broadcast_to((bias[n] == 0.0)[:, None], (bias[n].shape[0], cols))
+    return pltriton.load(ref, mask=valid, other=0.0)
 
   # Every value's tile is loaded once, up front, and kept for the weighted sum (in registers at a few rows a
   # program): one read of the values, all loads in flight together.
@@ -83,7 +90,7 @@ def _kernel(qg_ref, bias_ref, *refs, C, E, D, cols, eps):
       a[n] = a[n] + jnp.sum(v * qg, axis=1)
       sq[n] = sq[n] + jnp.sum(v * v, axis=1)
   r = [jax.lax.rsqrt(sq[n] / D + eps) for n in range(N)]
-  s = [a[n] * r[n] + bias_ref[n, :] for n in range(N)]
+  s = [a[n] * r[n] + bias[n] for n in range(N)]
   top = functools.reduce(jnp.maximum, s)
   e = [jnp.exp(s[n] - top) for n in range(N)]
   total = sum(e)

@@ -64,17 +64,18 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
                "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_rows", "kda_intra_bwd_cols",
                "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "body"}
-# The "pallas" run's short convs and AttnRes read-outs run their backward passes as kernels too.
-BACKWARD_KERNELS = {"pallas": {"short_conv_dpre_dw", "attnres_readout_bwd"}, "pallas_group": set()}
+# The "pallas" run's short convs run their backward passes as kernels too, its AttnRes read-outs both passes.
+GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw", "attnres_readout_fwd", "attnres_readout_bwd"},
+                "pallas_group": set()}
 
 
-def _model_config(dtype: str, kda_backend: str, readout: str = "layer", backward: str = "fused"):
+def _model_config(dtype: str, kda_backend: str, readout: str = "layer", glue: str = "fused"):
   """The pattern KDA, KDA, KDA, MLA over 9 layers (layer 0 dense, 1-8 LatentMoE of 4 experts, scanned as two groups,
-  so that a group read-out has a group to read), two heads per mixer; `backward` the short convs' and the
-  read-outs' backward passes ("kernel": their Pallas kernels, which take these shapes)."""
+  so that a group read-out has a group to read), two heads per mixer; `glue` the short convs' backward passes and
+  the read-outs' forward and backward passes ("kernel": their Pallas kernels, which take these shapes)."""
   m = config_lib.model_config()
   m.num_layers, m.last_layer, m.residual.readout = 9, None, readout
-  m.kda.conv_backward = m.residual.backward = backward
+  m.kda.conv_backward = m.residual.forward = m.residual.backward = glue
   m.d_model, m.dtype, m.ffn_hidden = D_MODEL, dtype, 2 * D_MODEL
   m.kda.num_heads, m.kda.backend = 2, kda_backend
   m.mla.num_heads, m.mla.kv_lora_rank = 2, 64
@@ -124,7 +125,7 @@ def steps():
   _, _, init = state_lib.abstract_state(c, tx, mesh)
   state = jax.jit(init)(c.seed)
   batch = _batch(c.model.vocab_size)
-  runs = {"pallas": (_model_config("bfloat16", "pallas", backward="kernel"), "auto"),
+  runs = {"pallas": (_model_config("bfloat16", "pallas", glue="kernel"), "auto"),
           "pallas_group": (_model_config("bfloat16", "pallas", readout="group"), "auto"),
           "xla": (_model_config("bfloat16", "xla"), "xla"), "fp32": (_model_config("float32", "xla"), "xla")}
   out = {}
@@ -186,11 +187,11 @@ def test_loss_gradient_norm_and_gradients_are_the_xla_steps(steps, run):
 
 @pytest.mark.parametrize("run", KERNEL_RUNS)
 def test_the_step_compared_runs_the_kernels(steps, run):
-  """The kernels' step launches every KDA kernel (the "pallas" run also the short conv's and the read-out's backward
-  kernels) and on the GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the Triton and Mosaic GPU
+  """The kernels' step launches every KDA kernel (the "pallas" run also the short conv's backward kernel and the
+  read-out's forward and backward kernels) and on the GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the Triton and Mosaic GPU
   calls); the XLA steps launch none."""
   _, _, _, kernels, text = steps[run]
-  assert kernels == KDA_KERNELS | BACKWARD_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set()), sorted(kernels)
+  assert kernels == KDA_KERNELS | GLUE_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set()), sorted(kernels)
   for name in ("xla", "fp32"):
     assert not steps[name][3], (name, steps[name][3])
   if ON_GPU:
