@@ -5,11 +5,11 @@ Per block of token rows, with the read-out's weights `w`, scores' parts `a`, `r`
     dw_n = dhᵀ v_n,   ds_n = w_n (dw_n − Σ_m w_m dw_m),   c_n = ds_n r_n,   k_n = −ds_n a_n r_n³ / D
     dv_n = w_n dh + c_n (q ⊙ g) + k_n v_n,          u += Σ_rows c_n v_n   (one partial sum per block)
 
-Two passes over the block's values, the first for the `dw`, the second for the cotangents and `u`, in column
-slices of a power of two (Triton's loads are). A value whose weight is exactly 0 (not valid, or underflowed) gets a
-zero cotangent and adds nothing to `u`, whatever it holds. XLA fuses the same arithmetic into several passes whose
-reductions over the tokens are computed where the coefficients are: this kernel reads each value about twice and
-writes its cotangent once.
+The block's values and `dh` are read once, in column slices of a power of two (Triton's loads are), and kept for
+two passes over the tiles, the first for the `dw`, the second for the cotangents and `u`. A value is not read in the
+rows where its weight is exactly 0 (not valid, or underflowed): it gets a zero cotangent there and adds nothing to
+`u`, whatever it holds. XLA fuses the same arithmetic into several passes whose reductions over the tokens are
+computed where the coefficients are: this kernel reads each value at most once and writes its cotangent once.
 """
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._triton import traced_once, triton_call
 
-BLOCK_ROWS = 16   # token rows a program
-NUM_WARPS = 4
+# Token rows and warps a program. Few rows: a program holds its rows of `dh` and of every value (at small's read-out,
+# 8 arrays of 768 columns: 24.6k fp32 at 4 rows, 96 registers a thread at 8 warps); BUILD_NOTES, AttnRes.
+BLOCK_ROWS = 4
+NUM_WARPS = 8
 
 
 def column_slice(d: int) -> int:
@@ -80,9 +83,13 @@ def _kernel(qg_ref, dh_ref, w_ref, a_ref, r_ref, *refs, C, E, D, cols):
   dbuf_ref, dval_refs, u_ref = (outs[0], outs[1:-1], outs[-1]) if C else (None, outs[:-1], outs[-1])
   N = C + E
   slices = [pl.ds(j * cols, cols) for j in range(D // cols)]
+  w = [w_ref[n, :] for n in range(N)]
+  live = [jnp.broadcast_to((w[n] != 0.0)[:, None], (w[n].shape[0], cols)) for n in range(N)]
 
   def value(n, sl):
-    return buf_ref[n, :, sl] if n < C else val_refs[n - C][:, sl]
+    """A value's tile, read only in the rows where its weight is not 0 (zeros elsewhere, whatever it holds)."""
+    ref = buf_ref.at[jnp.int32(n), :, sl] if n < C else val_refs[n - C].at[:, sl]
+    return pltriton.load(ref, mask=live[n], other=0.0)
 
   def store(n, sl, x):
     if n < C:
@@ -90,25 +97,22 @@ def _kernel(qg_ref, dh_ref, w_ref, a_ref, r_ref, *refs, C, E, D, cols):
     else:
       dval_refs[n - C][:, sl] = x
 
-  dw = [0.0] * N
-  for sl in slices:
-    dh = dh_ref[:, sl]
-    for n in range(N):
-      dw[n] = dw[n] + jnp.sum(dh * value(n, sl), axis=1)
-  w = [w_ref[n, :] for n in range(N)]
+  # Every tile is loaded once, up front, and kept for the second pass (in registers at a few rows a program).
+  dh = [dh_ref[:, sl] for sl in slices]
+  tiles = [[value(n, sl) for sl in slices] for n in range(N)]
+  dw = [sum(jnp.sum(dh[j] * tiles[n][j], axis=1) for j in range(len(slices))) for n in range(N)]
   mean_dw = sum(w[n] * dw[n] for n in range(N))
-  live, c, k = [], [], []
+  c, k = [], []
   for n in range(N):
     ds = w[n] * (dw[n] - mean_dw)
     r = r_ref[n, :]
-    live.append((w[n] != 0.0)[:, None])
     c.append((ds * r)[:, None])
     k.append((-ds * a_ref[n, :] * r * r * r / D)[:, None])
-  for sl in slices:
-    dh, qg = dh_ref[:, sl], qg_ref[:, sl]
+  for j, sl in enumerate(slices):
+    qg = qg_ref[:, sl]
     u = jnp.zeros_like(qg)
     for n in range(N):
-      v = value(n, sl)
-      store(n, sl, jnp.where(live[n], w[n][:, None] * dh + c[n] * qg + k[n] * v, 0.0))
-      u = u + jnp.sum(jnp.where(live[n], c[n] * v, 0.0), axis=0, keepdims=True)
+      v = tiles[n][j]
+      store(n, sl, jnp.where(live[n], w[n][:, None] * dh[j] + c[n] * qg + k[n] * v, 0.0))
+      u = u + jnp.sum(c[n] * v, axis=0, keepdims=True)   # c is 0 where w is (ds = w · …) and v is 0 there
     u_ref[:, sl] = u
