@@ -148,6 +148,7 @@ class K3Model(nnx.Module):
     self.summarize_groups = self.mode != "none" and model_cfg.residual.readout == "group"
     self.z_loss_coef = float(model_cfg.z_loss_coef)
     self.remat = model_cfg.remat
+    self.scan_alike = model_cfg.scan_alike_layers
     self.plan, self.closes, self.moe_ids = spec.plan, spec.closes, spec.moe_layers
     self.embed = normal_param(rngs, (V, d), 1.0)
     # Layer i draws from keys[i] (see the module docstring).
@@ -237,14 +238,25 @@ class K3Model(nnx.Module):
     count = attnres.num_sources(self.mode, [c for layer in closes[:plan.end] for c in layer])
     flags_GP2 = np.array([[closes[i] for i in plan.position(j)] for j in range(plan.group_size)], bool)
     flags_GP2 = flags_GP2.transpose(1, 0, 2)
-    # A flag equal in every group stays a Python bool (no select in the body); the others are scanned over.
-    static = [[bool(f[0]) if f.all() or not f.any() else None for f in flags_GP2[:, j].T]
-              for j in range(plan.group_size)]
     graphdefs, params, rest = zip(*(nnx.split(layer, nnx.Param, ...) for layer in self.groups))
+    # The group's first positions of one structure (KDA, KDA, KDA of KDA, KDA, KDA, MLA), run under an inner scan
+    # when `scan_alike_layers` (under remat, without group read-outs); 1 when not.
+    alike = 1
+    if self.scan_alike and remat != "none" and caches is None and not self.summarize_groups:
+      while alike < plan.group_size and graphdefs[alike] == graphdefs[0]:
+        alike += 1
+    # A flag equal in every group (and, in the alike run, at every position of it) stays a Python bool (no select in
+    # the body); the others are scanned over.
+    same = lambda f: bool(f.flat[0]) if f.all() or not f.any() else None
+    static = [[same(flags_GP2[:, j, s]) for s in (0, 1)] for j in range(plan.group_size)]
+    if alike > 1:
+      static[:alike] = [[same(flags_GP2[:, :alike, s]) for s in (0, 1)]] * alike
 
-    def layer_step(j, params_j, rest_j, flags_P2, carry, cache):
-      layer_closes = tuple(flags_P2[j, s] if static[j][s] is None else static[j][s] for s in (0, 1))
-      with jax.named_scope(f"position_{j}"):
+    def layer_step(j, params_j, rest_j, flags_P2, carry, cache, position=None):
+      """Position j's layer; `position` (a traced index in the alike run, j by default) picks its close flags."""
+      position = j if position is None else position
+      layer_closes = tuple(flags_P2[position, s] if static[j][s] is None else static[j][s] for s in (0, 1))
+      with jax.named_scope(f"position_{j}" if alike == 1 or j >= alike else "alike_positions"):
         return run(nnx.merge(graphdefs[j], params_j, rest_j), carry, layer_closes, cache)
 
     def summarize_group(params_g, rest_g, carry):
@@ -270,8 +282,9 @@ class K3Model(nnx.Module):
         return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
       carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
     else:
-      step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
-      carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize)
+      step = lambda j, p, r, f, c, position: layer_step(j, p, r, f, c, None, position)[::2]
+      carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize,
+                                      alike=alike)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
@@ -342,15 +355,22 @@ def _check_tokens(tokens_BT, segment_ids_BT):
                      f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
 
 
-def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None):
+def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None,
+                     alike: int = 1):
   """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input.
 
-  `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
-  `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
-  differentiated) hold a tuple per position of arrays stacked over the groups. Returns (the flushed carry after the
-  last group, per position the MoE stats stacked over the groups). `summarize(params_g, rest_g, carry) -> carry`,
-  if given, runs at each group's start and gives the carry the buffer's part of the group's read-outs
-  (`attnres.summarize`), each layer reading the same number of them.
+  `layer_step(j, params_j, rest_j, xs_g, carry, position) -> (carry, MoE stats or None)` runs position j of a group
+  on an `attnres.Carry`; `position` is j, or inside the alike run (below) a traced int32 scalar, the position whose
+  per-layer data (its close flags in `xs_g`) the layer reads, j then being the run's first. `params_G`
+  (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not differentiated) hold a tuple per
+  position of arrays stacked over the groups. Returns (the flushed carry after the last group, per position the MoE
+  stats stacked over the groups). `summarize(params_g, rest_g, carry) -> carry`, if given, runs at each group's start
+  and gives the carry the buffer's part of the group's read-outs (`attnres.summarize`), each layer reading the same
+  number of them.
+
+  `alike` > 1: the group's first `alike` positions are layers of one structure, run under an inner scan over their
+  parameters stacked on a second axis (one compiled copy of the layer instead of `alike`), each followed by a flush
+  so that every one of them meets a carry of one structure (no summaries then).
 
   The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
   in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
@@ -360,20 +380,47 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   kept either: the backward pass computes them again from that buffer, once per group, and after the group's layers
   adds their VJP (buffer and read-out parameters) to the layers'.
   """
+  if alike > 1 and summarize is not None:
+    raise ValueError("an inner scan over alike layers needs a carry without summaries (readout='layer')")
+  if not 1 <= alike <= num_positions:
+    raise ValueError(f"alike={alike} must be in [1, num_positions={num_positions}]")
+  # The layers one by one after the alike run (its first layer when alike is 1).
+  singles = tuple(range(alike if alike > 1 else 0, num_positions))
+
+  def by_run(per_position):
+    """Per position (arrays [G, ...]) -> (the alike run's stacked [G, alike, ...] or None, *per single)."""
+    run = (jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *per_position[:alike]) if alike > 1 else None)
+    return (run, *(per_position[j] for j in singles))
+
+  def by_position(run, rest):
+    """`by_run`'s inverse."""
+    unstacked = [jax.tree.map(lambda x: x[:, i], run) for i in range(alike)] if alike > 1 else []
+    return (*unstacked, *rest)
+
+  positions = jnp.arange(alike, dtype=jnp.int32)
+
   def group(carry, xs):
     params_g, rest_g, xs_g = xs
     if summarize is not None:
-      carry = summarize(params_g, rest_g, carry)
-    inputs, stats = [], []
-    for j in range(num_positions):
+      carry = summarize(params_g[1:], rest_g[1:], carry)
+    inputs, stats = [None], []
+    if alike > 1:
+      def one(carry, x):
+        params_j, rest_j, position = x
+        kept = carry.replace(sources_NBTD=None, summaries=())
+        carry, layer_stats = layer_step(0, params_j, rest_j, xs_g, carry, position)
+        return attnres.flush(carry), (layer_stats, kept)
+      carry, (run_stats, inputs[0]) = jax.lax.scan(one, carry, (params_g[0], rest_g[0], positions))
+      stats += [jax.tree.map(lambda x: x[i], run_stats) for i in range(alike)]
+    for k, j in enumerate(singles):
       inputs.append(carry.replace(sources_NBTD=None, summaries=()))
-      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
+      carry, layer_stats = layer_step(j, params_g[1 + k], rest_g[1 + k], xs_g, carry, j)
       stats.append(layer_stats)
     return attnres.flush(carry), (tuple(stats), tuple(inputs))
 
   @jax.custom_vjp
   def groups(params_G, rest_G, xs_G, carry):
-    carry, (stats, _) = jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
+    carry, (stats, _) = jax.lax.scan(group, carry, (by_run(params_G), by_run(rest_G), xs_G))
     return carry, stats
 
   def forward(params_G, rest_G, xs_G, carry):
@@ -384,26 +431,27 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       layout.append((treedef, [[id(u) for u in unique].index(id(x)) for x in leaves]))
       return carry, (stats, unique)
     layout = []
-    carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_G, rest_G, xs_G))
+    params_R, rest_R = by_run(params_G), by_run(rest_G)
+    carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_R, rest_R, xs_G))
     treedef, index = layout[0]
     inputs_G = jax.tree.unflatten(treedef, [unique_G[i] for i in index])
-    return (carry, stats), (params_G, rest_G, xs_G, inputs_G, carry.sources_NBTD)
+    return (carry, stats), (params_R, rest_R, xs_G, inputs_G, carry.sources_NBTD)
 
   def backward(residuals, cotangents):
-    params_G, rest_G, xs_G, inputs_G, sources = residuals
+    params_R, rest_R, xs_G, inputs_G, sources = residuals
     d_carry, d_stats_G = cotangents
 
-    def layer_vjp(j, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats):
-      """(d params_j, d input, d summaries) of layer j (then the flush, for the last position) reading `summaries`;
-      the differentiable part of a carry is (buffer, partial sum, closed sums)."""
+    def layer_vjp(j, position, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats, flush: bool):
+      """(d params_j, d input, d summaries) of layer j (then the flush, if `flush`) reading `summaries`; the
+      differentiable part of a carry is (buffer, partial sum, closed sums)."""
       flags = [closed for _, closed in input_carry.closed]
 
       def fn(params_j, diff):
         sources, partial, closed, summaries = diff
         c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)),
                                 summaries=summaries)
-        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
-        if j == num_positions - 1:
+        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c, position)
+        if flush:
           c = attnres.flush(c)
         return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
 
@@ -417,24 +465,35 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
 
     def body(d, xs):
       params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
-      d_params, d_summaries, summaries = [None] * num_positions, [()] * num_positions, [()] * num_positions
+      d_params = [None] * (1 + len(singles))
+      d_summaries, summaries = [()] * len(singles), [()] * len(singles)
       if summarize is not None:   # the group's summaries again, from the final buffer (what they read is unchanged)
-        of_buffer = lambda p, s: summarize(p, rest_g, inputs_g[0].replace(sources_NBTD=s)).summaries
-        flat, summary_vjp = jax.vjp(of_buffer, params_g, sources)
+        of_buffer = lambda p, s: summarize(p, rest_g[1:], inputs_g[1].replace(sources_NBTD=s)).summaries
+        flat, summary_vjp = jax.vjp(of_buffer, params_g[1:], sources)
         n = len(flat) // num_positions
         summaries = [flat[j * n:(j + 1) * n] for j in range(num_positions)]
-      for j in reversed(range(num_positions)):
-        d_params[j], d, d_summaries[j] = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], summaries[j], d,
-                                                   d_stats_g[j])
+      for k in reversed(range(len(singles))):
+        j = singles[k]
+        d_params[1 + k], d, d_summaries[k] = layer_vjp(j, j, params_g[1 + k], rest_g[1 + k], xs_g, inputs_g[1 + k],
+                                                       summaries[k], d, d_stats_g[j], j == num_positions - 1)
+      if alike > 1:
+        def one(d, x):
+          params_j, rest_j, input_carry, d_stats, position = x
+          d_params_j, d, _ = layer_vjp(0, position, params_j, rest_j, xs_g, input_carry, (), d, d_stats, True)
+          return d, d_params_j
+        d_stats_run = jax.tree.map(lambda *xs: jnp.stack(xs), *d_stats_g[:alike])
+        d, d_params[0] = jax.lax.scan(one, d, (params_g[0], rest_g[0], inputs_g[0], d_stats_run, positions),
+                                      reverse=True)
       if summarize is not None:
         d_params_s, d_buffer = summary_vjp(tuple(x for d_j in d_summaries for x in d_j))
-        d_params = jax.tree.map(jnp.add, tuple(d_params), d_params_s)
+        d_params = [None, *jax.tree.map(jnp.add, tuple(d_params[1:]), d_params_s)]
         d = (d[0] + d_buffer, *d[1:])
       return d, tuple(d_params)
 
-    (d_sources, d_partial, _), d_params_G = jax.lax.scan(
-        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_G, rest_G, xs_G, inputs_G, d_stats_G),
+    (d_sources, d_partial, _), d_params_R = jax.lax.scan(
+        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_R, rest_R, xs_G, inputs_G, d_stats_G),
         reverse=True)
+    d_params_G = by_position(d_params_R[0], d_params_R[1:])
     return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, partial_BTD=d_partial)
 
   groups.defvjp(forward, backward)
