@@ -369,8 +369,8 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   number of them.
 
   `alike` > 1: the group's first `alike` positions are layers of one structure, run under an inner scan over their
-  parameters stacked on a second axis (one compiled copy of the layer instead of `alike`), each followed by a flush
-  so that every one of them meets a carry of one structure (no summaries then).
+  parameters (one group's, stacked in the body: one compiled copy of the layer instead of `alike`), each followed by
+  a flush so that every one of them meets a carry of one structure (no summaries then).
 
   The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
   in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
@@ -386,23 +386,16 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     raise ValueError(f"alike={alike} must be in [1, num_positions={num_positions}]")
   # The layers one by one after the alike run (its first layer when alike is 1).
   singles = tuple(range(alike if alike > 1 else 0, num_positions))
-
-  def by_run(per_position):
-    """Per position (arrays [G, ...]) -> (the alike run's stacked [G, alike, ...] or None, *per single)."""
-    run = (jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *per_position[:alike]) if alike > 1 else None)
-    return (run, *(per_position[j] for j in singles))
-
-  def by_position(run, rest):
-    """`by_run`'s inverse."""
-    unstacked = [jax.tree.map(lambda x: x[:, i], run) for i in range(alike)] if alike > 1 else []
-    return (*unstacked, *rest)
-
   positions = jnp.arange(alike, dtype=jnp.int32)
+  # One group's parameters of the alike positions stacked on a new leading axis (a copy of one group's, not all),
+  # and that axis split back into positions.
+  stacked = lambda per_position: jax.tree.map(lambda *xs: jnp.stack(xs), *per_position[:alike])
+  unstacked = lambda run: [jax.tree.map(lambda x: x[i], run) for i in range(alike)]
 
   def group(carry, xs):
     params_g, rest_g, xs_g = xs
     if summarize is not None:
-      carry = summarize(params_g[1:], rest_g[1:], carry)
+      carry = summarize(params_g, rest_g, carry)
     inputs, stats = [None], []
     if alike > 1:
       def one(carry, x):
@@ -410,17 +403,17 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
         kept = carry.replace(sources_NBTD=None, summaries=())
         carry, layer_stats = layer_step(0, params_j, rest_j, xs_g, carry, position)
         return attnres.flush(carry), (layer_stats, kept)
-      carry, (run_stats, inputs[0]) = jax.lax.scan(one, carry, (params_g[0], rest_g[0], positions))
-      stats += [jax.tree.map(lambda x: x[i], run_stats) for i in range(alike)]
-    for k, j in enumerate(singles):
+      carry, (run_stats, inputs[0]) = jax.lax.scan(one, carry, (stacked(params_g), stacked(rest_g), positions))
+      stats += unstacked(run_stats)
+    for j in singles:
       inputs.append(carry.replace(sources_NBTD=None, summaries=()))
-      carry, layer_stats = layer_step(j, params_g[1 + k], rest_g[1 + k], xs_g, carry, j)
+      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry, j)
       stats.append(layer_stats)
     return attnres.flush(carry), (tuple(stats), tuple(inputs))
 
   @jax.custom_vjp
   def groups(params_G, rest_G, xs_G, carry):
-    carry, (stats, _) = jax.lax.scan(group, carry, (by_run(params_G), by_run(rest_G), xs_G))
+    carry, (stats, _) = jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
     return carry, stats
 
   def forward(params_G, rest_G, xs_G, carry):
@@ -431,14 +424,13 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       layout.append((treedef, [[id(u) for u in unique].index(id(x)) for x in leaves]))
       return carry, (stats, unique)
     layout = []
-    params_R, rest_R = by_run(params_G), by_run(rest_G)
-    carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_R, rest_R, xs_G))
+    carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_G, rest_G, xs_G))
     treedef, index = layout[0]
     inputs_G = jax.tree.unflatten(treedef, [unique_G[i] for i in index])
-    return (carry, stats), (params_R, rest_R, xs_G, inputs_G, carry.sources_NBTD)
+    return (carry, stats), (params_G, rest_G, xs_G, inputs_G, carry.sources_NBTD)
 
   def backward(residuals, cotangents):
-    params_R, rest_R, xs_G, inputs_G, sources = residuals
+    params_G, rest_G, xs_G, inputs_G, sources = residuals
     d_carry, d_stats_G = cotangents
 
     def layer_vjp(j, position, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats, flush: bool):
@@ -465,35 +457,34 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
 
     def body(d, xs):
       params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
-      d_params = [None] * (1 + len(singles))
-      d_summaries, summaries = [()] * len(singles), [()] * len(singles)
+      d_params = [None] * num_positions
+      d_summaries, summaries = [()] * num_positions, [()] * num_positions
       if summarize is not None:   # the group's summaries again, from the final buffer (what they read is unchanged)
-        of_buffer = lambda p, s: summarize(p, rest_g[1:], inputs_g[1].replace(sources_NBTD=s)).summaries
-        flat, summary_vjp = jax.vjp(of_buffer, params_g[1:], sources)
+        of_buffer = lambda p, s: summarize(p, rest_g, inputs_g[1].replace(sources_NBTD=s)).summaries
+        flat, summary_vjp = jax.vjp(of_buffer, params_g, sources)
         n = len(flat) // num_positions
         summaries = [flat[j * n:(j + 1) * n] for j in range(num_positions)]
       for k in reversed(range(len(singles))):
         j = singles[k]
-        d_params[1 + k], d, d_summaries[k] = layer_vjp(j, j, params_g[1 + k], rest_g[1 + k], xs_g, inputs_g[1 + k],
-                                                       summaries[k], d, d_stats_g[j], j == num_positions - 1)
+        d_params[j], d, d_summaries[j] = layer_vjp(j, j, params_g[j], rest_g[j], xs_g, inputs_g[1 + k],
+                                                   summaries[j], d, d_stats_g[j], j == num_positions - 1)
       if alike > 1:
         def one(d, x):
           params_j, rest_j, input_carry, d_stats, position = x
           d_params_j, d, _ = layer_vjp(0, position, params_j, rest_j, xs_g, input_carry, (), d, d_stats, True)
           return d, d_params_j
-        d_stats_run = jax.tree.map(lambda *xs: jnp.stack(xs), *d_stats_g[:alike])
-        d, d_params[0] = jax.lax.scan(one, d, (params_g[0], rest_g[0], inputs_g[0], d_stats_run, positions),
-                                      reverse=True)
+        d, d_run = jax.lax.scan(one, d, (stacked(params_g), stacked(rest_g), inputs_g[0], stacked(d_stats_g),
+                                         positions), reverse=True)
+        d_params[:alike] = unstacked(d_run)
       if summarize is not None:
         d_params_s, d_buffer = summary_vjp(tuple(x for d_j in d_summaries for x in d_j))
-        d_params = [None, *jax.tree.map(jnp.add, tuple(d_params[1:]), d_params_s)]
+        d_params = jax.tree.map(jnp.add, tuple(d_params), d_params_s)
         d = (d[0] + d_buffer, *d[1:])
       return d, tuple(d_params)
 
-    (d_sources, d_partial, _), d_params_R = jax.lax.scan(
-        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_R, rest_R, xs_G, inputs_G, d_stats_G),
+    (d_sources, d_partial, _), d_params_G = jax.lax.scan(
+        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_G, rest_G, xs_G, inputs_G, d_stats_G),
         reverse=True)
-    d_params_G = by_position(d_params_R[0], d_params_R[1:])
     return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, partial_BTD=d_partial)
 
   groups.defvjp(forward, backward)
