@@ -384,7 +384,7 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     raise ValueError("an inner scan over alike layers needs a carry without summaries (readout='layer')")
   if not 1 <= alike <= num_positions:
     raise ValueError(f"alike={alike} must be in [1, num_positions={num_positions}]")
-  # The layers one by one after the alike run (its first layer when alike is 1).
+  # The positions run one by one: every one when alike is 1, else those after the alike run.
   singles = tuple(range(alike if alike > 1 else 0, num_positions))
   positions = jnp.arange(alike, dtype=jnp.int32)
   # One group's parameters of the alike positions stacked on a new leading axis (a copy of one group's, not all),
