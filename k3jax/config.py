@@ -131,10 +131,11 @@ def validate(m: ml_collections.ConfigDict) -> None:
   for field in ("scan_layers", "scan_alike_layers"):
     if not isinstance(_get(m, field), bool):
       raise ValueError(f"model.{field} must be a bool, got {m[field]!r}")
-  if m.scan_alike_layers and (not m.scan_layers or remat == "none" or _get(m, "residual.readout") != "layer"):
+  # (Unscanned, the option has no groups to act on: a scanned config read back unrolled keeps it.)
+  if m.scan_layers and m.scan_alike_layers and (remat == "none" or _get(m, "residual.readout") != "layer"):
     raise ValueError("model.scan_alike_layers runs inside the scanned groups' recomputing backward pass: it needs "
-                     f"scan_layers, a remat policy other than 'none' and residual.readout='layer' (got scan_layers="
-                     f"{m.scan_layers}, remat={remat!r}, residual.readout={_get(m, 'residual.readout')!r})")
+                     f"a remat policy other than 'none' and residual.readout='layer' (got remat={remat!r}, "
+                     f"residual.readout={_get(m, 'residual.readout')!r})")
   if _get(m, "z_loss_coef") < 0:
     raise ValueError(f"model.z_loss_coef must be >= 0, got {m.z_loss_coef}")
   types = layer_types(m)
