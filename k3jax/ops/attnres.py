@@ -81,7 +81,7 @@ def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, kerne
   """(h, w_N, a_N, r_N): the read-out and what its backward pass keeps; with `kernel`, from the Pallas kernel where
   B·T is a multiple of its block."""
   qg = query_D * scale_D
-  B, T, D = (values[0] if values else buffer_CBTD[0]).shape
+  B, T, D = values[0].shape if values else buffer_CBTD.shape[1:]
   if kernel and (B * T) % attnres_kernels.FORWARD_BLOCK_ROWS == 0:
     valid_N = jnp.concatenate([valid_C, valid_E])
     bias_NR = jnp.broadcast_to(jnp.where(valid_N, 0.0, -jnp.inf)[:, None], (valid_N.shape[0], B * T))

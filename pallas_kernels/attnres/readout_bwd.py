@@ -18,19 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._triton import traced_once, triton_call
+from pallas_kernels.attnres.tiles import column_slice, load_value
 
 # Token rows and warps a program. Few rows: a program holds its rows of `dh` and of every value (at small's read-out,
 # 8 arrays of 768 columns: 24.6k fp32 at 4 rows, 96 registers a thread at 8 warps); BUILD_NOTES, AttnRes.
 BLOCK_ROWS = 4
 NUM_WARPS = 8
-
-
-def column_slice(d: int) -> int:
-  """The widest power of two that divides D (the kernel's column slice)."""
-  return d & -d
 
 
 def readout_backward(dh_RD, buffer_CRD, values, qg_D, w_NR, a_NR, r_NR, *, block_rows: int = BLOCK_ROWS,
@@ -84,12 +79,7 @@ def _kernel(qg_ref, dh_ref, w_ref, a_ref, r_ref, *refs, C, E, D, cols):
   N = C + E
   slices = [pl.ds(j * cols, cols) for j in range(D // cols)]
   w = [w_ref[n, :] for n in range(N)]
-  live = [jnp.broadcast_to((w[n] != 0.0)[:, None], (w[n].shape[0], cols)) for n in range(N)]
-
-  def value(n, sl):
-    """A value's tile, read only in the rows where its weight is not 0 (zeros elsewhere, whatever it holds)."""
-    ref = buf_ref.at[jnp.int32(n), :, sl] if n < C else val_refs[n - C].at[:, sl]
-    return pltriton.load(ref, mask=live[n], other=0.0)
+  live = [w[n] != 0.0 for n in range(N)]   # a value is read only in the rows where its weight is not 0
 
   def store(n, sl, x):
     if n < C:
@@ -99,7 +89,7 @@ def _kernel(qg_ref, dh_ref, w_ref, a_ref, r_ref, *refs, C, E, D, cols):
 
   # Every tile is loaded once, up front, and kept for the second pass (in registers at a few rows a program).
   dh = [dh_ref[:, sl] for sl in slices]
-  tiles = [[value(n, sl) for sl in slices] for n in range(N)]
+  tiles = [[load_value(buf_ref, val_refs, C, n, sl, live[n], cols) for sl in slices] for n in range(N)]
   dw = [sum(jnp.sum(dh[j] * tiles[n][j], axis=1) for j in range(len(slices))) for n in range(N)]
   mean_dw = sum(w[n] * dw[n] for n in range(N))
   c, k = [], []
@@ -113,6 +103,6 @@ def _kernel(qg_ref, dh_ref, w_ref, a_ref, r_ref, *refs, C, E, D, cols):
     u = jnp.zeros_like(qg)
     for n in range(N):
       v = tiles[n][j]
-      store(n, sl, jnp.where(live[n], w[n][:, None] * dh[j] + c[n] * qg + k[n] * v, 0.0))
+      store(n, sl, jnp.where(live[n][:, None], w[n][:, None] * dh[j] + c[n] * qg + k[n] * v, 0.0))
       u = u + jnp.sum(c[n] * v, axis=0, keepdims=True)   # c is 0 where w is (ds = w · …) and v is 0 there
     u_ref[:, sl] = u

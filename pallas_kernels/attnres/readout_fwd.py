@@ -19,10 +19,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._triton import traced_once, triton_call
-from pallas_kernels.attnres.readout_bwd import column_slice
+from pallas_kernels.attnres.tiles import column_slice, load_value
 
 # Token rows and warps a program. Few rows: a program holds its rows of every value (at small's read-out, 7 values
 # of 768 columns: 21.5k fp32 at 4 rows, 84 registers a thread at 8 warps); BUILD_NOTES, AttnRes, has the sweep.
@@ -36,7 +35,7 @@ def readout_forward(buffer_CRD, values, qg_D, bias_NR, *, eps: float, block_rows
   (C may be 0) and the E `values` (N = C + E); `bias_NR` is 0 where a value is valid and −inf where it is not (at
   least one valid per row, else w is NaN). R must be a multiple of `block_rows`. Lowered once per program and input
   types (`traced_once`)."""
-  R, D = (values[0] if values else buffer_CRD[0]).shape
+  R, D = values[0].shape if values else buffer_CRD.shape[1:]
   N = buffer_CRD.shape[0] + len(values)
   if R % block_rows or block_rows & (block_rows - 1):
     raise ValueError(f"the read-out kernel needs R={R} a multiple of block_rows={block_rows} (a power of two)")
@@ -71,13 +70,9 @@ def _kernel(qg_ref, bias_ref, *refs, C, E, D, cols, eps):
   N = C + E
   slices = [pl.ds(j * cols, cols) for j in range(D // cols)]
   bias = [bias_ref[n, :] for n in range(N)]
-
-  def value(n, sl):
-    """A value's tile, read only where the value is valid (bias 0): the buffer's empty slots cost no traffic, and
-    what they hold (zeros here) never meets the weight 0 they get."""
-    ref = buf_ref.at[jnp.int32(n), :, sl] if n < C else val_refs[n - C].at[:, sl]
-    valid = jnp.broadcast_to((bias[n] == 0.0)[:, None], (bias[n].shape[0], cols))
-    return pltriton.load(ref, mask=valid, other=0.0)
+  # A value is read only where it is valid (bias 0): the buffer's empty slots cost no traffic, and what they hold
+  # (zeros here) never meets the weight 0 they get.
+  value = lambda n, sl: load_value(buf_ref, val_refs, C, n, sl, bias[n] == 0.0, cols)
 
   # Every value's tile is loaded once, up front, and kept for the weighted sum (in registers at a few rows a
   # program): one read of the values, all loads in flight together.
