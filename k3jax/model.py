@@ -241,8 +241,9 @@ class K3Model(nnx.Module):
     graphdefs, params, rest = zip(*(nnx.split(layer, nnx.Param, ...) for layer in self.groups))
     # The group's first positions of one structure (KDA, KDA, KDA of KDA, KDA, KDA, MLA), run under an inner scan
     # when `scan_alike_layers` (under remat, without group read-outs); 1 when not.
+    recompute = remat != "none" and caches is None   # the training path: `recomputing_scan`
     alike = 1
-    if self.scan_alike and remat != "none" and caches is None and not self.summarize_groups:
+    if self.scan_alike and recompute:   # (config.validate refuses it with group read-outs)
       while alike < plan.group_size and graphdefs[alike] == graphdefs[0]:
         alike += 1
     # A flag equal in every group (and, in the alike run, at every position of it) stays a Python bool (no select in
@@ -268,7 +269,7 @@ class K3Model(nnx.Module):
     summarize = summarize_group if self.summarize_groups else None
     carry = attnres.to_carry(stream, count)
     flags = jnp.asarray(flags_GP2)
-    if remat == "none" or caches is not None:
+    if not recompute:
       def body(carry, xs):
         params_g, rest_g, flags_P2, caches_g = xs
         if summarize is not None:
@@ -396,20 +397,20 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     params_g, rest_g, xs_g = xs
     if summarize is not None:
       carry = summarize(params_g, rest_g, carry)
-    inputs, stats = [None], []
+    run_inputs, inputs, stats = None, [], []   # the alike run's inputs (stacked), then each single layer's
     if alike > 1:
       def one(carry, x):
         params_j, rest_j, position = x
         kept = carry.replace(sources_NBTD=None, summaries=())
         carry, layer_stats = layer_step(0, params_j, rest_j, xs_g, carry, position)
         return attnres.flush(carry), (layer_stats, kept)
-      carry, (run_stats, inputs[0]) = jax.lax.scan(one, carry, (stacked(params_g), stacked(rest_g), positions))
+      carry, (run_stats, run_inputs) = jax.lax.scan(one, carry, (stacked(params_g), stacked(rest_g), positions))
       stats += unstacked(run_stats)
     for j in singles:
       inputs.append(carry.replace(sources_NBTD=None, summaries=()))
       carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry, j)
       stats.append(layer_stats)
-    return attnres.flush(carry), (tuple(stats), tuple(inputs))
+    return attnres.flush(carry), (tuple(stats), (run_inputs, tuple(inputs)))
 
   @jax.custom_vjp
   def groups(params_G, rest_G, xs_G, carry):
@@ -456,24 +457,24 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       return d_params_j, (d_sources, d_partial, d_closed), d_summaries
 
     def body(d, xs):
-      params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
+      params_g, rest_g, xs_g, (run_inputs_g, inputs_g), d_stats_g = xs
       d_params = [None] * num_positions
       d_summaries, summaries = [()] * num_positions, [()] * num_positions
       if summarize is not None:   # the group's summaries again, from the final buffer (what they read is unchanged)
-        of_buffer = lambda p, s: summarize(p, rest_g, inputs_g[1].replace(sources_NBTD=s)).summaries
+        of_buffer = lambda p, s: summarize(p, rest_g, inputs_g[0].replace(sources_NBTD=s)).summaries
         flat, summary_vjp = jax.vjp(of_buffer, params_g, sources)
         n = len(flat) // num_positions
         summaries = [flat[j * n:(j + 1) * n] for j in range(num_positions)]
       for k in reversed(range(len(singles))):
         j = singles[k]
-        d_params[j], d, d_summaries[j] = layer_vjp(j, j, params_g[j], rest_g[j], xs_g, inputs_g[1 + k],
+        d_params[j], d, d_summaries[j] = layer_vjp(j, j, params_g[j], rest_g[j], xs_g, inputs_g[k],
                                                    summaries[j], d, d_stats_g[j], j == num_positions - 1)
       if alike > 1:
         def one(d, x):
           params_j, rest_j, input_carry, d_stats, position = x
           d_params_j, d, _ = layer_vjp(0, position, params_j, rest_j, xs_g, input_carry, (), d, d_stats, True)
           return d, d_params_j
-        d, d_run = jax.lax.scan(one, d, (stacked(params_g), stacked(rest_g), inputs_g[0], stacked(d_stats_g),
+        d, d_run = jax.lax.scan(one, d, (stacked(params_g), stacked(rest_g), run_inputs_g, stacked(d_stats_g),
                                          positions), reverse=True)
         d_params[:alike] = unstacked(d_run)
       if summarize is not None:
