@@ -1,15 +1,9 @@
 """The AttnRes read-out, forward and forward + backward: the op with its hand-written backward pass
-(`k3jax.ops.attnres.readout`; "op" as XLA fuses it, "op_kernel" the backward as one Pallas kernel, "op_fwd_kernel"
-the forward) against autodiff of the same formula (`readout_reference`) and, for a buffer, its summary
+(`k3jax.ops.attnres.readout`, as XLA fuses it) against autodiff of the same formula (`readout_reference`) and, for a buffer, its summary
 (`summarize_buffer` once, then `readout_from_summary` per read-out), at small's shapes:
 
   python -m experiments.bench_attnres                 # GPU: small's read-outs at 4K (B·T = 65,536, d = 768)
   python -m experiments.bench_attnres --small         # CPU: tiny shapes, checks only
-  python -m experiments.bench_attnres --forward_launches=4:4,8:4,16:4 --backward_launches=4:4,16:4
-
-`--forward_launches` / `--backward_launches` time the forward / backward kernel alone at each (token rows, warps)
-of a program against the fused op's same pass (forward: h, w, a, r; backward: every cotangent), on each case's
-first read-out, instead of the table below.
 
 "autodiff" is the formula at the matrix units' default precision, as the model ran it before the op; both are
 checked against the formula in full fp32 (`readout_reference`). The read-outs, as the model has them: a scanned
@@ -28,15 +22,12 @@ from absl import app, flags
 
 from experiments import harness
 from k3jax.ops import attnres as attnres_ops
-from pallas_kernels import attnres as attnres_kernels
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("tokens", 65536, "B·T")
 flags.DEFINE_integer("d_model", 768, "d")
 flags.DEFINE_integer("repeats", 10, "timed repetitions (median)")
 flags.DEFINE_bool("small", False, "tiny shapes on the CPU: checks, no meaningful times")
-flags.DEFINE_list("forward_launches", [], "ROWS:WARPS of the forward kernel to time alone (see the docstring)")
-flags.DEFINE_list("backward_launches", [], "ROWS:WARPS of the backward kernel to time alone (see the docstring)")
 flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_attnres.json") if os.environ.get("OUT") else "",
                     "JSON file for the rows")
 
@@ -59,11 +50,9 @@ def summarized(qs, gs, buf, vc, vals, ve):
 
 
 IMPLS = {"op": each(attnres_ops.readout),
-         "op_kernel": each(functools.partial(attnres_ops.readout, backward="kernel")),
-         "op_fwd_kernel": each(functools.partial(attnres_ops.readout, forward="kernel")),
          "autodiff": each(functools.partial(attnres_ops.readout_reference, precision=jax.lax.Precision.DEFAULT)),
          "summary": summarized}
-CHECKED = ("op", "op_kernel", "op_fwd_kernel", "summary")   # held to fp32 autodiff of the formula
+CHECKED = ("op", "summary")   # held to fp32 autodiff of the formula
 
 
 def inputs(tokens: int, d: int, C: int, count: int, valid_E, J: int):
@@ -88,62 +77,9 @@ def programs(fn):
   return fwd, fwd_bwd
 
 
-def kernel_launches(tokens: int, d: int, launches, *, backward: bool) -> list[dict]:
-  """A kernel alone (the forward's, or with `backward` the backward's) at each (rows, warps) against the fused op's
-  same pass, on each case's first read-out: rows of {case, impl, fwd_ms or bwd_ms, max_abs_err of h or d_buffer
-  and d_values}."""
-  rows = []
-  for name, C, count, valid_E, _ in CASES[::2]:   # a scanned group's read-out, an unrolled layer's
-    q, g, buf, vc, vals, ve, dh = inputs(tokens, d, C, count, valid_E, 1)
-    q, g, vals, dh = q[0], g[0], vals[0], dh[0]
-    flat = lambda x: x.reshape(*x.shape[:-3], tokens, d)
-    buf_R, vals_R, dh_R = flat(buf), tuple(map(flat, vals)), flat(dh)
-    if backward:
-      _, residuals = attnres_ops._readout_fwd(q, g, buf, vc, vals, ve, EPS, "fused", "fused")
-      w, a, r = (x.reshape(x.shape[0], tokens) for x in residuals[-3:])
-      fused = jax.jit(lambda residuals, dh: attnres_ops._readout_bwd(EPS, "fused", "fused", residuals, dh))
-      runs = {"fused": (fused, (residuals, dh))}
-      outputs = lambda out: [out[2].reshape(-1, tokens, d), *(v.reshape(tokens, d) for v in out[4])]
-      kernel_outputs = lambda out: [out[0], *out[1]]
-      make = lambda rows_, warps: (jax.jit(functools.partial(attnres_kernels.readout_backward, block_rows=rows_,
-                                                             num_warps=warps)),
-                                   (dh_R, buf_R, vals_R, q * g, w, a, r))
-    else:
-      fused = jax.jit(lambda q, g, buf, vals: attnres_ops._forward(q, g, buf, vc, vals, ve, EPS))
-      runs = {"fused": (fused, (q, g, buf, vals))}
-      outputs = lambda out: [out[0].reshape(tokens, d)]
-      kernel_outputs = outputs
-      valid_N = jnp.concatenate([vc, ve])
-      bias = jnp.broadcast_to(jnp.where(valid_N, 0.0, -jnp.inf)[:, None], (valid_N.shape[0], tokens))
-      make = lambda rows_, warps: (jax.jit(functools.partial(attnres_kernels.readout_forward, eps=EPS,
-                                                             block_rows=rows_, num_warps=warps)),
-                                   (buf_R, vals_R, q * g, bias))
-    for launch in launches:
-      block_rows, num_warps = map(int, launch.split(":"))
-      runs[f"kernel {block_rows}:{num_warps}"] = make(block_rows, num_warps)
-    want = outputs(fused(*runs["fused"][1]))
-    for impl, (f, args) in runs.items():
-      got = (outputs if impl == "fused" else kernel_outputs)(f(*args))
-      row = {"case": name, "impl": impl,
-             "max_abs_err": max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(got, want, strict=True) if y.size)}
-      if not FLAGS.small:
-        row["bwd_ms" if backward else "fwd_ms"] = 1e3 * harness.pipelined_seconds(f, *args, repeats=FLAGS.repeats)
-      rows.append(row)
-      print(row, flush=True)
-  return rows
-
-
 def main(argv):
   harness.check_argv(argv)
   tokens, d = (64, 32) if FLAGS.small else (FLAGS.tokens, FLAGS.d_model)
-  if FLAGS.forward_launches or FLAGS.backward_launches:
-    rows = [{"pass": "forward", **r} for r in kernel_launches(tokens, d, FLAGS.forward_launches, backward=False)]
-    if FLAGS.backward_launches:
-      rows += [{"pass": "backward", **r} for r in kernel_launches(tokens, d, FLAGS.backward_launches, backward=True)]
-    harness.write_json(FLAGS.out, rows)
-    if any(r["max_abs_err"] > 1e-4 for r in rows):
-      raise SystemExit("a kernel's output differs from the fused op's")
-    return
   rows = []
   for name, C, count, valid_E, J in CASES:
     q, g, buf, vc, vals, ve, dh = inputs(tokens, d, C, count, valid_E, J)

@@ -15,8 +15,7 @@ import ml_collections
 LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 RESIDUAL_READOUTS = ("layer", "group")
-RESIDUAL_FORWARDS = ("fused", "kernel")
-RESIDUAL_BACKWARDS = ("fused", "barrier", "kernel")
+RESIDUAL_BACKWARDS = ("fused", "barrier")
 SHORT_CONV_BACKWARDS = ("fused", "kernel")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
@@ -104,9 +103,8 @@ def model_config() -> ml_collections.ConfigDict:
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
   m.residual.block_size = 2               # decoder layers per AttnRes block
   m.residual.readout = "layer"            # scanned groups' buffer of sources: read per read-out, or once per group
-  m.residual.forward = "fused"            # the read-out's forward as XLA fuses it, or one Pallas kernel
-  m.residual.backward = "fused"           # the read-out's backward as XLA fuses it, its reductions over the tokens
-                                          # behind an optimization barrier, or one Pallas kernel (k3jax.ops.attnres)
+  m.residual.backward = "fused"           # the read-out's backward as XLA fuses it, or its reductions over the
+                                          # tokens behind an optimization barrier (k3jax.ops.attnres)
   return m.lock()                         # setting a field it does not have is an error (a typo, not a new field)
 
 
@@ -159,7 +157,6 @@ def validate(m: ml_collections.ConfigDict) -> None:
   _one_of(m, "residual.mode", RESIDUAL_MODES)
   _positive_int(m, "residual.block_size")
   _one_of(m, "residual.readout", RESIDUAL_READOUTS)
-  _one_of(m, "residual.forward", RESIDUAL_FORWARDS)
   _one_of(m, "residual.backward", RESIDUAL_BACKWARDS)
 
   if _get(m, "moe.enabled"):
@@ -220,15 +217,17 @@ def saved_model_fields(d: dict) -> dict:
   model it was trained as: `scan_layers` and `scan_alike_layers` False (its checkpoints hold every layer
   unrolled), `remat` by name
   (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
-  `residual.forward`, `residual.backward` and `kda.conv_backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was
-  a setting)."""
+  `residual.backward` and `kda.conv_backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was
+  a setting); `residual.forward` dropped (the read-out's forward kernel, removed: it computed what the fused forward
+  does)."""
   d = dict(d)
   d.setdefault("scan_layers", False)
   d.setdefault("scan_alike_layers", False)
   if "kda" in d:
     d["kda"] = {"conv_backward": "fused", **d["kda"]}
   if "residual" in d:
-    d["residual"] = {"readout": "layer", "forward": "fused", "backward": "fused", **d["residual"]}
+    d["residual"] = {"readout": "layer", "backward": "fused",
+                     **{k: v for k, v in d["residual"].items() if k != "forward"}}
   if isinstance(d.get("moe"), dict) and d["moe"]:
     d["moe"] = {"load_unit": 1.0, **d["moe"]}
   if isinstance(d.get("remat"), bool):

@@ -70,8 +70,8 @@ class DecoderLayer(nnx.Module):
     d, eps, mode = model_cfg.d_model, model_cfg.norm_eps, model_cfg.residual.mode
     self.kind, self.uses_moe = layer.mixer, layer.moe
     self.dtype = config_lib.compute_dtype(model_cfg)
-    passes = {"forward": model_cfg.residual.forward, "backward": model_cfg.residual.backward}
-    new_res = lambda: None if mode == "none" else attnres.DepthAttention(d, eps=eps, **passes)
+    new_res = lambda: None if mode == "none" else attnres.DepthAttention(d, eps=eps,
+                                                                         backward=model_cfg.residual.backward)
     self.mixer_res, self.mixer_norm = new_res(), RMSNorm(d, eps=eps)
     self.mixer = KDALayer(model_cfg, rngs=rngs) if self.kind == "kda" else GatedMLA(model_cfg, rngs=rngs)
     self.ffn_res, self.ffn_norm = new_res(), RMSNorm(d, eps=eps)
@@ -160,7 +160,7 @@ class K3Model(nnx.Module):
     self.groups = nnx.List([_build_stacked(functools.partial(build, p[0]), keys[np.asarray(p)])
                             for p in positions]) if self.plan.num_groups else None
     self.final_res = None if self.mode == "none" else attnres.DepthAttention(
-        d, eps=model_cfg.norm_eps, forward=model_cfg.residual.forward, backward=model_cfg.residual.backward)
+        d, eps=model_cfg.norm_eps, backward=model_cfg.residual.backward)
     self.final_norm = RMSNorm(d, eps=model_cfg.norm_eps)
     self.lm_head = None if model_cfg.tie_embeddings else normal_param(rngs, (d, V), d ** -0.5)
 

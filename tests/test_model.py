@@ -244,8 +244,8 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(monkeypatch):
   model = random_module(lambda rngs: K3Model(cfg, rngs=rngs), 3)
   tokens, seg = _tokens(8, (2, T)), segments(2, (7, T - 7))
   l1, g1, s1 = _loss_grads_and_stats(model, tokens, seg)
-  monkeypatch.setattr(attnres_ops, "readout",   # `forward`, `backward` shape the op's passes; the formula has none
-                      lambda *a, forward, backward, **k: attnres_ops.readout_reference(*a, **k))
+  monkeypatch.setattr(attnres_ops, "readout",   # `backward` shapes the op's backward pass; the formula has none
+                      lambda *a, backward, **k: attnres_ops.readout_reference(*a, **k))
   jax.clear_caches()   # the layers' jitted forward would otherwise keep the op's trace
   l2, g2, s2 = _loss_grads_and_stats(model, tokens, seg)
   jax.clear_caches()
@@ -261,29 +261,16 @@ def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(monkeypatch):
 def test_the_backward_option_reaches_every_read_out_s_op():
   """`residual.backward` changes how the read-outs' backward pass runs, not what it computes (the op's tests check
   every setting against the formula, tests/ops/test_ops_attnres.py): "barrier" puts its barriers in the scanned
-  model's gradient program beside remat's own, "kernel" makes every read-out's backward the Pallas kernel."""
-  programs = {b: _gradient_program(backward=b) for b in ("fused", "barrier", "kernel")}
-  assert programs["barrier"].count("optimization_barrier") > programs["fused"].count("optimization_barrier")
-  assert "attnres_readout_bwd" not in programs["fused"]
-  # At least one kernel for each place the program calls the op (its custom VJP, named for `_readout`).
-  assert programs["kernel"].count("name=attnres_readout_bwd") >= programs["fused"].count("name=_readout") > 0
-
-
-def test_the_forward_kernel_reaches_every_read_out_and_keeps_the_loss_and_gradients():
-  """`residual.forward="kernel"`: every read-out's forward (and its recomputation) is the Pallas kernel, and the
-  scanned, rematerialised model's loss and gradients are the fused forward's (interpret mode here)."""
-  programs = {f: _gradient_program(forward=f) for f in ("fused", "kernel")}
-  assert "attnres_readout_fwd" not in programs["fused"]
-  assert programs["kernel"].count("name=attnres_readout_fwd") >= programs["fused"].count("name=_readout") > 0
-  (l0, g0), (l1, g1) = (_loss_and_gradients(forward=f) for f in ("fused", "kernel"))
-  assert rel_err(l1, l0) < 1e-6
-  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
-  assert rel_err(flat(g1), flat(g0)) < 1e-5
+  model's gradient program beside remat's own, one or more for each place the program calls the op (its custom VJP,
+  named for `_readout`)."""
+  programs = {b: _gradient_program(backward=b) for b in ("fused", "barrier")}
+  extra = programs["barrier"].count("optimization_barrier") - programs["fused"].count("optimization_barrier")
+  assert extra >= programs["fused"].count("name=_readout") > 0
 
 
 def _read_out_case(**residual):
   """The scanned case whose AttnRes blocks straddle its groups, its read-outs' passes set as `residual` says, on
-  B·T = 32 tokens (two blocks of the kernels' rows): (loss of the parameters, the parameters)."""
+  B·T = 32 tokens: (loss of the parameters, the parameters)."""
   cfg = SCAN_CASES["blocks_straddle_groups"].copy_and_resolve_references()
   for field, value in residual.items():
     cfg.residual[field] = value
@@ -295,11 +282,6 @@ def _read_out_case(**residual):
 def _gradient_program(**residual) -> str:
   loss, params = _read_out_case(**residual)
   return str(jax.make_jaxpr(jax.grad(loss))(params))
-
-
-def _loss_and_gradients(**residual):
-  loss, params = _read_out_case(**residual)
-  return jax.jit(jax.value_and_grad(loss))(params)
 
 
 GROUP_READOUT_CASES = {   # block mode under the recomputing scan (remat); full mode under the plain scan (autodiff)

@@ -135,12 +135,12 @@ def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
 
 
 class DepthAttention(nnx.Module):
-  """One AttnRes read-out: a zero-initialised pseudo-query and the RMSNorm of its keys. `forward`, `backward`: how
-  the op's passes run (`k3jax.ops.attnres.readout`; a read through a carry's summary is left to autodiff and has no
+  """One AttnRes read-out: a zero-initialised pseudo-query and the RMSNorm of its keys. `backward`: how the op's
+  backward pass runs (`k3jax.ops.attnres.readout`; a read through a carry's summary is left to autodiff and has no
   such choice)."""
 
-  def __init__(self, d_model: int, *, eps: float = 1e-6, forward: str = "fused", backward: str = "fused"):
-    self.forward, self.backward = forward, backward
+  def __init__(self, d_model: int, *, eps: float = 1e-6, backward: str = "fused"):
+    self.backward = backward
     self.query = nnx.Param(jnp.zeros((d_model,), jnp.float32))
     self.key_norm = RMSNorm(d_model, eps=eps)
 
@@ -151,7 +151,7 @@ class DepthAttention(nnx.Module):
     if isinstance(stream, Carry) and stream.summaries:
       return attnres_ops.readout_from_summary(q, g, stream.summaries[0], values, valid_E, eps=self.key_norm.eps)
     return attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=self.key_norm.eps,
-                               forward=self.forward, backward=self.backward)
+                               backward=self.backward)
 
   def weights(self, stream: Stream | Carry):
     """(the read-out's softmax weights `[N, B, T]`, which of the N are values `[N]` bool): over a `Stream`'s

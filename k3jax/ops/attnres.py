@@ -37,26 +37,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import RESIDUAL_BACKWARDS as BACKWARDS, RESIDUAL_FORWARDS as FORWARDS
-from pallas_kernels import attnres as attnres_kernels
+from k3jax.config import RESIDUAL_BACKWARDS as BACKWARDS
 
 
-def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float, forward: str = "fused",
-            backward: str = "fused"):
+def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float, backward: str = "fused"):
   """h `[B,T,D]` fp32. `query_D`, `scale_D`: the pseudo-query and the key RMSNorm's weight; `buffer_CBTD` fp32 (C
   may be 0) with `valid_C` bool `[C]`; `values` a tuple of E fp32 `[B,T,D]` with `valid_E` bool `[E]`. At least one
   value must be valid (else the weights are NaN).
 
-  `forward` (FORWARDS) and `backward` (BACKWARDS), how the passes run; the same arithmetic, which is faster is
-  measured: "fused", as XLA fuses it; "barrier" (backward), its reductions over the tokens (`u`) reading their
-  coefficients and values through an optimization barrier, so that XLA writes the coefficients once and reduces
-  them in a pass of their own; "kernel", one Pallas kernel over blocks of tokens (`pallas_kernels.attnres`; "fused"
-  where B·T is not a multiple of its block)."""
-  if forward not in FORWARDS:
-    raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
+  `backward` (BACKWARDS), how the backward pass runs; the same arithmetic, which is faster is measured: "fused", as
+  XLA fuses it; "barrier", its reductions over the tokens (`u`) reading their coefficients and values through an
+  optimization barrier, so that XLA writes the coefficients once and reduces them in a pass of their own."""
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-  return _readout(query_D, scale_D, buffer_CBTD, valid_C, tuple(values), valid_E, eps, forward, backward)
+  return _readout(query_D, scale_D, buffer_CBTD, valid_C, tuple(values), valid_E, eps, backward)
 
 
 def weights(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float):
@@ -77,17 +71,9 @@ def readout_reference(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *
   return jnp.einsum("nbt,nbtd->btd", w_NBT, jnp.where(valid_N[:, None, None, None], v_NBTD, 0.0), precision=precision)
 
 
-def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, kernel: bool = False):
-  """(h, w_N, a_N, r_N): the read-out and what its backward pass keeps; with `kernel`, from the Pallas kernel where
-  B·T is a multiple of its block."""
+def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
+  """(h, w_N, a_N, r_N): the read-out and what its backward pass keeps."""
   qg = query_D * scale_D
-  B, T, D = values[0].shape if values else buffer_CBTD.shape[1:]
-  if kernel and (B * T) % attnres_kernels.FORWARD_BLOCK_ROWS == 0:
-    valid_N = jnp.concatenate([valid_C, valid_E])
-    bias_NR = jnp.broadcast_to(jnp.where(valid_N, 0.0, -jnp.inf)[:, None], (valid_N.shape[0], B * T))
-    h, w_N, a_N, r_N = attnres_kernels.readout_forward(
-        buffer_CBTD.reshape(-1, B * T, D), tuple(v.reshape(B * T, D) for v in values), qg, bias_NR, eps=eps)
-    return (h.reshape(B, T, D), *(x.reshape(-1, B, T) for x in (w_N, a_N, r_N)))
   stats = lambda v: (jnp.sum(v * qg, axis=-1), jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps))
   a_C, r_C = stats(buffer_CBTD)
   a_E, r_E = zip(*map(stats, values)) if values else ((), ())
@@ -104,31 +90,22 @@ def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, kerne
   return h, w_N, a_N, r_N
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, forward, backward):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, backward):
   del backward
-  return _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, forward == "kernel")[0]
+  return _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps)[0]
 
 
-def _readout_fwd(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, forward, backward):
+def _readout_fwd(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, backward):
   del backward
-  h, w_N, a_N, r_N = _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, forward == "kernel")
+  h, w_N, a_N, r_N = _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps)
   return h, (query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, w_N, a_N, r_N)
 
 
-def _readout_bwd(eps, forward, backward, residuals, dh):
-  del eps, forward
+def _readout_bwd(eps, backward, residuals, dh):
+  del eps
   query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, w_N, a_N, r_N = residuals
   c, d = buffer_CBTD.shape[0], query_D.shape[0]
-  rows = dh.shape[0] * dh.shape[1]
-  if backward == "kernel" and rows % attnres_kernels.BACKWARD_BLOCK_ROWS == 0:
-    # Weights of the slots that are not valid are exactly 0, so the kernel gives them zero cotangents.
-    flat = lambda x: x.reshape(*x.shape[:-3], rows, x.shape[-1])
-    d_buffer, d_values, u = attnres_kernels.readout_backward(
-        flat(dh), flat(buffer_CBTD), tuple(map(flat, values)), query_D * scale_D,
-        *(x.reshape(x.shape[0], rows) for x in (w_N, a_N, r_N)))
-    return (scale_D * u, query_D * u, d_buffer.reshape(buffer_CBTD.shape), None,
-            tuple(dv.reshape(dh.shape) for dv in d_values), None)
   dw_C = jnp.sum(dh * buffer_CBTD, axis=-1)
   dw_N = jnp.concatenate([dw_C, *(jnp.sum(dh * v, axis=-1)[None] for v in values)])
   ds_N = w_N * (dw_N - jnp.sum(w_N * dw_N, axis=0))    # 0 where not valid (w = 0)

@@ -136,16 +136,6 @@ def test_bench_attnres_small_checks_the_op_and_the_summary_against_fp32_autodiff
   rows = json.loads((tmp_path / "bench_attnres.json").read_text())
   buffered = ("scanned group", "scanned group, 8 read-outs")
   assert {(r["case"], r["impl"]) for r in rows} == (
-      {(c, i) for c in buffered for i in ("op", "op_kernel", "op_fwd_kernel", "autodiff", "summary")}
-      | {("unrolled layer", i) for i in ("op", "op_kernel", "op_fwd_kernel", "autodiff")})
-  assert all(r["max_rel_err"] < 1e-5 for r in rows if r["impl"] in ("op", "op_kernel", "op_fwd_kernel", "summary"))
-  # The kernels' launch sweeps: each launch's outputs against the fused pass's.
-  done = run_script("experiments.bench_attnres", "--small", "--forward_launches=4:4,16:2", "--backward_launches=16:4",
-                    out_dir=tmp_path)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  rows = json.loads((tmp_path / "bench_attnres.json").read_text())
-  cases = ("scanned group", "unrolled layer")
-  assert {(r["pass"], r["case"], r["impl"]) for r in rows} == (
-      {("forward", c, i) for c in cases for i in ("fused", "kernel 4:4", "kernel 16:2")}
-      | {("backward", c, i) for c in cases for i in ("fused", "kernel 16:4")})
-  assert all(r["max_abs_err"] < 1e-5 for r in rows)
+      {(c, i) for c in buffered for i in ("op", "autodiff", "summary")}
+      | {("unrolled layer", i) for i in ("op", "autodiff")})
+  assert all(r["max_rel_err"] < 1e-5 for r in rows if r["impl"] in ("op", "summary"))

@@ -4,7 +4,7 @@ groups): finite, and its loss, gradient norm and every parameter's gradient thos
 against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`) and with
 the groups' alike layers under an inner scan (`model.scan_alike_layers`, rematerialised); and the
 program compared holds the Pallas kernels (the KDA kernels, the Mosaic GPU grouped GEMM; with the per-layer read-out
-also the short convs' and the read-outs' backward kernels), so the XLA path is not compared with itself.
+also the short convs' backward kernel), so the XLA path is not compared with itself.
 
 The step is `k3jax.train.step.make_train_step`, built as tests/train/test_train_step.py builds it, its
 optimizer wrapped to keep the step's gradient in its state: the step returns none. On the GPU: d_model 256 (KDA's
@@ -65,22 +65,23 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
                "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_rows", "kda_intra_bwd_cols",
                "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "body"}
-# The "pallas" run's short convs run their backward passes as kernels too, its AttnRes read-outs both passes.
-GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw", "attnres_readout_fwd", "attnres_readout_bwd"},
+# The "pallas" run's short convs run their backward passes as kernels too.
+GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw"},
                 "pallas_group": set(), "pallas_alike": set()}
 # Off the GPU the interpreted Mosaic GPU kernels call back into Python, which remat's AD refuses: there the alike run
 # (rematerialised) takes the XLA KDA path and checks the inner scan alone.
 ALIKE_KDA = "pallas" if ON_GPU else "xla"
 
 
-def _model_config(dtype: str, kda_backend: str, readout: str = "layer", glue: str = "fused", alike: bool = False):
+def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_backward: str = "fused",
+                  alike: bool = False):
   """The pattern KDA, KDA, KDA, MLA over 9 layers (layer 0 dense, 1-8 LatentMoE of 4 experts, scanned as two groups,
-  so that a group read-out has a group to read), two heads per mixer; `glue` the short convs' backward passes and
-  the read-outs' forward and backward passes ("kernel": their Pallas kernels, which take these shapes); `alike`
+  so that a group read-out has a group to read), two heads per mixer; `conv_backward` the short convs' backward
+  passes ("kernel": their Pallas kernel, which takes these shapes); `alike`
   the groups' two leading KDA layers under their inner scan (`scan_alike_layers`, which runs under remat)."""
   m = config_lib.model_config()
   m.num_layers, m.last_layer, m.residual.readout = 9, None, readout
-  m.kda.conv_backward = m.residual.forward = m.residual.backward = glue
+  m.kda.conv_backward = conv_backward
   m.scan_alike_layers = alike
   m.remat = "save_kda_out" if alike else m.remat
   m.d_model, m.dtype, m.ffn_hidden = D_MODEL, dtype, 2 * D_MODEL
@@ -132,7 +133,7 @@ def steps():
   _, _, init = state_lib.abstract_state(c, tx, mesh)
   state = jax.jit(init)(c.seed)
   batch = _batch(c.model.vocab_size)
-  runs = {"pallas": (_model_config("bfloat16", "pallas", glue="kernel"), "auto"),
+  runs = {"pallas": (_model_config("bfloat16", "pallas", conv_backward="kernel"), "auto"),
           "pallas_group": (_model_config("bfloat16", "pallas", readout="group"), "auto"),
           "pallas_alike": (_model_config("bfloat16", ALIKE_KDA, alike=True), "auto"),
           "xla": (_model_config("bfloat16", "xla"), "xla"), "fp32": (_model_config("float32", "xla"), "xla")}

@@ -85,6 +85,17 @@ def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_tra
   assert (c.model.scan_layers, c.model.remat) == (True, "none")
 
 
+def test_a_config_saved_with_the_removed_read_out_forward_field_loads_without_it(tmp_path):
+  """`model.residual.forward` (the read-out's forward kernel, removed) named the same arithmetic as the fused
+  forward: a run that saved it resumes, and the field is gone from the config it rebuilds."""
+  started(tmp_path, tiny.get_config())
+  saved = json.loads((tmp_path / workdir_lib.CONFIG).read_text())
+  saved["model"]["residual"]["forward"] = "kernel"
+  (tmp_path / workdir_lib.CONFIG).write_text(json.dumps(saved))
+  assert workdir_lib.check_resume(tmp_path, tiny.get_config()) is None
+  assert "forward" not in workdir_lib.config_from_json(saved).model.residual
+
+
 def test_a_run_saved_before_a_field_existed_resumes_at_the_value_that_keeps_what_it_computed(tmp_path):
   started(tmp_path, tiny.get_config())
   saved = json.loads((tmp_path / workdir_lib.CONFIG).read_text())
