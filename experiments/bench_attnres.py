@@ -1,6 +1,6 @@
 """The AttnRes read-out, forward and forward + backward: the op with its hand-written backward pass
-(`k3jax.ops.attnres.readout`, as XLA fuses it) against autodiff of the same formula (`readout_reference`) and, for a buffer, its summary
-(`summarize_buffer` once, then `readout_from_summary` per read-out), at small's shapes:
+(`k3jax.ops.attnres.readout`, as XLA fuses it) against autodiff of the same formula (`readout_reference`) and, for
+a buffer, its summary (`summarize_buffer` once, then `readout_from_summary` per read-out), at small's shapes:
 
   python -m experiments.bench_attnres                 # GPU: small's read-outs at 4K (B·T = 65,536, d = 768)
   python -m experiments.bench_attnres --small         # CPU: tiny shapes, checks only

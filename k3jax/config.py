@@ -218,8 +218,8 @@ def saved_model_fields(d: dict) -> dict:
   unrolled), `remat` by name
   (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
   `residual.backward` and `kda.conv_backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was
-  a setting); `residual.forward` dropped (the read-out's forward kernel, removed: it computed what the fused forward
-  does)."""
+  a setting). The read-out's kernels were removed, each the fused pass's arithmetic: `residual.forward` is dropped
+  and `residual.backward="kernel"` read as "fused"."""
   d = dict(d)
   d.setdefault("scan_layers", False)
   d.setdefault("scan_alike_layers", False)
@@ -228,6 +228,8 @@ def saved_model_fields(d: dict) -> dict:
   if "residual" in d:
     d["residual"] = {"readout": "layer", "backward": "fused",
                      **{k: v for k, v in d["residual"].items() if k != "forward"}}
+    if d["residual"]["backward"] == "kernel":
+      d["residual"]["backward"] = "fused"
   if isinstance(d.get("moe"), dict) and d["moe"]:
     d["moe"] = {"load_unit": 1.0, **d["moe"]}
   if isinstance(d.get("remat"), bool):

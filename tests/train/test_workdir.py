@@ -85,15 +85,16 @@ def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_tra
   assert (c.model.scan_layers, c.model.remat) == (True, "none")
 
 
-def test_a_config_saved_with_the_removed_read_out_forward_field_loads_without_it(tmp_path):
-  """`model.residual.forward` (the read-out's forward kernel, removed) named the same arithmetic as the fused
-  forward: a run that saved it resumes, and the field is gone from the config it rebuilds."""
+def test_a_config_saved_with_the_removed_read_out_kernels_resumes_as_the_fused_passes(tmp_path):
+  """`model.residual.forward` and `residual.backward="kernel"` (the read-out's kernels, removed) named the fused
+  passes' arithmetic: a run that saved them resumes, the field gone and the backward "fused"."""
   started(tmp_path, tiny.get_config())
   saved = json.loads((tmp_path / workdir_lib.CONFIG).read_text())
-  saved["model"]["residual"]["forward"] = "kernel"
+  saved["model"]["residual"]["forward"] = saved["model"]["residual"]["backward"] = "kernel"
   (tmp_path / workdir_lib.CONFIG).write_text(json.dumps(saved))
   assert workdir_lib.check_resume(tmp_path, tiny.get_config()) is None
-  assert "forward" not in workdir_lib.config_from_json(saved).model.residual
+  residual = workdir_lib.config_from_json(saved).model.residual
+  assert "forward" not in residual and residual.backward == "fused"
 
 
 def test_a_run_saved_before_a_field_existed_resumes_at_the_value_that_keeps_what_it_computed(tmp_path):
