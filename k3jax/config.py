@@ -226,10 +226,11 @@ def saved_model_fields(d: dict) -> dict:
   if "kda" in d:
     d["kda"] = {"conv_backward": "fused", **d["kda"]}
   if "residual" in d:
-    d["residual"] = {"readout": "layer", "backward": "fused",
-                     **{k: v for k, v in d["residual"].items() if k != "forward"}}
-    if d["residual"]["backward"] == "kernel":
-      d["residual"]["backward"] = "fused"
+    residual = {"readout": "layer", "backward": "fused", **d["residual"]}
+    residual.pop("forward", None)
+    if residual["backward"] == "kernel":
+      residual["backward"] = "fused"
+    d["residual"] = residual
   if isinstance(d.get("moe"), dict) and d["moe"]:
     d["moe"] = {"load_unit": 1.0, **d["moe"]}
   if isinstance(d.get("remat"), bool):

@@ -66,8 +66,7 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
                "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "body"}
 # The "pallas" run's short convs run their backward passes as kernels too.
-GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw"},
-                "pallas_group": set(), "pallas_alike": set()}
+GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw"}, "pallas_group": set(), "pallas_alike": set()}
 # Off the GPU the interpreted Mosaic GPU kernels call back into Python, which remat's AD refuses: there the alike run
 # (rematerialised) takes the XLA KDA path and checks the inner scan alone.
 ALIKE_KDA = "pallas" if ON_GPU else "xla"
@@ -77,8 +76,8 @@ def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_bac
                   alike: bool = False):
   """The pattern KDA, KDA, KDA, MLA over 9 layers (layer 0 dense, 1-8 LatentMoE of 4 experts, scanned as two groups,
   so that a group read-out has a group to read), two heads per mixer; `conv_backward` the short convs' backward
-  passes ("kernel": their Pallas kernel, which takes these shapes); `alike`
-  the groups' two leading KDA layers under their inner scan (`scan_alike_layers`, which runs under remat)."""
+  passes ("kernel": their Pallas kernel, which takes these shapes); `alike` the groups' two leading KDA layers
+  under their inner scan (`scan_alike_layers`, which runs under remat)."""
   m = config_lib.model_config()
   m.num_layers, m.last_layer, m.residual.readout = 9, None, readout
   m.kda.conv_backward = conv_backward
@@ -123,8 +122,9 @@ def _batch(vocab_size):
 
 @pytest.fixture(scope="module")
 def steps():
-  """{"pallas", "pallas_group", "pallas_alike", "xla", "fp32"}: (metrics, gradients, the state after the step, the Pallas kernels
-  of its traced program, its lowered program's text) of one step from the same state on the same batch."""
+  """{"pallas", "pallas_group", "pallas_alike", "xla", "fp32"}: (metrics, gradients, the state after the step, the
+  Pallas kernels of its traced program, its lowered program's text) of one step from the same state on the same
+  batch."""
   c = common.base_config()
   c.model, c.mesh, c.seq_len, c.batch_size, c.steps = _model_config("bfloat16", "pallas"), MESH, T, B, 10
   lr = stages_lib.training_plan(c).learning_rate
@@ -197,9 +197,9 @@ def test_loss_gradient_norm_and_gradients_are_the_xla_steps(steps, run):
 
 @pytest.mark.parametrize("run", KERNEL_RUNS)
 def test_the_step_compared_runs_the_kernels(steps, run):
-  """The kernels' step launches every KDA kernel (the "pallas" run also the short conv's backward kernel and the
-  read-out's forward and backward kernels) and on the GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the Triton and Mosaic GPU
-  calls); the XLA steps launch none."""
+  """The kernels' step launches every KDA kernel (the "pallas" run also the short conv's backward kernel; off the
+  GPU the alike run none, `ALIKE_KDA`) and on the GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the
+  Triton and Mosaic GPU calls); the XLA steps launch none."""
   _, _, _, kernels, text = steps[run]
   kda = KDA_KERNELS if run != "pallas_alike" or ALIKE_KDA == "pallas" else set()
   assert kernels == kda | GLUE_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set()), sorted(kernels)
