@@ -52,10 +52,6 @@ def model_config() -> ml_collections.ConfigDict:
   # every layer: the checkpoint layout of models before scanning (see k3jax.model.scanned_layout) and the scan's
   # reference in the tests; it compiles each layer separately.
   m.scan_layers = True
-  # Under remat, the group's alike first layers (the three KDA layers of KDA, KDA, KDA, MLA) run under an inner scan
-  # of their own: one compiled copy of them instead of one each (docs/design.md, the layer scan). Their AttnRes sums
-  # are written to the buffer after each layer rather than at the group's end.
-  m.scan_alike_layers = False
   m.ffn_hidden = 512                      # dense SiTU-GLU width (layer 0 with MoE on, every layer with it off)
 
   m.kda = ml_collections.ConfigDict()
@@ -126,14 +122,8 @@ def validate(m: ml_collections.ConfigDict) -> None:
   if remat not in REMAT_POLICIES:
     hint = " (True was today's 'save_kda_out', False 'none')" if isinstance(remat, bool) else ""
     raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {remat!r}{hint}")
-  for field in ("scan_layers", "scan_alike_layers"):
-    if not isinstance(_get(m, field), bool):
-      raise ValueError(f"model.{field} must be a bool, got {m[field]!r}")
-  # (Unscanned, the option has no groups to act on: a scanned config read back unrolled keeps it.)
-  if m.scan_layers and m.scan_alike_layers and (remat == "none" or _get(m, "residual.readout") != "layer"):
-    raise ValueError("model.scan_alike_layers runs inside the scanned groups' recomputing backward pass: it needs "
-                     f"a remat policy other than 'none' and residual.readout='layer' (got remat={remat!r}, "
-                     f"residual.readout={_get(m, 'residual.readout')!r})")
+  if not isinstance(_get(m, "scan_layers"), bool):
+    raise ValueError(f"model.scan_layers must be a bool, got {m.scan_layers!r}")
   if _get(m, "z_loss_coef") < 0:
     raise ValueError(f"model.z_loss_coef must be >= 0, got {m.z_loss_coef}")
   types = layer_types(m)
@@ -214,15 +204,14 @@ def unread_moe_fields(moe: dict) -> set[str]:
 
 def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
-  model it was trained as: `scan_layers` and `scan_alike_layers` False (its checkpoints hold every layer
-  unrolled), `remat` by name
+  model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
   (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
   `residual.backward` and `kda.conv_backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was
-  a setting). The read-out's kernels were removed, each the fused pass's arithmetic: `residual.forward` is dropped
-  and `residual.backward="kernel"` read as "fused"."""
+  a setting). Options removed since, each computing what remains: `scan_alike_layers` (the same layers and
+  parameters) and `residual.forward` are dropped, `residual.backward="kernel"` is read as "fused"."""
   d = dict(d)
   d.setdefault("scan_layers", False)
-  d.setdefault("scan_alike_layers", False)
+  d.pop("scan_alike_layers", None)
   if "kda" in d:
     d["kda"] = {"conv_backward": "fused", **d["kda"]}
   if "residual" in d:

@@ -148,7 +148,6 @@ class K3Model(nnx.Module):
     self.summarize_groups = self.mode != "none" and model_cfg.residual.readout == "group"
     self.z_loss_coef = float(model_cfg.z_loss_coef)
     self.remat = model_cfg.remat
-    self.scan_alike = model_cfg.scan_alike_layers
     self.plan, self.closes, self.moe_ids = spec.plan, spec.closes, spec.moe_layers
     self.embed = normal_param(rngs, (V, d), 1.0)
     # Layer i draws from keys[i] (see the module docstring).
@@ -238,26 +237,14 @@ class K3Model(nnx.Module):
     count = attnres.num_sources(self.mode, [c for layer in closes[:plan.end] for c in layer])
     flags_GP2 = np.array([[closes[i] for i in plan.position(j)] for j in range(plan.group_size)], bool)
     flags_GP2 = flags_GP2.transpose(1, 0, 2)
+    # A flag equal in every group stays a Python bool (no select in the body); the others are scanned over.
+    static = [[bool(f[0]) if f.all() or not f.any() else None for f in flags_GP2[:, j].T]
+              for j in range(plan.group_size)]
     graphdefs, params, rest = zip(*(nnx.split(layer, nnx.Param, ...) for layer in self.groups))
-    # The group's first positions of one structure (KDA, KDA, KDA of KDA, KDA, KDA, MLA), run under an inner scan
-    # when `scan_alike_layers` (under remat, without group read-outs); 1 when not.
-    recompute = remat != "none" and caches is None   # the training path: `recomputing_scan`
-    alike = 1
-    if self.scan_alike and recompute:   # (config.validate refuses it with group read-outs)
-      while alike < plan.group_size and graphdefs[alike] == graphdefs[0]:
-        alike += 1
-    # A flag equal in every group (and, in the alike run, at every position of it) stays a Python bool (no select in
-    # the body); the others are scanned over.
-    same = lambda f: bool(f.flat[0]) if f.all() or not f.any() else None
-    static = [[same(flags_GP2[:, j, s]) for s in (0, 1)] for j in range(plan.group_size)]
-    if alike > 1:
-      static[:alike] = [[same(flags_GP2[:, :alike, s]) for s in (0, 1)]] * alike
 
-    def layer_step(j, params_j, rest_j, flags_P2, carry, cache, position=None):
-      """Position j's layer; `position` (a traced index in the alike run, j by default) picks its close flags."""
-      position = j if position is None else position
-      layer_closes = tuple(flags_P2[position, s] if static[j][s] is None else static[j][s] for s in (0, 1))
-      with jax.named_scope(f"position_{j}" if alike == 1 or j >= alike else "alike_positions"):
+    def layer_step(j, params_j, rest_j, flags_P2, carry, cache):
+      layer_closes = tuple(flags_P2[j, s] if static[j][s] is None else static[j][s] for s in (0, 1))
+      with jax.named_scope(f"position_{j}"):
         return run(nnx.merge(graphdefs[j], params_j, rest_j), carry, layer_closes, cache)
 
     def summarize_group(params_g, rest_g, carry):
@@ -269,7 +256,7 @@ class K3Model(nnx.Module):
     summarize = summarize_group if self.summarize_groups else None
     carry = attnres.to_carry(stream, count)
     flags = jnp.asarray(flags_GP2)
-    if not recompute:
+    if remat == "none" or caches is not None:
       def body(carry, xs):
         params_g, rest_g, flags_P2, caches_g = xs
         if summarize is not None:
@@ -283,9 +270,8 @@ class K3Model(nnx.Module):
         return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
       carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
     else:
-      step = lambda j, p, r, f, c, position: layer_step(j, p, r, f, c, None, position)[::2]
-      carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize,
-                                      alike=alike)
+      step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
+      carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
@@ -356,22 +342,15 @@ def _check_tokens(tokens_BT, segment_ids_BT):
                      f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
 
 
-def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None,
-                     alike: int = 1):
+def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None):
   """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input.
 
-  `layer_step(j, params_j, rest_j, xs_g, carry, position) -> (carry, MoE stats or None)` runs position j of a group
-  on an `attnres.Carry`; `position` is j, or inside the alike run (below) a traced int32 scalar, the position whose
-  per-layer data (its close flags in `xs_g`) the layer reads, j then being the run's first. `params_G`
-  (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not differentiated) hold a tuple per
-  position of arrays stacked over the groups. Returns (the flushed carry after the last group, per position the MoE
-  stats stacked over the groups). `summarize(params_g, rest_g, carry) -> carry`, if given, runs at each group's start
-  and gives the carry the buffer's part of the group's read-outs (`attnres.summarize`), each layer reading the same
-  number of them.
-
-  `alike` > 1: the group's first `alike` positions are layers of one structure, run under an inner scan over their
-  parameters (one group's, stacked in the body: one compiled copy of the layer instead of `alike`), each followed by
-  a flush so that every one of them meets a carry of one structure (no summaries then).
+  `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
+  `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
+  differentiated) hold a tuple per position of arrays stacked over the groups. Returns (the flushed carry after the
+  last group, per position the MoE stats stacked over the groups). `summarize(params_g, rest_g, carry) -> carry`,
+  if given, runs at each group's start and gives the carry the buffer's part of the group's read-outs
+  (`attnres.summarize`), each layer reading the same number of them.
 
   The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
   in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
@@ -381,36 +360,16 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   kept either: the backward pass computes them again from that buffer, once per group, and after the group's layers
   adds their VJP (buffer and read-out parameters) to the layers'.
   """
-  if alike > 1 and summarize is not None:
-    raise ValueError("an inner scan over alike layers needs a carry without summaries (readout='layer')")
-  if not 1 <= alike <= num_positions:
-    raise ValueError(f"alike={alike} must be in [1, num_positions={num_positions}]")
-  # The positions run one by one: every one when alike is 1, else those after the alike run.
-  singles = tuple(range(alike if alike > 1 else 0, num_positions))
-  positions = jnp.arange(alike, dtype=jnp.int32)
-  # One group's parameters of the alike positions stacked on a new leading axis (a copy of one group's, not all),
-  # and that axis split back into positions.
-  stacked = lambda per_position: jax.tree.map(lambda *xs: jnp.stack(xs), *per_position[:alike])
-  unstacked = lambda run: [jax.tree.map(lambda x: x[i], run) for i in range(alike)]
-
   def group(carry, xs):
     params_g, rest_g, xs_g = xs
     if summarize is not None:
       carry = summarize(params_g, rest_g, carry)
-    run_inputs, inputs, stats = None, [], []   # the alike run's inputs (stacked), then each single layer's
-    if alike > 1:
-      def one(carry, x):
-        params_j, rest_j, position = x
-        kept = carry.replace(sources_NBTD=None, summaries=())
-        carry, layer_stats = layer_step(0, params_j, rest_j, xs_g, carry, position)
-        return attnres.flush(carry), (layer_stats, kept)
-      carry, (run_stats, run_inputs) = jax.lax.scan(one, carry, (stacked(params_g), stacked(rest_g), positions))
-      stats += unstacked(run_stats)
-    for j in singles:
+    inputs, stats = [], []
+    for j in range(num_positions):
       inputs.append(carry.replace(sources_NBTD=None, summaries=()))
-      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry, j)
+      carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
       stats.append(layer_stats)
-    return attnres.flush(carry), (tuple(stats), (run_inputs, tuple(inputs)))
+    return attnres.flush(carry), (tuple(stats), tuple(inputs))
 
   @jax.custom_vjp
   def groups(params_G, rest_G, xs_G, carry):
@@ -434,17 +393,17 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     params_G, rest_G, xs_G, inputs_G, sources = residuals
     d_carry, d_stats_G = cotangents
 
-    def layer_vjp(j, position, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats, flush: bool):
-      """(d params_j, d input, d summaries) of layer j (then the flush, if `flush`) reading `summaries`; the
-      differentiable part of a carry is (buffer, partial sum, closed sums)."""
+    def layer_vjp(j, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats):
+      """(d params_j, d input, d summaries) of layer j (then the flush, for the last position) reading `summaries`;
+      the differentiable part of a carry is (buffer, partial sum, closed sums)."""
       flags = [closed for _, closed in input_carry.closed]
 
       def fn(params_j, diff):
         sources, partial, closed, summaries = diff
         c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)),
                                 summaries=summaries)
-        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c, position)
-        if flush:
+        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
+        if j == num_positions - 1:
           c = attnres.flush(c)
         return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
 
@@ -457,26 +416,16 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       return d_params_j, (d_sources, d_partial, d_closed), d_summaries
 
     def body(d, xs):
-      params_g, rest_g, xs_g, (run_inputs_g, inputs_g), d_stats_g = xs
-      d_params = [None] * num_positions
-      d_summaries, summaries = [()] * num_positions, [()] * num_positions
+      params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
+      d_params, d_summaries, summaries = [None] * num_positions, [()] * num_positions, [()] * num_positions
       if summarize is not None:   # the group's summaries again, from the final buffer (what they read is unchanged)
         of_buffer = lambda p, s: summarize(p, rest_g, inputs_g[0].replace(sources_NBTD=s)).summaries
         flat, summary_vjp = jax.vjp(of_buffer, params_g, sources)
         n = len(flat) // num_positions
         summaries = [flat[j * n:(j + 1) * n] for j in range(num_positions)]
-      for k in reversed(range(len(singles))):
-        j = singles[k]
-        d_params[j], d, d_summaries[j] = layer_vjp(j, j, params_g[j], rest_g[j], xs_g, inputs_g[k],
-                                                   summaries[j], d, d_stats_g[j], j == num_positions - 1)
-      if alike > 1:
-        def one(d, x):
-          params_j, rest_j, input_carry, d_stats, position = x
-          d_params_j, d, _ = layer_vjp(0, position, params_j, rest_j, xs_g, input_carry, (), d, d_stats, True)
-          return d, d_params_j
-        d, d_run = jax.lax.scan(one, d, (stacked(params_g), stacked(rest_g), run_inputs_g, stacked(d_stats_g),
-                                         positions), reverse=True)
-        d_params[:alike] = unstacked(d_run)
+      for j in reversed(range(num_positions)):
+        d_params[j], d, d_summaries[j] = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], summaries[j], d,
+                                                   d_stats_g[j])
       if summarize is not None:
         d_params_s, d_buffer = summary_vjp(tuple(x for d_j in d_summaries for x in d_j))
         d_params = jax.tree.map(jnp.add, tuple(d_params), d_params_s)

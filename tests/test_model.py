@@ -207,34 +207,6 @@ def test_scanned_groups_give_the_unrolled_loss_gradients_stats_and_balancer_upda
     assert rel_err(b, a) < 5e-5 if float(jnp.abs(a).max()) > 0 else float(jnp.abs(b).max()) == 0
 
 
-# Layers 0 (KDA, dense), 1 (KDA), 2 (MLA) unrolled, then two groups of (KDA, KDA, MLA), their two KDA layers alike;
-# AttnRes blocks of two layers close after layers 1, 3, 5 and 7: every group position's flag is traced.
-ALIKE = {**MODEL, "num_layers": 9, "layer_pattern": ("kda", "kda", "mla"), "remat": "save_kda_out"}
-
-
-def test_alike_layers_under_an_inner_scan_give_the_unrolled_loss_gradients_and_stats():
-  """`scan_alike_layers`: the groups' two KDA layers run under an inner scan (their sums flushed to the buffer after
-  each layer), with the unrolled model's loss, gradients and MoE scores."""
-  cfg = small_config(**ALIKE, scan_alike_layers=True)
-  scanned, unrolled = _scanned_and_unrolled(cfg)
-  assert (scanned.plan.num_groups, scanned.plan.group_size) == (2, 3)
-  s1, _ = _assert_scanned_matches_unrolled(cfg, scanned, unrolled, _tokens(7, (2, T)), segments(2, (5, T - 5)))
-  assert len(s1) == 8
-
-
-def test_alike_layers_under_an_inner_scan_trace_their_layer_once(monkeypatch):
-  """The gradient program holds one call of the KDA kernels for the group's two alike layers, not two: in the
-  group's forward and in its backward's recomputation (the unrolled layers 0 and 1 keep theirs)."""
-  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")   # the kernels as the GPU runs them (traced, not run)
-  counts = {}
-  for alike in (False, True):
-    cfg = small_config(**ALIKE, scan_alike_layers=alike, **{"kda.backend": "pallas"})
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
-    loss = lambda p, r: jnp.sum(nnx.merge(graphdef, p, r)(jnp.zeros((1, 64), jnp.int32))[0])
-    counts[alike] = kernel_launches(jax.make_jaxpr(jax.grad(loss))(params, rest), "kda_intra_fwd_key_tiles")
-  assert counts == {False: 2 * 2 + 2 * 2, True: 2 * 2 + 2}, counts
-
-
 def test_the_read_out_op_gives_the_formula_s_loss_and_gradients(monkeypatch):
   """The scanned model with every AttnRes read-out left to autodiff of its formula (`readout_reference`) in place of
   the op with its own backward pass: the same loss, gradients and MoE scores (the op's VJP under remat and inside the

@@ -27,11 +27,10 @@ from k3jax.train import checkpoint, stages as stages_lib
 CONFIG, CHANGES = "config.json", "config_changes.jsonl"
 # Dotted fields (a prefix covers its subfields) that never change what a step computes: how a run is observed or
 # stored, how cuDNN lays out documents (`model.mla.max_documents`: the same attention, rounded alike), and how the
-# AttnRes read-out's backward is compiled (`model.residual.backward`: the same arithmetic), and whether a group's
-# alike layers run under an inner scan (`model.scan_alike_layers`: the same layers and parameters).
+# AttnRes read-out's backward and the short conv's are compiled (`model.residual.backward`, `model.kda.conv_backward`:
+# the same arithmetic).
 RESUMABLE = ("log_every", "checkpoint_every", "keep_checkpoints", "eval", "data.cache_dir", "model.mla.max_documents",
-             "model.residual.backward", "model.kda.conv_backward",
-             "model.scan_alike_layers")
+             "model.residual.backward", "model.kda.conv_backward")
 # Fields whose change moves the learning-rate schedule over the global steps.
 SCHEDULE = ("steps", "stages", "optimizer.warmup_fraction", "optimizer.decay_fraction", "optimizer.final_lr_fraction")
 ABSENT = "<absent>"

@@ -1,8 +1,7 @@
 """One train step of a small model on the GPU's kernels (KDA ×3 + MLA, LatentMoE, bf16, its layers scanned in two
 groups): finite, and its loss, gradient norm and every parameter's gradient those of the same step on the XLA paths
 (`model.kda.backend = "xla"`, the MoE's grouped GEMM on `jax.lax.ragged_dot`), held to the XLA bf16 step's own error
-against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`) and with
-the groups' alike layers under an inner scan (`model.scan_alike_layers`, rematerialised); and the
+against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`); and the
 program compared holds the Pallas kernels (the KDA kernels, the Mosaic GPU grouped GEMM; with the per-layer read-out
 also the short convs' backward kernel), so the XLA path is not compared with itself.
 
@@ -66,23 +65,16 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
                "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "body"}
 # The "pallas" run's short convs run their backward passes as kernels too.
-GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw"}, "pallas_group": set(), "pallas_alike": set()}
-# Off the GPU the interpreted Mosaic GPU kernels call back into Python, which remat's AD refuses: there the alike run
-# (rematerialised) takes the XLA KDA path and checks the inner scan alone.
-ALIKE_KDA = "pallas" if ON_GPU else "xla"
+GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw"}, "pallas_group": set()}
 
 
-def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_backward: str = "fused",
-                  alike: bool = False):
+def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_backward: str = "fused"):
   """The pattern KDA, KDA, KDA, MLA over 9 layers (layer 0 dense, 1-8 LatentMoE of 4 experts, scanned as two groups,
   so that a group read-out has a group to read), two heads per mixer; `conv_backward` the short convs' backward
-  passes ("kernel": their Pallas kernel, which takes these shapes); `alike` the groups' two leading KDA layers
-  under their inner scan (`scan_alike_layers`, which runs under remat)."""
+  passes ("kernel": their Pallas kernel, which takes these shapes)."""
   m = config_lib.model_config()
   m.num_layers, m.last_layer, m.residual.readout = 9, None, readout
   m.kda.conv_backward = conv_backward
-  m.scan_alike_layers = alike
-  m.remat = "save_kda_out" if alike else m.remat
   m.d_model, m.dtype, m.ffn_hidden = D_MODEL, dtype, 2 * D_MODEL
   m.kda.num_heads, m.kda.backend = 2, kda_backend
   m.mla.num_heads, m.mla.kv_lora_rank = 2, 64
@@ -122,7 +114,7 @@ def _batch(vocab_size):
 
 @pytest.fixture(scope="module")
 def steps():
-  """{"pallas", "pallas_group", "pallas_alike", "xla", "fp32"}: (metrics, gradients, the state after the step, the
+  """{"pallas", "pallas_group", "xla", "fp32"}: (metrics, gradients, the state after the step, the
   Pallas kernels of its traced program, its lowered program's text) of one step from the same state on the same
   batch."""
   c = common.base_config()
@@ -135,7 +127,6 @@ def steps():
   batch = _batch(c.model.vocab_size)
   runs = {"pallas": (_model_config("bfloat16", "pallas", conv_backward="kernel"), "auto"),
           "pallas_group": (_model_config("bfloat16", "pallas", readout="group"), "auto"),
-          "pallas_alike": (_model_config("bfloat16", ALIKE_KDA, alike=True), "auto"),
           "xla": (_model_config("bfloat16", "xla"), "xla"), "fp32": (_model_config("float32", "xla"), "xla")}
   out = {}
   for name, (model_cfg, moe_backend) in runs.items():
@@ -154,9 +145,8 @@ def _leaves(tree):
   return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-# The kernels' steps held to the XLA bf16 step: the AttnRes read-out per layer and per scanned group, and the groups'
-# alike layers under their inner scan.
-KERNEL_RUNS = ("pallas", "pallas_group", "pallas_alike")
+# The kernels' steps held to the XLA bf16 step: the AttnRes read-out per layer and per scanned group.
+KERNEL_RUNS = ("pallas", "pallas_group")
 
 
 def test_the_model_scans_two_groups_for_the_group_read_out_to_read():
@@ -197,12 +187,11 @@ def test_loss_gradient_norm_and_gradients_are_the_xla_steps(steps, run):
 
 @pytest.mark.parametrize("run", KERNEL_RUNS)
 def test_the_step_compared_runs_the_kernels(steps, run):
-  """The kernels' step launches every KDA kernel (the "pallas" run also the short conv's backward kernel; off the
-  GPU the alike run none, `ALIKE_KDA`) and on the GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the
-  Triton and Mosaic GPU calls); the XLA steps launch none."""
+  """The kernels' step launches every KDA kernel (the "pallas" run also the short conv's backward kernel) and on the
+  GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the Triton and Mosaic GPU calls); the XLA steps
+  launch none."""
   _, _, _, kernels, text = steps[run]
-  kda = KDA_KERNELS if run != "pallas_alike" or ALIKE_KDA == "pallas" else set()
-  assert kernels == kda | GLUE_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set()), sorted(kernels)
+  assert kernels == KDA_KERNELS | GLUE_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set()), sorted(kernels)
   for name in ("xla", "fp32"):
     assert not steps[name][3], (name, steps[name][3])
   if ON_GPU:

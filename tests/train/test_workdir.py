@@ -85,16 +85,19 @@ def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_tra
   assert (c.model.scan_layers, c.model.remat) == (True, "none")
 
 
-def test_a_config_saved_with_the_removed_read_out_kernels_resumes_as_the_fused_passes(tmp_path):
+def test_a_config_saved_with_removed_options_resumes_as_what_they_computed(tmp_path):
   """`model.residual.forward` and `residual.backward="kernel"` (the read-out's kernels, removed) named the fused
-  passes' arithmetic: a run that saved them resumes, the field gone and the backward "fused"."""
+  passes' arithmetic, `model.scan_alike_layers` (an inner scan, removed) the same layers: a run that saved them
+  resumes, the fields gone and the backward "fused"."""
   started(tmp_path, tiny.get_config())
   saved = json.loads((tmp_path / workdir_lib.CONFIG).read_text())
   saved["model"]["residual"]["forward"] = saved["model"]["residual"]["backward"] = "kernel"
+  saved["model"]["scan_alike_layers"] = True
   (tmp_path / workdir_lib.CONFIG).write_text(json.dumps(saved))
   assert workdir_lib.check_resume(tmp_path, tiny.get_config()) is None
-  residual = workdir_lib.config_from_json(saved).model.residual
-  assert "forward" not in residual and residual.backward == "fused"
+  model = workdir_lib.config_from_json(saved).model
+  assert "forward" not in model.residual and model.residual.backward == "fused"
+  assert "scan_alike_layers" not in model
 
 
 def test_a_run_saved_before_a_field_existed_resumes_at_the_value_that_keeps_what_it_computed(tmp_path):
