@@ -114,9 +114,8 @@ def _batch(vocab_size):
 
 @pytest.fixture(scope="module")
 def steps():
-  """{"pallas", "pallas_group", "xla", "fp32"}: (metrics, gradients, the state after the step, the
-  Pallas kernels of its traced program, its lowered program's text) of one step from the same state on the same
-  batch."""
+  """{"pallas", "pallas_group", "xla", "fp32"}: (metrics, gradients, the state after the step, the Pallas kernels of
+  its traced program, its lowered program's text) of one step from the same state on the same batch."""
   c = common.base_config()
   c.model, c.mesh, c.seq_len, c.batch_size, c.steps = _model_config("bfloat16", "pallas"), MESH, T, B, 10
   lr = stages_lib.training_plan(c).learning_rate
