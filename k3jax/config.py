@@ -94,6 +94,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.moe.sign_update_rate = 1e-3
   m.moe.first_dense_layers = 1
   m.moe.routing = "auto"                  # one of MOE_ROUTINGS (docs/design.md, LatentMoE: the decode path)
+  m.moe.glu_epilogue = False              # the routed SiTU-GLU in the grouped GEMMs' epilogues where they apply
 
   m.residual = ml_collections.ConfigDict()
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
@@ -175,6 +176,8 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
   _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
   if moe.get("routing", "auto") not in MOE_ROUTINGS:
     raise ValueError(f"{root}.routing must be one of {MOE_ROUTINGS}, got {moe.routing!r}")
+  if not isinstance(moe.get("glu_epilogue", False), bool):
+    raise ValueError(f"{root}.glu_epilogue must be a bool, got {moe.glu_epilogue!r}")
   for f, ok, what in (("correction_step", lambda v: v > 0, "> 0"), ("load_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
                       ("correction_bound", lambda v: v > 0, "> 0"), ("load_unit", lambda v: v > 0, "> 0")):
     v = moe.get(f, None)
@@ -207,8 +210,9 @@ def saved_model_fields(d: dict) -> dict:
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
   (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
   `residual.backward` and `kda.conv_backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was
-  a setting). Options removed since, each computing what remains: `scan_alike_layers` (the same layers and
-  parameters) and `residual.forward` are dropped, `residual.backward="kernel"` is read as "fused"."""
+  a setting), `moe.glu_epilogue` False (the SiTU-GLU between the grouped GEMMs). Options removed since, each
+  computing what remains: `scan_alike_layers` (the same layers and parameters) and `residual.forward` are dropped,
+  `residual.backward="kernel"` is read as "fused"."""
   d = dict(d)
   d.setdefault("scan_layers", False)
   d.pop("scan_alike_layers", None)
@@ -221,7 +225,7 @@ def saved_model_fields(d: dict) -> dict:
       residual["backward"] = "fused"
     d["residual"] = residual
   if isinstance(d.get("moe"), dict) and d["moe"]:
-    d["moe"] = {"load_unit": 1.0, **d["moe"]}
+    d["moe"] = {"load_unit": 1.0, "glu_epilogue": False, **d["moe"]}
   if isinstance(d.get("remat"), bool):
     d["remat"] = "save_kda_out" if d["remat"] else "none"
   return d

@@ -1,6 +1,8 @@
 """SiTU-GLU, the bounded SwiGLU of the dense FFN, the routed and the shared experts (docs/design.md, LatentMoE)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,15 +11,34 @@ BETA1 = 4.0
 BETA2 = 25.0
 
 
+@dataclasses.dataclass(frozen=True)
+class SiTU:
+  """The SiTU gated unit `h = [β1·tanh(a/β1)·σ(a)] ⊙ [β2·tanh(b/β2)]` of gate units a and up units b, elementwise;
+  |h| <= β1·β2, and β -> ∞ gives SwiGLU's `silu(a)·b`. Static (hashable): a grouped GEMM's epilogue takes it."""
+  beta1: float = BETA1
+  beta2: float = BETA2
+
+  def __call__(self, a, b):
+    return (self.beta1 * jnp.tanh(a / self.beta1) * jax.nn.sigmoid(a)) * (self.beta2 * jnp.tanh(b / self.beta2))
+
+  def grads(self, a, b, dh):
+    """(da, db): the cotangents of a and b for h's cotangent dh (the epilogue's backward, checked against
+    autodiff of `__call__`)."""
+    ta, tb, sa = jnp.tanh(a / self.beta1), jnp.tanh(b / self.beta2), jax.nn.sigmoid(a)
+    gate, up = self.beta1 * ta * sa, self.beta2 * tb
+    return dh * up * ((1.0 - ta * ta) * sa + gate * (1.0 - sa)), dh * gate * (1.0 - tb * tb)
+
+
 def situ_glu(ab_X2F, beta1: float = BETA1, beta2: float = BETA2):
-  """`[β1·tanh(a/β1)·σ(a)] ⊙ [β2·tanh(b/β2)]` of the gate units a = `ab[..., 0, :]` and the up units b =
-  `ab[..., 1, :]`, `[..., 2, F] -> [..., F]`; |out| <= β1·β2, and β -> ∞ gives SwiGLU `silu(a)·b`.
+  """`SiTU(beta1, beta2)` of the gate units `ab[..., 0, :]` and the up units `ab[..., 1, :]`, `[..., 2, F] ->
+  [..., F]`.
 
   Computed in ab's dtype and differentiated by autodiff, as a bf16 SwiGLU is: in a GPU train step this ran faster
-  than an fp32 form rounded once with a hand-written backward pass (docs/design.md, LatentMoE).
+  than an fp32 form rounded once with a hand-written backward pass (docs/design.md, LatentMoE). With
+  `moe.glu_epilogue` the routed experts on Hopper run `SiTU` in their grouped GEMMs' epilogues instead
+  (`pallas_kernels.grouped_gemm.glu_ffn`).
   """
-  a, b = ab_X2F[..., 0, :], ab_X2F[..., 1, :]
-  return (beta1 * jnp.tanh(a / beta1) * jax.nn.sigmoid(a)) * (beta2 * jnp.tanh(b / beta2))
+  return SiTU(beta1, beta2)(ab_X2F[..., 0, :], ab_X2F[..., 1, :])
 
 
 class SiTUGLU(nnx.Module):

@@ -13,6 +13,7 @@ hidden units.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,7 +23,7 @@ from flax import nnx, struct
 
 from k3jax import balancer, config as config_lib, parallel
 from k3jax.layers.common import Linear, RMSNorm
-from k3jax.layers.ffn import SiTUGLU, situ_glu
+from k3jax.layers.ffn import SiTU, SiTUGLU, situ_glu
 from pallas_kernels.grouped_gemm import GroupedGemmOptions
 
 @struct.dataclass
@@ -53,9 +54,12 @@ def expert_ffn(x_ML, group_sizes_G, w_gate_up_GLF, w_down_GHL, *, options: Group
   grouped GEMMs run as `options` says.
 
   `w_gate_up_GLF` is `[G, ℓ, 2h]`: the gate units, then the up units. `rows_past_groups=False` promises that the
-  groups cover all M rows (every routed slot on this device), which saves zeroing the rows past them.
+  groups cover all M rows (every routed slot on this device), which saves zeroing the rows past them, and lets the
+  SiTU-GLU run in the grouped GEMMs' epilogues where `options.fuses_glu`.
   """
-  h = w_down_GHL.shape[1]
+  (g, l, _), h = w_gate_up_GLF.shape, w_down_GHL.shape[1]
+  if not rows_past_groups and options.fuses_glu(l, h, x_ML.dtype):
+    return options.glu_ffn(x_ML, w_gate_up_GLF.reshape(g, l, 2, h), w_down_GHL, group_sizes_G, SiTU())
   ab_MF = options.matmul(x_ML, w_gate_up_GLF, group_sizes_G)
   if rows_past_groups:
     # The GPU kernels leave rows past the groups unwritten; zero them so nothing non-finite reaches dW.
@@ -97,6 +101,8 @@ class LatentMoE(nnx.Module):
   def __init__(self, d_model: int, moe_cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
                mesh=None, grouped_gemm: GroupedGemmOptions = GroupedGemmOptions()):
     check_config(d_model, moe_cfg, mesh)
+    if not moe_cfg.get("glu_epilogue", False):
+      grouped_gemm = dataclasses.replace(grouped_gemm, glu_tiles=None)
     e, l, h = moe_cfg.num_experts, moe_cfg.latent_dim, moe_cfg.expert_hidden
     on_experts = lambda ndim: {} if mesh is None else {"out_sharding": (parallel.EXPERT,) + (None,) * (ndim - 1),
                                                        "mesh": mesh}

@@ -30,7 +30,7 @@ CONFIG, CHANGES = "config.json", "config_changes.jsonl"
 # AttnRes read-out's backward and the short conv's are compiled (`model.residual.backward`, `model.kda.conv_backward`:
 # the same arithmetic).
 RESUMABLE = ("log_every", "checkpoint_every", "keep_checkpoints", "eval", "data.cache_dir", "model.mla.max_documents",
-             "model.residual.backward", "model.kda.conv_backward")
+             "model.residual.backward", "model.kda.conv_backward", "model.moe.glu_epilogue")
 # Fields whose change moves the learning-rate schedule over the global steps.
 SCHEDULE = ("steps", "stages", "optimizer.warmup_fraction", "optimizer.decay_fraction", "optimizer.final_lr_fraction")
 ABSENT = "<absent>"

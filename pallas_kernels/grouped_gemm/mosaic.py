@@ -133,7 +133,7 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G, config: TileConfig, *, transpose_rhs:
   threads = {} if config.compute_wgs == 1 else dict(num_threads=3, thread_name="wg")
   kernel = plgpu.kernel(
       functools.partial(body, k=k, grid_n=n // _cta_n(config), config=config, transpose_rhs=transpose_rhs),
-      out_type=jax.ShapeDtypeStruct((m, n), x_MK.dtype), grid=(_num_sms(interpret),), grid_names=("sm",),
+      out_type=jax.ShapeDtypeStruct((m, n), x_MK.dtype), grid=(num_sms(interpret),), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="grouped_ragged_dot", **threads)
   return kernel(schedule, num_items, x_MK, w_GKN)
@@ -142,13 +142,9 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G, config: TileConfig, *, transpose_rhs:
 def _one_warpgroup(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k, grid_n, config, transpose_rhs):
   """One warpgroup per SM: a TMA pipeline over K feeding wgmma, then the item's rows stored."""
   bm, bn, bk = config.block_m, config.block_n, config.block_k
-  items = num_items_gmem[0]
 
-  @plgpu.nd_loop((items * grid_n,), collective_axes="sm")
-  def _item_loop(loop):
-    item, ni = plgpu.planar_snake(loop.index[0], (items, grid_n), 1, config.grid_block_n)
-    block, group, lo, hi = (schedule_gmem[j, item] for j in range(4))
-
+  @functools.partial(for_each_tile, schedule_gmem, num_items_gmem, grid_n, config)
+  def _tile(block, group, lo, hi, ni):
     def product(acc_ref):
       rhs_spec = (plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=1) if transpose_rhs else
                   plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1))
@@ -166,7 +162,7 @@ def _one_warpgroup(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k, 
     def store(y_smem):
       y_smem[...] = acc.astype(y_smem.dtype)
       plgpu.commit_smem()
-      _store_rows(y_smem, y_gmem, block * bm, lo, hi - lo, pl.ds(ni * bn, bn))
+      store_rows(y_smem, y_gmem, block * bm, lo, hi - lo, pl.ds(ni * bn, bn))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.run_scoped(store, plgpu.SMEM((bm, bn), y_gmem.dtype))
@@ -174,12 +170,8 @@ def _one_warpgroup(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k, 
 
 def _two_warpgroups(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k, grid_n, config, transpose_rhs):
   """Two consumer warpgroups share each x tile (block_n columns each) while a third issues the TMA loads."""
-  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  bm, bn = config.block_m, config.block_n
   cta_n = 2 * bn
-  items = num_items_gmem[0]
-  swizzle = plgpu.find_swizzle(bk * jnp.dtype(x_gmem.dtype).itemsize * 8)
-  tiled = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x_gmem.dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-  rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
   def mma(_, x_smem, w_smem, acc_ref):
     wg_cols = pl.ds(lax.axis_index("wg") * bn, bn)
@@ -188,24 +180,13 @@ def _two_warpgroups(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k,
     plgpu.wgmma_wait(0)
     return acc_ref
 
-  def pipeline(body, context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k // bk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=config.max_concurrent_steps, compute_context=context,
-        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tiled, memory_space=plgpu.SMEM),
-                  plgpu.BlockSpec(rhs_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                                  transforms=tiled, memory_space=plgpu.SMEM)])
+  pipeline = two_warpgroup_pipeline(config, k, cta_n, x_gmem.dtype, transpose_rhs)
 
-  ignore = lambda *_, **__: None
-
-  @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+  @functools.partial(pl.run_scoped, allocations=pipeline_allocations(pipeline, x_gmem, w_gmem),
                      y_smem=plgpu.SMEM((2, bm, bn), y_gmem.dtype), collective_axes="wg")
   def _scope(allocations, y_smem):
-    @plgpu.nd_loop((items * grid_n,), collective_axes="sm")
-    def _item_loop(loop):
-      item, ni = plgpu.planar_snake(loop.index[0], (items, grid_n), 1, config.grid_block_n)
-      block, group, lo, hi = (schedule_gmem[j, item] for j in range(4))
-
+    @functools.partial(for_each_tile, schedule_gmem, num_items_gmem, grid_n, config)
+    def _tile(block, group, lo, hi, ni):
       def context(run):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
         def _acc(acc_ref):
@@ -213,7 +194,7 @@ def _two_warpgroups(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k,
           wg = lax.axis_index("wg")
           y_smem[wg] = acc_ref[...].astype(y_smem.dtype)
           plgpu.commit_smem()
-          _store_rows(y_smem.at[wg], y_gmem, block * bm, lo, hi - lo, pl.ds(ni * cta_n + wg * bn, bn))
+          store_rows(y_smem.at[wg], y_gmem, block * bm, lo, hi - lo, pl.ds(ni * cta_n + wg * bn, bn))
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       w_cols = pl.ds(ni * cta_n, cta_n)
@@ -223,7 +204,43 @@ def _two_warpgroups(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k,
           allocations=allocations)
 
 
-def _store_rows(src_smem, dst_gmem, row0, start, size, cols):
+def for_each_tile(schedule_gmem, num_items_gmem, grid_n: int, config: TileConfig, body):
+  """Runs `body(block, group, lo, hi, ni)` for this CTA's share of the (work item, column tile) pairs: the item's
+  row block and group, its rows `[lo, hi)` in the block (`row_tile_schedule`), the column tile ni < grid_n."""
+  items = num_items_gmem[0]
+
+  @plgpu.nd_loop((items * grid_n,), collective_axes="sm")
+  def _item_loop(loop):
+    item, ni = plgpu.planar_snake(loop.index[0], (items, grid_n), 1, config.grid_block_n)
+    body(*(schedule_gmem[j, item] for j in range(4)), ni)
+
+
+def two_warpgroup_pipeline(config: TileConfig, k: int, cta_n: int, dtype, transpose_rhs: bool):
+  """`pipeline(body, context)`: the K loop of one tile, a TMA warpgroup feeding two consumer warpgroups the x tile
+  `(block_m, block_k)` and the rhs tile of `cta_n` columns (`(cta_n, block_k)` with `transpose_rhs`)."""
+  bm, bk = config.block_m, config.block_k
+  swizzle = plgpu.find_swizzle(bk * jnp.dtype(dtype).itemsize * 8)
+  tiled = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+  rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k // bk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=config.max_concurrent_steps, compute_context=context,
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tiled, memory_space=plgpu.SMEM),
+                  plgpu.BlockSpec(rhs_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                                  transforms=tiled, memory_space=plgpu.SMEM)])
+  return pipeline
+
+
+def pipeline_allocations(pipeline, x_gmem, w_gmem):
+  """The shared-memory buffers and barriers of `pipeline` (`two_warpgroup_pipeline`'s), allocated once for every
+  tile a CTA runs."""
+  ignore = lambda *_, **__: None
+  return pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0])
+
+
+def store_rows(src_smem, dst_gmem, row0, start, size, cols):
   """Stores rows `[start, start + size)` of the tile: TMA copies have static shapes, so `size` goes out as its
   binary digits, one copy per set bit, largest first (a full tile is one copy)."""
   piece = src_smem.shape[0]
@@ -235,7 +252,7 @@ def _store_rows(src_smem, dst_gmem, row0, start, size, cols):
     piece //= 2
 
 
-def _num_sms(interpret: bool) -> int:
+def num_sms(interpret: bool) -> int:
   """One persistent CTA per SM (two when interpreting; an H100/H200's 132 when lowering for CUDA from a CPU)."""
   return 2 if interpret else getattr(jax.devices()[0], "core_count", 132)
 

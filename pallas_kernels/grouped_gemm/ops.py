@@ -7,18 +7,22 @@ Rows of X are sorted by group: the first `group_sizes[0]` rows belong to group 0
 Output rows at or past `sum(group_sizes)` are zeros with "xla" and unspecified with "mosaic": callers must not
 use them (the MoE layer masks them), and such input rows must be finite. Inside `jax.shard_map`, use
 `check_vma=False`: the Mosaic kernels type their outputs as replicated over the mesh axes.
+
+`glu_ffn` is a whole gated expert, `unit(x W_a, x W_b) W_down`, with the unit in the products' epilogues
+(`mosaic_glu`) where the Mosaic kernels run (`GroupedGemmOptions.fuses_glu`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._triton import traced_once
-from pallas_kernels.grouped_gemm import mosaic
+from pallas_kernels.grouped_gemm import mosaic, mosaic_glu
 
 BACKENDS = ("auto", "mosaic", "xla")
 _DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -26,11 +30,21 @@ _DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
 
 
 @dataclasses.dataclass(frozen=True)
+class GluTiles:
+  """The tilings of the gated unit's two kernels (`mosaic_glu`): the first product with the unit after it, and the
+  down projection's dX with the unit's backward after it."""
+  fwd: mosaic.TileConfig = mosaic.TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=4, compute_wgs=2)
+  grad: mosaic.TileConfig = mosaic.TileConfig(128, 64, 64, max_concurrent_steps=3, grid_block_n=8, compute_wgs=2)
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupedGemmOptions:
-  """How a layer's grouped GEMMs run: the backend (BACKENDS) and the Mosaic tilings to try first for each product's
-  shape (`tiles`, in order; then `mosaic.DEFAULT_CONFIGS`)."""
+  """How a layer's grouped GEMMs run: the backend (BACKENDS), the Mosaic tilings to try first for each product's
+  shape (`tiles`, in order; then `mosaic.DEFAULT_CONFIGS`), and those of a gated unit in the products' epilogues
+  (`glu_tiles`; None: the unit runs between the products, by XLA)."""
   backend: str = "auto"
   tiles: tuple[mosaic.Configs, ...] = ()
+  glu_tiles: GluTiles | None = GluTiles()
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -42,6 +56,23 @@ class GroupedGemmOptions:
     """`grouped_matmul` under these options, the tiles chosen for this product's shape."""
     configs = mosaic.default_configs(x_MK.shape[1], w_GKN.shape[2], x_MK.dtype, self.tiles)
     return grouped_matmul(x_MK, w_GKN, group_sizes_G, backend=self.backend, configs=configs)
+
+  def _products(self, k: int, n: int, dtype):
+    return products(self.backend, k, n, dtype, mosaic.default_configs(k, n, dtype, self.tiles))
+
+  def fuses_glu(self, k: int, h: int, dtype) -> bool:
+    """Whether `glu_ffn` runs a `[M, k]` expert of h units in the Mosaic kernels' epilogues here."""
+    return (self.glu_tiles is not None and isinstance(self._products(k, 2 * h, dtype), MosaicProducts)
+            and isinstance(self._products(h, k, dtype), MosaicProducts)
+            and mosaic_glu.shape_reason(k, h, self.glu_tiles.fwd, self.glu_tiles.grad) is None)
+
+  def glu_ffn(self, x_MK, w_gate_up_GK2H, w_down_GHK, group_sizes_G, unit):
+    """`glu_ffn` under these options; `fuses_glu` must hold."""
+    k, h, dtype = x_MK.shape[1], w_down_GHK.shape[1], x_MK.dtype
+    if not self.fuses_glu(k, h, dtype):
+      raise ValueError(f"the gated unit's kernels do not run [M, {k}] -> {h} units in {jnp.dtype(dtype).name} here")
+    return glu_ffn(x_MK, w_gate_up_GK2H, w_down_GHK, group_sizes_G, up=self._products(k, 2 * h, dtype),
+                   down=self._products(h, k, dtype), kernels=GluKernels(unit, self.glu_tiles))
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, backend: str = "auto", configs: mosaic.Configs | None = None):
@@ -105,6 +136,41 @@ class MosaicProducts:
     return mosaic.transposed_ragged_dot(self._pad(x), self._pad(dy), gs, self.configs.dw)
 
 
+@dataclasses.dataclass(frozen=True)
+class GluKernels:
+  """The gated unit `unit` in the epilogues of the kernels `mosaic_glu` (tiled as `tiles`), rows padded to their
+  tile multiple; `interpret` runs them in Mosaic GPU's interpret mode (tests on the CPU)."""
+  unit: object
+  tiles: GluTiles = GluTiles()
+  interpret: bool = False
+
+  def _pad(self, a_MX):
+    pad = -a_MX.shape[0] % math.lcm(self.tiles.fwd.block_m, self.tiles.grad.block_m)
+    return jnp.pad(a_MX, ((0, pad), (0, 0))) if pad else a_MX
+
+  def forward(self, x, w, gs):
+    ab, h = mosaic_glu.ragged_dot_glu(self._pad(x), w, gs, self.unit, self.tiles.fwd, interpret=self.interpret)
+    return ab[:x.shape[0]], h[:x.shape[0]]
+
+  def backward(self, dy, w_down, ab, gs):
+    return mosaic_glu.ragged_dot_glu_grad(self._pad(dy), w_down, self._pad(ab), gs, self.unit, self.tiles.grad,
+                                          interpret=self.interpret)[:dy.shape[0]]
+
+
+def glu_ffn(x_MK, w_gate_up_GK2H, w_down_GHK, group_sizes_G, *, up, down, kernels: GluKernels):
+  """`y = unit(a, b) W_down[g]` with `[a, b] = x W_gate_up[g]`, `[M, K] -> [M, K]` in x's dtype; differentiable in
+  x and both weights. `w_gate_up_GK2H` is `[G, K, 2, H]` (the gate units, then the up units), `w_down_GHK`
+  `[G, H, K]`. The unit's forward and backward run in the epilogues of `kernels`; `up` and `down` (`products`'
+  implementations for the two shapes) run the other four products. Every row must be in a group
+  (`sum(group_sizes) == M`): the kernels write no other row, and the products would read them."""
+  if x_MK.ndim != 2 or w_gate_up_GK2H.ndim != 4 or w_gate_up_GK2H.shape[1:3] != (x_MK.shape[1], 2) or \
+      w_down_GHK.shape != (w_gate_up_GK2H.shape[0], w_gate_up_GK2H.shape[3], x_MK.shape[1]):
+    raise ValueError(f"expected x [M, K], w_gate_up [G, K, 2, H] and w_down [G, H, K], got {x_MK.shape}, "
+                     f"{w_gate_up_GK2H.shape} and {w_down_GHK.shape}")
+  w_ab = mosaic_glu.interleave(w_gate_up_GK2H)   # its VJP gives the gradient back in [G, K, 2, H]
+  return _glu(x_MK, w_ab, w_down_GHK, group_sizes_G.astype(jnp.int32), up, down, kernels)
+
+
 SCOPE = "grouped_gemm"  # the named scope of the three products (profiles find the kernels by it)
 
 
@@ -138,3 +204,37 @@ def _gradients(x, w, gs, dy, impl):
 _product_once = traced_once(_product, static_argnums=(3,))
 _gradients_once = traced_once(_gradients, static_argnums=(4,))
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+# The gated expert: its forward (two kernels) and backward (four) each one call lowered once per program.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _glu(x, w_ab, w_down, gs, up, down, kernels):
+  return _glu_forward_once(x, w_ab, w_down, gs, up, down, kernels)[0]
+
+
+def _glu_fwd(x, w_ab, w_down, gs, up, down, kernels):
+  y, ab, h = _glu_forward_once(x, w_ab, w_down, gs, up, down, kernels)
+  return y, (x, w_ab, w_down, gs, ab, h)
+
+
+def _glu_bwd(up, down, kernels, res, dy):
+  x, w_ab, w_down, gs, ab, h = res
+  return (*_glu_gradients_once(x, w_ab, w_down, gs, ab, h, dy, up, down, kernels), None)
+
+
+@jax.named_scope(SCOPE)
+def _glu_forward(x, w_ab, w_down, gs, up, down, kernels):
+  ab, h = kernels.forward(x, w_ab, gs)
+  return down.fwd(h, w_down, gs), ab, h
+
+
+@jax.named_scope(SCOPE)
+def _glu_gradients(x, w_ab, w_down, gs, ab, h, dy, up, down, kernels):
+  dy = dy.astype(x.dtype)
+  dab = kernels.backward(dy, w_down, ab, gs)
+  return up.dx(dab, w_ab, gs), up.dw(x, dab, gs).astype(w_ab.dtype), down.dw(h, dy, gs).astype(w_down.dtype)
+
+
+_glu_forward_once = traced_once(_glu_forward, static_argnums=(4, 5, 6))
+_glu_gradients_once = traced_once(_glu_gradients, static_argnums=(7, 8, 9))
+_glu.defvjp(_glu_fwd, _glu_bwd)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.layers.ffn import SiTUGLU, situ_glu
+from k3jax.layers.ffn import SiTU, SiTUGLU, situ_glu
 from model_testing import abstract, normal, random_module
 
 
@@ -41,6 +41,18 @@ def test_situ_glu_gradient_is_autodiff_of_the_formula_saturated_units_included()
   close(got, pair(*jax.vjp(formula, a, b)[1](dout)))
   close(jax.grad(lambda ab: jnp.sum(situ_glu(ab, 7.0, 3.0) * dout))(pair(a, b)),
         pair(*jax.grad(lambda a, b: jnp.sum(formula(a, b, 7.0, 3.0) * dout), (0, 1))(a, b)))
+
+
+def test_situ_unit_grads_are_autodiff_of_the_unit_saturated_units_included():
+  """The hand-written backward the grouped GEMM's epilogue runs (`SiTU.grads`) against autodiff, fp32."""
+  a = normal(13, (3, 256)) * jnp.array([1.0, 10.0, 200.0])[:, None]
+  b = normal(14, (3, 256)) * jnp.array([1.0, 60.0, 500.0])[:, None]
+  dh = normal(15, (3, 256))
+  for unit in (SiTU(), SiTU(7.0, 3.0)):
+    got, want = unit.grads(a, b, dh), jax.vjp(unit, a, b)[1](dh)
+    for g, w in zip(got, want):
+      assert float(jnp.max(jnp.abs(w))) > 0.1
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))))
 
 
 def test_situ_glu_in_bf16_stays_within_bf16_roundoff_of_the_fp32_formula_forward_and_backward():

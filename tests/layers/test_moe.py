@@ -9,6 +9,7 @@ from k3jax import balancer, parallel
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats, dense_routed_outputs, expert_ffn
 from k3jax.ops import moe_dispatch
+from pallas_kernels.grouped_gemm import GroupedGemmOptions
 from model_testing import equations
 from moe_testing import (D, base, base_output_and_grads, forward, moe_config, output_and_grads,  # noqa: F401
                          rel, tokens, variant)
@@ -170,6 +171,7 @@ def test_bfloat16_layer_is_close_to_float32(base):
     (dict(balancer="loss_free"), "moe.balancer must be one of"),
     (dict(balancer_method="median"), "balancer_method"),
     (dict(routing="gathered"), "moe.routing must be one of"),
+    (dict(glu_epilogue="yes"), "moe.glu_epilogue must be a bool"),
 ])
 def test_bad_configs_raise_value_errors(overrides, match):
   with pytest.raises(ValueError, match=match):
@@ -225,3 +227,23 @@ def test_rows_past_the_groups_are_zeroed_only_where_expert_parallelism_leaves_so
   args = (jnp.ones((rows, l)), jnp.full((e,), rows // e), jnp.ones((e, l, 2 * h)), jnp.ones((e, h, l)))
   assert len(_selects_over_expert_rows(expert_ffn, *args, rows=rows)) == 1
   assert not _selects_over_expert_rows(lambda *a: expert_ffn(*a, rows_past_groups=False), *args, rows=rows)
+
+
+def test_the_glu_runs_in_the_grouped_gemms_epilogues_only_as_configured_and_with_every_row_a_groups(monkeypatch):
+  """`expert_ffn` hands the whole expert to `GroupedGemmOptions.glu_ffn` (the kernels' epilogues) where the options
+  fuse it and no row lies past the groups; `moe.glu_epilogue=False` keeps the unit between the products."""
+  calls = []
+  monkeypatch.setattr(GroupedGemmOptions, "fuses_glu", lambda self, k, h, dtype: self.glu_tiles is not None)
+  monkeypatch.setattr(GroupedGemmOptions, "glu_ffn",
+                      lambda self, x, w, wd, gs, unit: calls.append(w.shape) or jnp.zeros_like(x))
+  e, l, h, rows = 4, 8, 6, 32
+  args = (jnp.ones((rows, l)), jnp.full((e,), rows // e), jnp.ones((e, l, 2 * h)), jnp.ones((e, h, l)))
+  expert_ffn(*args, rows_past_groups=False)
+  assert calls == [(e, l, 2, h)]
+  expert_ffn(*args)
+  expert_ffn(*args, options=GroupedGemmOptions(glu_tiles=None), rows_past_groups=False)
+  assert len(calls) == 1
+  build = lambda **o: nnx.eval_shape(lambda: LatentMoE(D, moe_config(**o), rngs=nnx.Rngs(0)))
+  assert build(glu_epilogue=True).grouped_gemm.glu_tiles is not None
+  assert build(glu_epilogue=False).grouped_gemm.glu_tiles is None
+  assert build().grouped_gemm.glu_tiles is None   # off unless asked (docs/design.md, LatentMoE)

@@ -1,5 +1,6 @@
-"""Grouped GEMM op: the XLA backend's forward and custom-VJP products against a dense per-row reference, and the
-Mosaic-GPU path's lowering for CUDA (its numerics are checked on the GPU by experiments/bench_moe.py)."""
+"""Grouped GEMM op: the XLA backend's forward and custom-VJP products against a dense per-row reference, the
+Mosaic-GPU kernels in interpret mode and lowered for CUDA (their numerics on the GPU: experiments/bench_moe.py), and
+the gated expert with its unit in the kernels' epilogues (`glu_ffn`) against the formula, forward and gradients."""
 import types
 
 import chex
@@ -8,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_gemm import Configs, GroupedGemmOptions, TileConfig, grouped_matmul, mosaic, ops
+from k3jax.layers.ffn import SiTU
+from pallas_kernels.grouped_gemm import (Configs, GroupedGemmOptions, TileConfig, grouped_matmul, mosaic,
+                                          mosaic_glu, ops)
 
 
 def rel(a, b):
@@ -193,3 +196,118 @@ def test_layers_of_equal_shapes_trace_the_products_as_often_as_one_layer(monkeyp
   one = traces(1)
   three = traces(3)
   assert three == one and {"fwd", "dx", "dw"} <= set(one), (one, three)
+
+
+# The gated unit's kernels at interpret-mode sizes: 64-row tiles, HALF-column gate and up blocks.
+GLU_TILES = ops.GluTiles(TileConfig(64, 128, 64, max_concurrent_steps=2, compute_wgs=2),
+                         TileConfig(64, 64, 64, max_concurrent_steps=2, compute_wgs=2))
+GLU_SIZES = jnp.array([70, 0, 1, 120, 65], jnp.int32)   # 256 rows: an empty group, one inside a tile
+
+
+def glu_operands(m=256, k=128, h=128, scale=0.2):
+  """bf16 x `[M, K]`, w_gate_up `[G, K, 2, H]`, w_down `[G, H, K]`, dy `[M, K]`; larger scales saturate the unit."""
+  keys = jax.random.split(jax.random.key(11), 4)
+  g = GLU_SIZES.shape[0]
+  return tuple(a.astype(jnp.bfloat16) for a in (
+      jax.random.normal(keys[0], (m, k)), scale * jax.random.normal(keys[1], (g, k, 2, h)),
+      scale * jax.random.normal(keys[2], (g, h, k)), jax.random.normal(keys[3], (m, k))))
+
+
+def glu_expert_fp32(x, w_gate_up, w_down, sizes, unit=SiTU()):
+  """The expert as its formula reads, in fp32: the gate and up products, the unit, the down product."""
+  f32 = lambda a: a.astype(jnp.float32)
+  g, k, _, h = w_gate_up.shape
+  ab = jax.lax.ragged_dot(f32(x), f32(w_gate_up).reshape(g, k, 2 * h), sizes)
+  return jax.lax.ragged_dot(unit(ab[:, :h], ab[:, h:]), f32(w_down), sizes)
+
+
+def max_rel(got, want):
+  return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+
+
+def test_interleave_alternates_gate_and_up_blocks():
+  w = jnp.arange(2 * 3 * 2 * 256).reshape(2, 3, 2, 256)
+  got = mosaic_glu.interleave(w)
+  half = mosaic_glu.HALF
+  for blk in range(256 // half):
+    np.testing.assert_array_equal(got[:, :, 2 * blk * half:(2 * blk + 1) * half], w[:, :, 0, blk * half:(blk + 1) * half])
+    np.testing.assert_array_equal(got[:, :, (2 * blk + 1) * half:(2 * blk + 2) * half], w[:, :, 1, blk * half:(blk + 1) * half])
+
+
+@pytest.mark.parametrize("scale", [0.2, 3.0])   # 3.0: most units deep in the tanh's and the sigmoid's saturation
+def test_glu_kernels_in_interpret_mode_match_the_formula_forward_and_backward(scale):
+  x, w, w_down, dy = glu_operands(scale=scale)
+  m, h = x.shape[0], w.shape[-1]
+  unit = SiTU()
+  ab, hid = mosaic_glu.ragged_dot_glu(x, mosaic_glu.interleave(w), GLU_SIZES, unit, GLU_TILES.fwd, interpret=True)
+  ab_want = jax.lax.ragged_dot(x, w.reshape(*w.shape[:2], 2 * h), GLU_SIZES, preferred_element_type=jnp.float32)
+  to_blocks = lambda a: mosaic_glu.interleave(a.reshape(m, 1, 2, h)).reshape(m, 2 * h)
+  assert max_rel(ab, to_blocks(ab_want)) <= 4e-3                      # bf16 output rounding
+  # h from ab's rounded values, as the kernel forms it: then only h's own rounding is left.
+  ab_bf16 = ab_want.astype(jnp.bfloat16).astype(jnp.float32)
+  assert max_rel(hid, unit(ab_bf16[:, :h], ab_bf16[:, h:])) <= 4e-3
+  dab = mosaic_glu.ragged_dot_glu_grad(dy, w_down, ab, GLU_SIZES, unit, GLU_TILES.grad, interpret=True)
+  dh = jax.lax.ragged_dot(dy, jnp.swapaxes(w_down, 1, 2), GLU_SIZES, preferred_element_type=jnp.float32)
+  a, b = (ab.astype(jnp.float32).reshape(m, h // 64, 2, 64)[:, :, i] for i in (0, 1))
+  da, db = unit.grads(a, b, dh.reshape(m, h // 64, 64))
+  assert max_rel(dab, jnp.stack([da, db], axis=2).reshape(m, 2 * h)) <= 8e-3   # dh in fp32, one rounding
+
+
+def test_glu_ffn_matches_the_fp32_expert_and_its_gradients_at_least_as_well_as_the_unit_between_products():
+  """`glu_ffn` (interpreted kernels, the other products by XLA) against autodiff of the fp32 formula, held to the
+  error of today's unfused bf16 expert (the unit in bf16 between the two products) on the same inputs."""
+  x, w, w_down, dy = glu_operands(scale=1.0)
+  g, k, _, h = w.shape
+  kernels = ops.GluKernels(SiTU(), GLU_TILES, interpret=True)
+  fused = lambda x, w, wd: ops.glu_ffn(x, w, wd, GLU_SIZES, up=ops.XlaProducts(), down=ops.XlaProducts(),
+                                       kernels=kernels)
+
+  def unfused(x, w, wd):
+    ab = grouped_matmul(x, w.reshape(g, k, 2 * h), GLU_SIZES, backend="xla")
+    return grouped_matmul(SiTU()(ab[:, :h], ab[:, h:]), wd, GLU_SIZES, backend="xla")
+  want, want_vjp = jax.vjp(lambda *a: glu_expert_fp32(*a, GLU_SIZES), *(a.astype(jnp.float32) for a in (x, w, w_down)))
+  wants = (want, *want_vjp(dy.astype(jnp.float32)))
+  errors = {}
+  for name, fn in (("fused", fused), ("unfused", unfused)):
+    y, vjp = jax.vjp(fn, x, w, w_down)
+    got = (y, *vjp(dy))
+    assert [a.shape for a in got] == [a.shape for a in wants] and all(a.dtype == jnp.bfloat16 for a in got)
+    errors[name] = [max_rel(a, b) for a, b in zip(got, wants)]
+  for part, e_fused, e_unfused in zip(("y", "dx", "dw_gate_up", "dw_down"), errors["fused"], errors["unfused"]):
+    assert e_fused <= max(1.1 * e_unfused, 4e-3), (part, e_fused, e_unfused)
+
+
+def test_glu_ffn_refuses_mismatched_operands_before_any_compute():
+  x, w, w_down, _ = glu_operands()
+  kernels = ops.GluKernels(SiTU(), GLU_TILES, interpret=True)
+  with pytest.raises(ValueError, match=r"w_gate_up \[G, K, 2, H\]"):
+    ops.glu_ffn(x, w.reshape(*w.shape[:2], -1), w_down, GLU_SIZES, up=ops.XlaProducts(), down=ops.XlaProducts(),
+                kernels=kernels)
+  with pytest.raises(ValueError, match="do not run"):
+    GroupedGemmOptions().glu_ffn(x, w, w_down, GLU_SIZES, SiTU())   # the CPU: XLA's products, no kernels
+
+
+def test_glu_fusion_applies_only_to_mosaic_products_and_fitting_shapes(monkeypatch):
+  assert not GroupedGemmOptions().fuses_glu(384, 512, jnp.bfloat16)   # the CPU runs XLA's products
+  monkeypatch.setattr(mosaic, "mosaic_gpu_reason", lambda: None)       # as on a Hopper GPU
+  assert GroupedGemmOptions().fuses_glu(384, 512, jnp.bfloat16)
+  assert not GroupedGemmOptions(glu_tiles=None).fuses_glu(384, 512, jnp.bfloat16)
+  assert not GroupedGemmOptions().fuses_glu(384, 448, jnp.bfloat16)   # H not a multiple of 128
+  assert not GroupedGemmOptions().fuses_glu(384, 512, jnp.float32)
+  assert "block_n=64" in mosaic_glu.shape_reason(384, 512, GLU_TILES.fwd, GLU_TILES.fwd)
+
+
+def test_glu_ffn_forward_and_backward_lower_for_cuda(monkeypatch):
+  """The gated expert's kernels (two forward, four backward) trace and lower to CUDA here, once each."""
+  monkeypatch.setattr(jax, "devices", lambda *a, **kw: [types.SimpleNamespace(core_count=132)])
+  k, h = 384, 512
+  up, down = (ops.MosaicProducts(mosaic.default_configs(a, b, jnp.bfloat16)) for a, b in ((k, 2 * h), (h, k)))
+
+  def loss(x, w, wd, sizes):
+    return ops.glu_ffn(x, w, wd, sizes, up=up, down=down, kernels=ops.GluKernels(SiTU())).astype(jnp.float32).sum()
+  args = (jax.ShapeDtypeStruct((1000, k), jnp.bfloat16), jax.ShapeDtypeStruct((64, k, 2, h), jnp.bfloat16),
+          jax.ShapeDtypeStruct((64, h, k), jnp.bfloat16), jax.ShapeDtypeStruct((64,), jnp.int32))
+  module = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(*args).mlir_module()
+  assert module.count("func.func private @_glu_forward(") == 1
+  assert module.count("func.func private @_glu_gradients(") == 1
+  assert module.count("custom_call @mosaic_gpu_v2") == 6
