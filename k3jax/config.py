@@ -94,7 +94,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.moe.sign_update_rate = 1e-3
   m.moe.first_dense_layers = 1
   m.moe.routing = "auto"                  # one of MOE_ROUTINGS (docs/design.md, LatentMoE: the decode path)
-  m.moe.glu_epilogue = False              # the routed SiTU-GLU in the grouped GEMMs' epilogues where they apply
+  m.moe.glu_epilogue = True               # the routed SiTU-GLU in the grouped GEMMs' epilogues where they apply
 
   m.residual = ml_collections.ConfigDict()
   m.residual.mode = "block"               # block AttnRes, full AttnRes, or none (pre-norm residual)
@@ -176,7 +176,7 @@ def validate_moe(moe: ml_collections.ConfigDict, *, root: str = "model.moe") -> 
   _one_of(moe, "balancer_method", BALANCER_METHODS, root=root)
   if moe.get("routing", "auto") not in MOE_ROUTINGS:
     raise ValueError(f"{root}.routing must be one of {MOE_ROUTINGS}, got {moe.routing!r}")
-  if not isinstance(moe.get("glu_epilogue", False), bool):
+  if not isinstance(moe.get("glu_epilogue", True), bool):
     raise ValueError(f"{root}.glu_epilogue must be a bool, got {moe.glu_epilogue!r}")
   for f, ok, what in (("correction_step", lambda v: v > 0, "> 0"), ("load_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
                       ("correction_bound", lambda v: v > 0, "> 0"), ("load_unit", lambda v: v > 0, "> 0")):

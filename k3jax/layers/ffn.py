@@ -34,9 +34,9 @@ def situ_glu(ab_X2F, beta1: float = BETA1, beta2: float = BETA2):
   [..., F]`.
 
   Computed in ab's dtype and differentiated by autodiff, as a bf16 SwiGLU is: in a GPU train step this ran faster
-  than an fp32 form rounded once with a hand-written backward pass (docs/design.md, LatentMoE). With
-  `moe.glu_epilogue` the routed experts on Hopper run `SiTU` in their grouped GEMMs' epilogues instead
-  (`pallas_kernels.grouped_gemm.glu_ffn`).
+  than an fp32 form rounded once with a hand-written backward pass (docs/design.md, LatentMoE). The routed experts
+  on Hopper run `SiTU` in their grouped GEMMs' epilogues instead (`pallas_kernels.grouped_gemm.glu_ffn`,
+  `moe.glu_epilogue`).
   """
   return SiTU(beta1, beta2)(ab_X2F[..., 0, :], ab_X2F[..., 1, :])
 

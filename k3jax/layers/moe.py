@@ -101,7 +101,7 @@ class LatentMoE(nnx.Module):
   def __init__(self, d_model: int, moe_cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
                mesh=None, grouped_gemm: GroupedGemmOptions = GroupedGemmOptions()):
     check_config(d_model, moe_cfg, mesh)
-    if not moe_cfg.get("glu_epilogue", False):
+    if not moe_cfg.get("glu_epilogue", True):
       grouped_gemm = dataclasses.replace(grouped_gemm, glu_tiles=None)
     e, l, h = moe_cfg.num_experts, moe_cfg.latent_dim, moe_cfg.expert_hidden
     on_experts = lambda ndim: {} if mesh is None else {"out_sharding": (parallel.EXPERT,) + (None,) * (ndim - 1),

@@ -246,4 +246,4 @@ def test_the_glu_runs_in_the_grouped_gemms_epilogues_only_as_configured_and_with
   build = lambda **o: nnx.eval_shape(lambda: LatentMoE(D, moe_config(**o), rngs=nnx.Rngs(0)))
   assert build(glu_epilogue=True).grouped_gemm.glu_tiles is not None
   assert build(glu_epilogue=False).grouped_gemm.glu_tiles is None
-  assert build().grouped_gemm.glu_tiles is None   # off unless asked (docs/design.md, LatentMoE)
+  assert build().grouped_gemm.glu_tiles is not None   # on unless turned off
