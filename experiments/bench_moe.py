@@ -1,13 +1,14 @@
 """Grouped-GEMM kernels and the LatentMoE layer on one device, in one run (the numbers of issue 5): the grouped
 GEMM's check against `jax.lax.ragged_dot` in fp32 (exit 1 when a relative error exceeds 1e-2), each expert GEMM
 against a dense GEMM of the same FLOPs and against `jax.lax.ragged_dot`, the layer against a dense SiTU-GLU FFN of
-the same activated FLOPs, the routed part with the custom-VJP dispatch against autodiff, and (GPU) a tile sweep.
+the same activated FLOPs, the routed part with the custom-VJP dispatch against autodiff, the routed experts with the
+SiTU-GLU between the grouped GEMMs and in their epilogues, and (GPU) a tile sweep.
 What each section measures and how: `experiments/benchmarks/moe.py`. JSON to $OUT/bench_moe.json. --sections picks
-among gemm, layer, dispatch.
+among gemm, layer, dispatch, glu.
 
     python -m experiments.bench_moe            # GPU: E = 64 and 256, top-8, d = 2048, ℓ = h = 1024, 32768 tokens
     python -m experiments.bench_moe --small    # CPU: tiny shapes, checks that everything runs
-    python -m experiments.bench_moe --sections=dispatch,layer --experts=64 --tokens=65536 --top_k=4 --d_model=768 \
+    python -m experiments.bench_moe --sections=dispatch,layer,glu --experts=64 --tokens=65536 --top_k=4 --d_model=768 \
         --latent_dim=384 --expert_hidden=512 --shared_hidden=1024 --nosweep     # the `small` config's MoE
 """
 import dataclasses
@@ -35,7 +36,7 @@ flags.DEFINE_integer("ragged_rows", 262144, "rows for the ragged_dot comparison:
 flags.DEFINE_integer("check_rows", 8160, "rows of the numerical check (not a multiple of 128 on purpose)")
 flags.DEFINE_bool("sweep", True, "time a few kernel tile configurations (GPU only)")
 flags.DEFINE_bool("small", False, "tiny shapes for a CPU run")
-flags.DEFINE_list("sections", list(moe_benchmark.SECTIONS), "sections to run: gemm, layer, dispatch")
+flags.DEFINE_list("sections", list(moe_benchmark.SECTIONS), "sections to run: gemm, layer, dispatch, glu")
 
 
 def main(argv):

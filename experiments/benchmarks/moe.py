@@ -11,8 +11,12 @@ LatentMoE layer on one device, in one run.
 4. dispatch (first E): the routed part (sort, dispatch, experts, combine) with the custom-VJP dispatch of
    k3jax.ops.moe_dispatch and with autodiff of the gather / scatter / einsum it replaced, forward and forward+backward,
    with the expert GEMMs and without (the data movement alone, against the bytes it must move); checks they agree.
-5. sweep (GPU, first): tile configurations on both GEMMs at the first E; the sections use the best of each product.
-Times: host timer around `block_until_ready`, median of `Shapes.repeats` after warm-up (dispatch: back-to-back calls).
+5. glu (first E): the routed experts (`expert_ffn`, every row a group's) forward+backward with the SiTU-GLU between
+   the grouped GEMMs and in their epilogues (`glu_ffn`, where the Mosaic kernels run), timed back to back, and each
+   one's largest error (output, three gradients) against the fp32 formula on the check's rows.
+6. sweep (GPU, first): tile configurations on both GEMMs at the first E; the sections use the best of each product.
+Times: host timer around `block_until_ready`, median of `Shapes.repeats` after warm-up (dispatch, glu: back-to-back
+calls).
 """
 from __future__ import annotations
 
@@ -26,13 +30,13 @@ import ml_collections
 from flax import nnx
 
 from experiments import harness
-from k3jax.layers.ffn import SiTUGLU
+from k3jax.layers.ffn import SiTU, SiTUGLU
 from k3jax.layers.moe import LatentMoE, expert_ffn
 from k3jax.numerics import rel_err
 from k3jax.ops import moe_dispatch
 from pallas_kernels.grouped_gemm import Configs, GroupedGemmOptions, TileConfig, mosaic, ops
 
-SECTIONS = ("gemm", "layer", "dispatch")
+SECTIONS = ("gemm", "layer", "dispatch", "glu")
 MAX_REL_ERR = 1e-2
 LAYER_MAX_REL_ERR = 2e-2  # two bf16 layers differing only in GEMM accumulation order
 # Candidates: the best tiles of a full sweep at E = 256, gate/up (two consumer warpgroups won there).
@@ -97,6 +101,50 @@ def check_products(products, rows: int, k: int, n: int, experts: int, key) -> di
   errs = {name: rel_err(keep(name, got[name]), keep(name, want[name])) for name in got}
   errs["finite"] = all(bool(jnp.all(jnp.isfinite(keep(name, got[name])))) for name in got)
   return errs
+
+
+def glu_times(shapes: Shapes, experts: int, key, options: GroupedGemmOptions) -> dict:
+  """The routed experts' forward+backward (ms) with the SiTU-GLU between the grouped GEMMs ("between") and in their
+  epilogues ("epilogue", where `options.fuses_glu`), and each one's largest relative error over the output and the
+  three gradients against autodiff of the fp32 formula on `check_rows` rows (all of them in groups)."""
+  l, h = shapes.latent_dim, shapes.expert_hidden
+  runs = {"between": dataclasses.replace(options, glu_tiles=None)}
+  if options.fuses_glu(l, h, jnp.bfloat16):
+    runs["epilogue"] = options
+  kx, kw, kd, ky = jax.random.split(key, 4)
+
+  def operands(rows, sizes):
+    return ((jax.random.normal(kx, (rows, l)).astype(jnp.bfloat16),
+             (l ** -0.5 * jax.random.normal(kw, (experts, l, 2 * h))).astype(jnp.bfloat16),
+             (h ** -0.5 * jax.random.normal(kd, (experts, h, l))).astype(jnp.bfloat16),
+             jax.random.normal(ky, (rows, l)).astype(jnp.bfloat16)), sizes)
+
+  def forward_backward(options, sizes):
+    def run(x, w, w_down, dy):
+      y, vjp = jax.vjp(lambda *a: expert_ffn(a[0], sizes, a[1], a[2], options=options, rows_past_groups=False),
+                       x, w, w_down)
+      return (y, *vjp(dy))
+    return jax.jit(run)
+
+  def formula(x, w, w_down, sizes):
+    ab = jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.ragged_dot(SiTU()(ab[:, :h], ab[:, h:]), w_down, sizes, precision=jax.lax.Precision.HIGHEST)
+
+  rows = shapes.check_rows   # two empty groups; every row in one
+  sizes = routed_group_sizes(jax.random.fold_in(key, 1), rows, experts, 1).at[:2].set(0)
+  args, sizes = operands(rows, sizes.at[-1].add(rows - sizes.sum()))
+  f32 = [a.astype(jnp.float32) for a in args]
+  want_y, want_vjp = jax.vjp(lambda *a: formula(*a, sizes), *f32[:3])
+  wants = (want_y, *want_vjp(f32[3]))
+  out = {"applies": "epilogue" in runs, "errors": {}, "ms": {}}
+  for name, o in runs.items():
+    got = forward_backward(o, sizes)(*args)
+    out["errors"][name] = max(rel_err(g, w) for g, w in zip(got, wants))
+  m = shapes.tokens * shapes.top_k
+  args, sizes = operands(m, routed_group_sizes(key, shapes.tokens, experts, shapes.top_k))
+  for name, o in runs.items():
+    out["ms"][name] = harness.pipelined_seconds(forward_backward(o, sizes), *args, repeats=shapes.repeats) * 1e3
+  return out
 
 
 def gemm_times(products, m: int, k: int, n: int, sizes, key, repeats: int) -> dict:
@@ -361,6 +409,19 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
         ok = False
         results["errors"][f"E{experts}/dispatch"] = traceback.format_exc()
         print(f"E={experts} dispatch FAILED:\n{traceback.format_exc()}", flush=True)
+    if "glu" in shapes.sections and experts == shapes.experts[0]:
+      try:
+        results[f"E{experts}"]["glu"] = g = glu_times(shapes, experts, key, layer_options)
+        bad = not max(g["errors"].values()) <= LAYER_MAX_REL_ERR
+        ok &= not bad
+        print(f"E={experts} routed experts fwd+bwd, the GLU " + ", ".join(
+            f"{n} {g['ms'][n]:.3f} ms (error {g['errors'][n]:.2e})" for n in g["ms"])
+            + ("" if g["applies"] else "; in the epilogues: not here (the Mosaic kernels do not run)")
+            + (f"  FAILED (> {LAYER_MAX_REL_ERR})" if bad else ""), flush=True)
+      except Exception:
+        ok = False
+        results["errors"][f"E{experts}/glu"] = traceback.format_exc()
+        print(f"E={experts} glu FAILED:\n{traceback.format_exc()}", flush=True)
     if "layer" not in shapes.sections:
       continue
     try:
@@ -427,6 +488,11 @@ def summary(results: dict, shapes: Shapes) -> str:
         cells = [f"{d[run]['custom_vjp'][m] * 1e3:.3f} / {d[run]['autodiff'][m] * 1e3:.3f}" if d else "failed"
                  for m in ("fwd", "fwd_bwd")]
         lines.append(f"| {experts} | {run} | {' | '.join(cells)} |")
+  if "glu" in shapes.sections:
+    g = results.get(f"E{shapes.experts[0]}", {}).get("glu")
+    cell = lambda n: f"{g['ms'][n]:.3f}" if g and n in g["ms"] else "-"
+    lines += ["", "| E | routed experts fwd+bwd ms: GLU between the GEMMs / in their epilogues |", "|---|---|",
+              f"| {shapes.experts[0]} | {cell('between')} / {cell('epilogue')} |"]
   return "\n".join(lines)
 
 

@@ -82,6 +82,9 @@ def test_bench_moe_small_runs_its_sections_and_checks(tmp_path):
   assert all(dispatch[run][impl][mode] > 0 for run in ("experts", "movement") for impl in ("custom_vjp", "autodiff")
              for mode in ("fwd", "fwd_bwd"))
   assert max(dispatch["errors"].values()) < 2e-2  # the two dispatches agree to bf16 rounding
+  glu = result["E8"]["glu"]   # on the CPU the GLU runs between the products only
+  assert not glu["applies"] and set(glu["ms"]) == {"between"} and glu["ms"]["between"] > 0
+  assert 0 < glu["errors"]["between"] < 2e-2
 
 
 @pytest.mark.xdist_group("benchmarks")
