@@ -35,20 +35,30 @@ def interleave(w_GK2H):
 
 def shape_reason(k: int, h: int, fwd: TileConfig, grad: TileConfig) -> str | None:
   """Why the two kernels cannot run `[M, k] -> 2h units -> [M, k]` under these tilings (None when they can)."""
+  return _reason("fwd", k, h, fwd, 2 * HALF) or _reason("grad", k, h, grad, HALF)
+
+
+def _reason(name: str, k: int, h: int, config: TileConfig, block_n: int, m: int | None = None) -> str | None:
   checks = (
-      (fwd.compute_wgs != 2 or fwd.block_n != 2 * HALF, f"fwd needs compute_wgs=2 and block_n={2 * HALF}"),
-      (grad.compute_wgs != 2 or grad.block_n != HALF, f"grad needs compute_wgs=2 and block_n={HALF}"),
+      (config.compute_wgs != 2 or config.block_n != block_n, f"{name} needs compute_wgs=2 and block_n={block_n}"),
       (h % (2 * HALF), f"H={h} is not a multiple of {2 * HALF}"),
-      (k % fwd.block_k or k % grad.block_k, f"K={k} is not a multiple of block_k"),
-      ((2 * h) % (4 * HALF), f"2H={2 * h} is not a multiple of fwd's {4 * HALF} columns per tile"),
+      (k % config.block_k, f"K={k} is not a multiple of {name}.block_k={config.block_k}"),
+      (m is not None and m % config.block_m, f"M={m} is not a multiple of {name}.block_m={config.block_m}"),
   )
   return next((msg for bad, msg in checks if bad), None)
+
+
+def _check(name: str, m: int, k: int, h: int, config: TileConfig, block_n: int) -> None:
+  reason = _reason(name, k, h, config, block_n, m)
+  if reason:
+    raise ValueError(f"the gated unit's kernels cannot run [M={m}, K={k}] with {h} units: {reason}")
 
 
 def ragged_dot_glu(x_MK, w_GKN, group_sizes_G, unit, config: TileConfig, *, interpret: bool = False):
   """(ab `[M, N]`, h `[M, N/2]`) in x's dtype: `ab = x W[g]` with W's columns interleaved (`interleave`) and
   `h = unit(a, b)` of ab's rounded values, in fp32, rounded once. M a multiple of `config.block_m`."""
   (m, k), (_, _, n) = x_MK.shape, w_GKN.shape
+  _check("fwd", m, k, n // 2, config, 2 * HALF)
   schedule, num_items = row_tile_schedule(group_sizes_G.astype(jnp.int32), m, config.block_m)
   kernel = plgpu.kernel(
       functools.partial(_glu_kernel, k=k, grid_n=n // (2 * config.block_n), config=config, unit=unit),
@@ -61,6 +71,7 @@ def ragged_dot_glu_grad(dy_MK, w_GHK, ab_MN, group_sizes_G, unit, config: TileCo
   """dab `[M, 2H]` in dy's dtype, interleaved as ab: `unit.grads(a, b, dh)` with `dh = dy W[g]ᵀ` in fp32
   (W `[G, H, K]`, the down projection's weights), a and b read from `ab`."""
   (m, k), (_, h, _) = dy_MK.shape, w_GHK.shape
+  _check("grad", m, k, h, config, HALF)
   schedule, num_items = row_tile_schedule(group_sizes_G.astype(jnp.int32), m, config.block_m)
   kernel = plgpu.kernel(
       functools.partial(_glu_grad_kernel, k=k, grid_n=h // (2 * config.block_n), config=config, unit=unit),

@@ -285,6 +285,10 @@ def test_glu_ffn_refuses_mismatched_operands_before_any_compute():
                 kernels=kernels)
   with pytest.raises(ValueError, match="do not run"):
     GroupedGemmOptions().glu_ffn(x, w, w_down, GLU_SIZES, SiTU())   # the CPU: XLA's products, no kernels
+  with pytest.raises(ValueError, match=r"M=250 is not a multiple of fwd.block_m=64"):
+    mosaic_glu.ragged_dot_glu(x[:250], mosaic_glu.interleave(w), GLU_SIZES, SiTU(), GLU_TILES.fwd, interpret=True)
+  with pytest.raises(ValueError, match=r"grad needs compute_wgs=2 and block_n=64"):
+    mosaic_glu.ragged_dot_glu_grad(x, w_down, x, GLU_SIZES, SiTU(), GLU_TILES.fwd, interpret=True)
 
 
 def test_glu_fusion_applies_only_to_mosaic_products_and_fitting_shapes(monkeypatch):
