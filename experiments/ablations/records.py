@@ -31,6 +31,8 @@ from k3jax.train import workdir as workdir_lib
 # Fields that name places on a machine, not what a run computes; the token shards (comma-separated paths) are
 # compared by their file names.
 MACHINE_FIELDS = ("data.cache_dir",)
+# How kernels run the same formulas (their order of fp32 sums, the GLU's rounding): a record stays valid across them.
+KERNEL_CHOICES = ("model.kda.conv_backward", "model.residual.backward", "model.moe.glu_epilogue")
 SHARD_FIELDS = ("data.shards", "data.heldout_shards")
 COMMIT_ENV = "K3JAX_COMMIT"
 
@@ -164,12 +166,13 @@ def _plain(x):
 
 
 def _comparable(config_json: dict) -> dict:
-  """The fields of a config that say what a run computes: not where files live, nor MoE settings the model never
-  reads (`k3jax.config.unread_moe_fields`: a balancer's settings in another balancer's run, any MoE setting with
-  the MoE off), so that a record stays valid when only those change."""
+  """The fields of a config that say what a run computes: not where files live, nor which kernels run the same
+  formulas (`KERNEL_CHOICES`), nor MoE settings the model never reads (`k3jax.config.unread_moe_fields`: a
+  balancer's settings in another balancer's run, any MoE setting with the MoE off), so that a record stays valid
+  when only those change."""
   unread = [f"model.moe.{f}" for f in config_lib.unread_moe_fields(config_json.get("model", {}).get("moe", {}))]
   flat = workdir_lib.flatten(config_json)
-  out = {k: v for k, v in flat.items() if not workdir_lib.under(k, (*MACHINE_FIELDS, *unread))}
+  out = {k: v for k, v in flat.items() if not workdir_lib.under(k, (*MACHINE_FIELDS, *KERNEL_CHOICES, *unread))}
   for k in SHARD_FIELDS:
     if out.get(k):
       out[k] = ",".join(pathlib.PurePath(p.strip()).name for p in out[k].split(","))

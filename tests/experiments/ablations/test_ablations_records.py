@@ -77,6 +77,8 @@ def test_a_record_stays_valid_when_only_settings_its_run_never_reads_change(tmp_
   records.save(tmp_path, "off", 0, workdir_lib.override(config(), {"model.moe.enabled": False}), {"loss": 2.0})
   off = workdir_lib.override(config(), {"model.moe.enabled": False, "model.moe.num_experts": 16})
   assert records.load(tmp_path, "off", 0, off) == {"loss": 2.0}
+  kernels = workdir_lib.override(config(), {"model.moe.glu_epilogue": False, "model.kda.conv_backward": "kernel"})
+  assert records.load(tmp_path, "a", 0, kernels) == {"loss": 1.0}   # other kernels, the same formulas
 
 
 @pytest.mark.parametrize("notebook", ["01_gate", "02_balance", "03_residual", "04_context", "05_hybrid", "06_rl"])
