@@ -123,8 +123,7 @@ class MosaicProducts:
   configs: mosaic.Configs
 
   def _pad(self, a_MX):
-    pad = -a_MX.shape[0] % mosaic.row_multiple(self.configs)
-    return jnp.pad(a_MX, ((0, pad), (0, 0))) if pad else a_MX
+    return _pad_rows(a_MX, mosaic.row_multiple(self.configs))
 
   def fwd(self, x, w, gs):
     return mosaic.ragged_dot(self._pad(x), w, gs, self.configs.fwd)[:x.shape[0]]
@@ -145,8 +144,7 @@ class GluKernels:
   interpret: bool = False
 
   def _pad(self, a_MX):
-    pad = -a_MX.shape[0] % math.lcm(self.tiles.fwd.block_m, self.tiles.grad.block_m)
-    return jnp.pad(a_MX, ((0, pad), (0, 0))) if pad else a_MX
+    return _pad_rows(a_MX, math.lcm(self.tiles.fwd.block_m, self.tiles.grad.block_m))
 
   def forward(self, x, w, gs):
     ab, h = mosaic_glu.ragged_dot_glu(self._pad(x), w, gs, self.unit, self.tiles.fwd, interpret=self.interpret)
@@ -169,6 +167,22 @@ def glu_ffn(x_MK, w_gate_up_GK2H, w_down_GHK, group_sizes_G, *, up, down, kernel
                      f"{w_gate_up_GK2H.shape} and {w_down_GHK.shape}")
   w_ab = mosaic_glu.interleave(w_gate_up_GK2H)   # its VJP gives the gradient back in [G, K, 2, H]
   return _glu(x_MK, w_ab, w_down_GHK, group_sizes_G.astype(jnp.int32), up, down, kernels)
+
+
+def glu_ffn_reference(x_MK, w_gate_up_GK2H, w_down_GHK, group_sizes_G, unit):
+  """`glu_ffn`'s formula in fp32 (XLA's ragged dots at full precision, the unit between them): the tests' and the
+  benchmark's reference."""
+  f32 = lambda a: a.astype(jnp.float32)
+  g, k, _, h = w_gate_up_GK2H.shape
+  full = jax.lax.Precision.HIGHEST
+  ab = jax.lax.ragged_dot(f32(x_MK), f32(w_gate_up_GK2H).reshape(g, k, 2 * h), group_sizes_G, precision=full)
+  return jax.lax.ragged_dot(unit(ab[:, :h], ab[:, h:]), f32(w_down_GHK), group_sizes_G, precision=full)
+
+
+def _pad_rows(a_MX, multiple: int):
+  """a with zero rows appended up to a multiple of `multiple` rows (itself when it has one)."""
+  pad = -a_MX.shape[0] % multiple
+  return jnp.pad(a_MX, ((0, pad), (0, 0))) if pad else a_MX
 
 
 SCOPE = "grouped_gemm"  # the named scope of the three products (profiles find the kernels by it)

@@ -213,14 +213,6 @@ def glu_operands(m=256, k=128, h=128, scale=0.2):
       scale * jax.random.normal(keys[2], (g, h, k)), jax.random.normal(keys[3], (m, k))))
 
 
-def glu_expert_fp32(x, w_gate_up, w_down, sizes, unit=SiTU()):
-  """The expert as its formula reads, in fp32: the gate and up products, the unit, the down product."""
-  f32 = lambda a: a.astype(jnp.float32)
-  g, k, _, h = w_gate_up.shape
-  ab = jax.lax.ragged_dot(f32(x), f32(w_gate_up).reshape(g, k, 2 * h), sizes)
-  return jax.lax.ragged_dot(unit(ab[:, :h], ab[:, h:]), f32(w_down), sizes)
-
-
 def max_rel(got, want):
   return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
 
@@ -265,7 +257,8 @@ def test_glu_ffn_matches_the_fp32_expert_and_its_gradients_at_least_as_well_as_t
   def unfused(x, w, wd):
     ab = grouped_matmul(x, w.reshape(g, k, 2 * h), GLU_SIZES, backend="xla")
     return grouped_matmul(SiTU()(ab[:, :h], ab[:, h:]), wd, GLU_SIZES, backend="xla")
-  want, want_vjp = jax.vjp(lambda *a: glu_expert_fp32(*a, GLU_SIZES), *(a.astype(jnp.float32) for a in (x, w, w_down)))
+  want, want_vjp = jax.vjp(lambda *a: ops.glu_ffn_reference(*a, GLU_SIZES, SiTU()),
+                           *(a.astype(jnp.float32) for a in (x, w, w_down)))
   wants = (want, *want_vjp(dy.astype(jnp.float32)))
   errors = {}
   for name, fn in (("fused", fused), ("unfused", unfused)):
