@@ -1,12 +1,13 @@
 """The KDA layer's short conv backward pass (`k3jax.ops.short_conv`) at small's shapes: XLA's fused formulas against
-the Pallas kernel (dpre and dw in one pass, dx from dpre by XLA), over the kernel's tilings:
+the Pallas kernel (dx and dw in one pass), over the kernel's tilings:
 
   python -m experiments.bench_short_conv            # GPU: B·T = 16 × 4,096, q|k|v of 768 channels each, bf16
   python -m experiments.bench_short_conv --small    # CPU: tiny shapes, checks only (the kernel interpreted)
 
 Each row: device time per backward call (pipelined), on one document per row and on packed documents, and the
 largest difference from the fused backward over dx, the state's gradient and dw (max |error| / max |value|). Rows to
-$OUT/bench_short_conv.json; a tiling that differs from the fused backward by more than 1e-5 fails the command.
+$OUT/bench_short_conv.json; a tiling whose dx (in x's dtype, as the op returns it) differs from the fused backward's
+by more than one rounding to that dtype, or whose dstate or dw (fp32) by more than 1e-5, fails the command.
 """
 import functools
 import os
@@ -28,8 +29,8 @@ flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_short_conv.jso
 W = 4
 PARTS = (768, 768, 768)
 # (rows, channels, splits, num_warps): the default first
-TILINGS = ((16, 128, 4, 4), (16, 64, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4), (16, 128, 16, 4), (32, 128, 16, 4),
-           (16, 128, 4, 8), (32, 128, 4, 8), (16, 64, 16, 4), (32, 64, 16, 8))
+TILINGS = ((16, 128, 4, 8), (16, 128, 4, 4), (8, 128, 4, 4), (32, 128, 4, 8), (32, 128, 4, 16), (16, 64, 4, 4),
+           (16, 128, 8, 8), (16, 128, 16, 8), (16, 256, 4, 8), (8, 128, 16, 4))
 
 
 def inputs(B: int, T: int, documents: bool):
@@ -46,9 +47,15 @@ def inputs(B: int, T: int, documents: bool):
   return x, state, w, seg_p, dys
 
 
-def max_rel_err(got, want):
-  return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
-                   (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30)) for a, b in zip(got, want))
+def rel_errs(got, want):
+  """max |error| / max |value| of each of (dx, dstate, dw)."""
+  return [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30)) for a, b in zip(got, want)]
+
+
+def within_bounds(errs, x_dtype) -> bool:
+  """dx within one rounding to x's dtype of the fused backward's, dstate and dw (fp32) within 1e-5."""
+  return errs[0] <= 0.5 * float(jnp.finfo(x_dtype).eps) + 1e-5 and max(errs[1:]) < 1e-5
 
 
 def main(argv):
@@ -63,14 +70,16 @@ def main(argv):
     impls = [("fused", None, fused)] + [(f"kernel {t}", t, kernel(t)) for t in tilings]
     for name, tiling, fn in impls:
       row = {"impl": name, "tiling": tiling, "documents": documents, "B": B, "T": T,
-             "max_rel_err": max_rel_err(fn(*args), want)}
+             "rel_errs": rel_errs(fn(*args), want)}
+      row["max_rel_err"], row["ok"] = max(row["rel_errs"]), within_bounds(row["rel_errs"], args[0].dtype)
       if not FLAGS.small:
         row["ms"] = 1e3 * harness.pipelined_seconds(fn, *args, repeats=FLAGS.repeats)
       rows.append(row)
       print(f"{'documents' if documents else 'one document':<13} {name:<26} "
-            f"{row.get('ms', float('nan')):8.3f} ms   differs from fused {row['max_rel_err']:.1e}", flush=True)
+            f"{row.get('ms', float('nan')):8.3f} ms   differs from fused (dx, dstate, dw) "
+            f"{', '.join(f'{e:.1e}' for e in row['rel_errs'])}", flush=True)
   harness.write_json(FLAGS.out, rows)
-  bad = [f"{r['impl']} (documents={r['documents']})" for r in rows if not r["max_rel_err"] < 1e-5]
+  bad = [f"{r['impl']} (documents={r['documents']})" for r in rows if not r["ok"]]
   if bad:
     raise SystemExit(f"differs from the fused backward: {bad}")
 

@@ -6,8 +6,8 @@ backward pass:
 The W−1 inputs before x are a state (a decode cache, or zeros). The output comes in channel parts (q, k and v of
 one projection), each its own array; their cotangents meet only inside the backward pass, which gives the W taps'
 weight gradients as one reduction over the tokens: "fused" as XLA fuses the formulas, "kernel" with the
-pre-activation's gradient and the weights' from one Pallas kernel pass (`pallas_kernels.short_conv`, where it
-applies; else "fused") and the input's from that by XLA.
+input's gradient and the weights' from one Pallas kernel pass (`pallas_kernels.short_conv`, where it applies; else
+"fused"), the pre-activation's gradient recomputed there and never written.
 """
 from __future__ import annotations
 
@@ -126,9 +126,13 @@ def _fused_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts):
 
 
 def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts, blocks: conv_kernels.Blocks = conv_kernels.Blocks()):
-  """(dx, dstate, dw): dpre and dw from the kernel in one pass (tiled as `blocks`), dx and dstate from dpre by XLA."""
-  dpre, dw_WC = conv_kernels.dpre_and_dw(_with_state(state_BWC, x_BTC), dy_parts, w_WC, seg_p, blocks)
-  return *_input_gradients(dpre, w_WC, seg_p), dw_WC
+  """(dx, dstate, dw): dx and dw from the kernel in one pass (tiled as `blocks`); dstate, which only the first W−1
+  outputs reach, from the formulas on those rows."""
+  W = w_WC.shape[0]
+  dx, dw_WC = conv_kernels.dx_and_dw(_with_state(state_BWC, x_BTC), dy_parts, w_WC, seg_p, blocks)
+  head = None if seg_p is None else seg_p[:, :2 * (W - 1)]
+  _, dstate, _ = _fused_backward(x_BTC[:, :W - 1], state_BWC, w_WC, head, [d[:, :W - 1] for d in dy_parts])
+  return dx, dstate, dw_WC
 
 
 def _conv_silu_bwd(split, backward, residuals, dy_parts):

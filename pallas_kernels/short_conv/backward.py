@@ -1,15 +1,15 @@
-"""The short conv's (`k3jax.ops.short_conv`) pre-activation gradient and weight gradient in one Triton pass.
+"""The short conv's (`k3jax.ops.short_conv`) backward pass, the input's gradient and the weights', in one Triton pass.
 
 With taps `tap_j[t] = xp[t + j]·keep_j[t]` (xp: the W−1 inputs of the state, then x; keep_j zero across a
 document boundary), `pre = Σ_j w_j tap_j`:
 
-    dpre[t] = dy[t] · SiLU'(pre[t]),      dw_j = Σ_t tap_j[t] dpre[t]
+    dpre[t] = dy[t] · SiLU'(pre[t]),   dw_j = Σ_t tap_j[t] dpre[t],   dx[t] = Σ_j w_j keep_j[u] dpre[u], u = t+W−1−j
 
-A program walks blocks of rows of one batch row and one slice of channels: it reads the W shifted taps (the
-same rows again, from L1/L2) and the cotangent once, writes `dpre` once, and keeps its share of `dw` in
-registers. The input's gradient, `dx[t] = Σ_j w_j keep_j[t+W−1−j] dpre[t+W−1−j]`, is left to the caller: an
-elementwise pass over `dpre` that XLA fuses well, where the weight gradient (a reduction over every token of
-products it would recompute) is what it fuses badly (docs/design.md, KDA).
+A program walks blocks of rows of one batch row and one slice of channels. dx at a block's rows needs dpre at the W
+row shifts of the block, which the program recomputes from xp's 2W−1 shifted rows (the same rows again, from
+L1/L2) and the cotangent's W shifted rows: dpre is never written. The weights' gradient accumulates in one tile
+a tap, summed over rows once at the end. Rows past T read as zero (masked loads). What it reads from memory is x and
+the cotangent once, what it writes is dx once. The state's gradient (W−1 rows) is left to the caller.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._triton import traced_once, triton_call
 
@@ -30,7 +31,7 @@ class Blocks:
   rows: int = 16
   channels: int = 128
   splits: int = 4
-  num_warps: int = 4
+  num_warps: int = 8
 
 
 def applies(T: int, sizes, blocks: Blocks = Blocks()) -> bool:
@@ -38,8 +39,8 @@ def applies(T: int, sizes, blocks: Blocks = Blocks()) -> bool:
   return T % (blocks.rows * blocks.splits) == 0 and all(c % blocks.channels == 0 for c in sizes)
 
 
-def dpre_and_dw(xp_BPC, dy_parts, w_WC, segp_BP=None, blocks: Blocks = Blocks()):
-  """(dpre `[B, T, C]` fp32, dw `[W, C]` fp32).
+def dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP=None, blocks: Blocks = Blocks()):
+  """(dx `[B, T, C]` in xp's dtype, dw `[W, C]` fp32): the gradients of x (xp's last T rows) and of the weights.
 
   `xp_BPC` `[B, T + W−1, C]`: the state's W−1 inputs, then x. `dy_parts`: the cotangents of the output's channel
   parts, in order, each `[B, T, C_i]`. `segp_BP` `[B, T + W−1]` int32: each xp row's document (the state's rows the
@@ -50,12 +51,12 @@ def dpre_and_dw(xp_BPC, dy_parts, w_WC, segp_BP=None, blocks: Blocks = Blocks())
   T = P - (W - 1)
   sizes = [d.shape[-1] for d in dy_parts]
   if sum(sizes) != C or not applies(T, sizes, blocks):
-    raise ValueError(f"dpre_and_dw needs T={T} a multiple of {blocks.rows * blocks.splits} and channel parts "
+    raise ValueError(f"dx_and_dw needs T={T} a multiple of {blocks.rows * blocks.splits} and channel parts "
                      f"{sizes} (summing to C={C}) multiples of {blocks.channels}")
-  return _dpre_and_dw_once(xp_BPC, tuple(dy_parts), w_WC, segp_BP, blocks)
+  return _dx_and_dw_once(xp_BPC, tuple(dy_parts), w_WC, segp_BP, blocks)
 
 
-def _dpre_and_dw(xp_BPC, dy_parts, w_WC, segp_BP, blocks):
+def _dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP, blocks):
   W = w_WC.shape[0]
   B, P, C = xp_BPC.shape
   T, bc = P - (W - 1), blocks.channels
@@ -74,50 +75,59 @@ def _dpre_and_dw(xp_BPC, dy_parts, w_WC, segp_BP, blocks):
     args.append(segp_BP.astype(jnp.int32))
   out_specs = [pl.BlockSpec((None, T, bc), lambda b, s, c: (b, 0, c)),
                pl.BlockSpec((None, None, W, bc), lambda b, s, c: (b, s, 0, c))]
-  out_shape = [jax.ShapeDtypeStruct((B, T, C), jnp.float32),
+  out_shape = [jax.ShapeDtypeStruct((B, T, C), xp_BPC.dtype),
                jax.ShapeDtypeStruct((B, blocks.splits, W, C), jnp.float32)]
-  kernel = functools.partial(_kernel, W=W, rows=T // blocks.splits, block_t=blocks.rows, starts=tuple(starts),
+  kernel = functools.partial(_kernel, W=W, T=T, rows=T // blocks.splits, block_t=blocks.rows, starts=tuple(starts),
                              parts=len(sizes), has_segments=segp_BP is not None)
-  dpre, dw_partial = triton_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                                 name="short_conv_dpre_dw", num_warps=blocks.num_warps, num_stages=1)(*args)
-  return dpre, jnp.sum(dw_partial, axis=(0, 1))
+  dx, dw_partial = triton_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                               name="short_conv_backward", num_warps=blocks.num_warps, num_stages=1)(*args)
+  return dx, jnp.sum(dw_partial, axis=(0, 1))
 
 
-_dpre_and_dw_once = traced_once(_dpre_and_dw, static_argnums=(4,))
+_dx_and_dw_once = traced_once(_dx_and_dw, static_argnums=(4,))
 
 
-def _kernel(xp_ref, w_ref, *refs, W, rows, block_t, starts, parts, has_segments):
+def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segments):
   dy_refs = refs[:parts]
   segp_ref = refs[parts] if has_segments else None
-  dpre_ref, dw_ref = refs[-2:]
+  dx_ref, dw_ref = refs[-2:]
   c = pl.program_id(2)
   part = sum((c >= starts[i]).astype(jnp.int32) for i in range(1, parts))
   w = [w_ref[j, :] for j in range(W)]
   first = pl.program_id(1) * rows   # program ids outside the loop: interpret mode reads them only there
+  r = jnp.arange(block_t)
+
+  def rows_of(ref, t0, n):
+    """`ref`'s rows t0.. (block_t of them), zero from row n on."""
+    return pltriton.load(ref.at[pl.ds(t0, block_t)], mask=(t0 + r < n)[:, None], other=0).astype(jnp.float32)
 
   def dy_at(t0):
-    """The cotangent's rows t0.. of this program's channels, from the part they belong to."""
-    load = lambda i: lambda: dy_refs[i][pl.ds(t0, block_t), :].astype(jnp.float32)
+    """The cotangent's rows t0.. of this program's channels, from the part they belong to; zero past T."""
+    load = lambda i: lambda: rows_of(dy_refs[i], t0, T)
     return load(0)() if parts == 1 else jax.lax.switch(part, [load(i) for i in range(parts)])
-
-  def tap(t0, j, own):
-    """tap_j at rows t0..: xp's rows t0+j.., zero where the input is not of `own`, the rows' own documents."""
-    x = xp_ref[pl.ds(t0 + j, block_t), :].astype(jnp.float32)
-    if own is None or j == W - 1:
-      return x
-    return jnp.where((segp_ref[pl.ds(t0 + j, block_t)] == own)[:, None], x, 0.0)
 
   def step(i, dw):
     t0 = first + i * block_t
-    own = segp_ref[pl.ds(t0 + W - 1, block_t)] if has_segments else None
-    taps = [tap(t0, j, own) for j in range(W)]
-    pre = sum(w[j] * taps[j] for j in range(W))
-    sig = jax.nn.sigmoid(pre)
-    dpre = dy_at(t0) * sig * (1.0 + pre * (1.0 - sig))                 # SiLU'(pre)
-    dpre_ref[pl.ds(t0, block_t), :] = dpre
-    return tuple(dw[j] + jnp.sum(taps[j] * dpre, axis=0) for j in range(W))
+    xs = [rows_of(xp_ref, t0 + k, T + W - 1) for k in range(2 * W - 1)]       # xp's rows t0+k..
+    if has_segments:
+      segs = [pltriton.load(segp_ref.at[pl.ds(t0 + k, block_t)], mask=t0 + k + r < T + W - 1, other=-1)
+              for k in range(2 * W - 1)]
+    dx = 0.0
+    for s in range(W):                       # dpre at rows t0+s..: its taps are xp's rows t0+s+j..
+      keeps = [None if not has_segments or j == W - 1 else (segs[s + j] == segs[s + W - 1])[:, None]
+               for j in range(W)]
+      taps = [xs[s + j] if keeps[j] is None else jnp.where(keeps[j], xs[s + j], 0.0) for j in range(W)]
+      pre = sum(w[j] * taps[j] for j in range(W))
+      sig = jax.nn.sigmoid(pre)
+      dpre = dy_at(t0 + s) * sig * (1.0 + pre * (1.0 - sig))              # SiLU'(pre)
+      if s == 0:
+        dw = tuple(dw[j] + taps[j] * dpre for j in range(W))
+      j = W - 1 - s                          # row t0+s's tap j is x's row t0 (xp's t0+W−1)
+      dx = dx + w[j] * (dpre if keeps[j] is None else jnp.where(keeps[j], dpre, 0.0))
+    dx_ref[pl.ds(t0, block_t), :] = dx.astype(dx_ref.dtype)
+    return dw
 
-  zero = jnp.zeros((dw_ref.shape[-1],), jnp.float32)
+  zero = jnp.zeros((block_t, dw_ref.shape[-1]), jnp.float32)
   dw = jax.lax.fori_loop(0, rows // block_t, step, (zero,) * W)
   for j in range(W):
-    dw_ref[j, :] = dw[j]
+    dw_ref[j, :] = jnp.sum(dw[j], axis=0)

@@ -65,7 +65,7 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
                "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "body"}
 # The "pallas" run's short convs run their backward passes as kernels too.
-GLUE_KERNELS = {"pallas": {"short_conv_dpre_dw"}, "pallas_group": set()}
+GLUE_KERNELS = {"pallas": {"short_conv_backward"}, "pallas_group": set()}
 
 
 def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_backward: str = "fused"):

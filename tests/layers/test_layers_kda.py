@@ -141,4 +141,4 @@ def test_the_conv_backward_setting_reaches_the_short_conv(conv_backward):
   x = jax.ShapeDtypeStruct((1, 64, cfg.d_model), jnp.float32)
   loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0])
   program = str(jax.make_jaxpr(jax.grad(loss))(params, x))
-  assert ("short_conv_dpre_dw" in program) == (conv_backward == "kernel")
+  assert ("short_conv_backward" in program) == (conv_backward == "kernel")

@@ -14,7 +14,7 @@ def test_shapes_it_does_not_take_are_refused():
   W, T = 4, 40                                            # T not a multiple of 16 rows x 4 programs
   xp = jnp.zeros((1, T + W - 1, 128))
   with pytest.raises(ValueError, match="multiple of 64"):
-    conv_kernels.dpre_and_dw(xp, (jnp.zeros((1, T, 128)),), jnp.zeros((W, 128)))
+    conv_kernels.dx_and_dw(xp, (jnp.zeros((1, T, 128)),), jnp.zeros((W, 128)))
   assert not conv_kernels.applies(64, (128, 96)) and conv_kernels.applies(4096, (768, 768, 768))
 
 
@@ -29,4 +29,4 @@ def test_lowers_to_triton_for_the_gpu_at_small_s_shapes_once_for_two_layers(monk
       return jnp.sum(conv(conv(x, w), 2.0 * w).astype(jnp.float32))
     return jax.grad(f, argnums=(0, 1))(x, w)
   text = cuda_module_text(monkeypatch, grads, *args)
-  assert text.count('name = "short_conv_dpre_dw"') == 1
+  assert text.count('name = "short_conv_backward"') == 1
