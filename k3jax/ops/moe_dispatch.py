@@ -109,12 +109,13 @@ def _combine_fwd(y_ML, weights_TK, p, out_dtype):
 def _combine_bwd(out_dtype, res, du_TL):
   y_ML, weights_TK, p = res
   k = p.inverse_TK.shape[1]
+  du_ML = _rows(du_TL, p.order_M // k).astype(jnp.float32)          # each sorted row's token cotangent
   w_M = _rows(weights_TK.reshape(-1), p.order_M).astype(jnp.float32)
-  dy_ML = (w_M[:, None] * _rows(du_TL, p.order_M // k).astype(jnp.float32)).astype(y_ML.dtype)
-  du32_TL = du_TL.astype(jnp.float32)
-  dw_TK = jnp.stack([jnp.sum(_rows(y_ML, p.inverse_TK[:, j]).astype(jnp.float32) * du32_TL, axis=-1)
-                     for j in range(k)], axis=1)
-  return dy_ML, dw_TK.astype(weights_TK.dtype), None
+  dy_ML = (w_M[:, None] * du_ML).astype(y_ML.dtype)
+  # The weights' cotangents in sorted order, from the same gathered rows (one pass over y), then put back per slot:
+  # a gather of M scalars, not k gathers of y's rows each reduced over L.
+  dw_M = jnp.sum(y_ML.astype(jnp.float32) * du_ML, axis=-1)
+  return dy_ML, _rows(dw_M, p.inverse_TK).astype(weights_TK.dtype), None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
