@@ -29,8 +29,8 @@ flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_short_conv.jso
 W = 4
 PARTS = (768, 768, 768)
 # (rows, channels, splits, num_warps): the default first
-TILINGS = ((16, 128, 4, 8), (16, 128, 4, 4), (8, 128, 4, 4), (32, 128, 4, 8), (32, 128, 4, 16), (16, 64, 4, 4),
-           (16, 128, 8, 8), (16, 128, 16, 8), (16, 256, 4, 8), (8, 128, 16, 4))
+TILINGS = ((8, 128, 16, 4), (16, 128, 4, 8), (8, 128, 4, 4), (32, 128, 4, 8), (32, 128, 4, 16), (16, 64, 4, 4),
+           (16, 128, 8, 8), (16, 128, 16, 8), (16, 256, 4, 8), (8, 64, 16, 4))
 
 
 def inputs(B: int, T: int, documents: bool):

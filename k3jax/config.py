@@ -16,7 +16,7 @@ LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 RESIDUAL_READOUTS = ("layer", "group")
 RESIDUAL_BACKWARDS = ("fused", "barrier")
-SHORT_CONV_BACKWARDS = ("fused", "kernel")
+SHORT_CONV_BACKWARDS = ("auto", "fused", "kernel")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
@@ -62,7 +62,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.kda.lower_bound = -5.0                # γ_min of the bounded gate
   m.kda.gate_rank = None                  # None: full-rank decay and output gates (assumed); int: d -> rank -> H·K
   m.kda.backend = "auto"                  # chunk_kda backend
-  m.kda.conv_backward = "fused"           # the short conv's backward as XLA fuses it, or one Pallas kernel
+  m.kda.conv_backward = "auto"            # the short conv's backward: one Pallas kernel (auto: on GPU), or as XLA fuses it
 
   m.mla = ml_collections.ConfigDict()
   m.mla.num_heads = 2

@@ -7,7 +7,7 @@ The W−1 inputs before x are a state (a decode cache, or zeros). The output com
 one projection), each its own array; their cotangents meet only inside the backward pass, which gives the W taps'
 weight gradients as one reduction over the tokens: "fused" as XLA fuses the formulas, "kernel" with the
 input's gradient and the weights' from one Pallas kernel pass (`pallas_kernels.short_conv`, where it applies; else
-"fused"), the pre-activation's gradient recomputed there and never written.
+"fused"), the pre-activation's gradient recomputed there and never written; "auto" the kernel on a GPU, else "fused".
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from k3jax.config import SHORT_CONV_BACKWARDS as BACKWARDS
 from pallas_kernels import short_conv as conv_kernels
 
 
-def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=(), backward: str = "fused"):
+def short_conv(x_BTC, w_WC, state_BWC=None, segment_ids_BT=None, *, split=(), backward: str = "auto"):
   """Causal depthwise conv then SiLU: y_t = SiLU(Σ_j w_j x_{t−W+1+j}); inputs of an earlier document count as zero.
 
   `state_BWC` holds the W−1 inputs before x (zeros when None; taken to belong to x's first document). `split`: the
@@ -139,7 +139,8 @@ def _conv_silu_bwd(split, backward, residuals, dy_parts):
   x_BTC, state_BWC, w_WC, seg_p = residuals
   T = x_BTC.shape[1]
   sizes = [d.shape[-1] for d in dy_parts]
-  use_kernel = backward == "kernel" and conv_kernels.applies(T, sizes)
+  wants_kernel = backward == "kernel" or (backward == "auto" and jax.default_backend() == "gpu")
+  use_kernel = wants_kernel and conv_kernels.applies(T, sizes)
   dx, dstate, dw = (_kernel_backward if use_kernel else _fused_backward)(x_BTC, state_BWC, w_WC, seg_p, dy_parts)
   return dx.astype(x_BTC.dtype), dstate.astype(state_BWC.dtype), dw.astype(w_WC.dtype), None
 

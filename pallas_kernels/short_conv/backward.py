@@ -28,10 +28,10 @@ from pallas_kernels._triton import traced_once, triton_call
 class Blocks:
   """The kernel's tiling: `rows` a step of a program's loop, `channels` a program, `splits` programs along each batch
   row's T (each walks its share of the row's blocks in turn), `num_warps` Triton warps a program."""
-  rows: int = 16
+  rows: int = 8
   channels: int = 128
-  splits: int = 4
-  num_warps: int = 8
+  splits: int = 16
+  num_warps: int = 4
 
 
 def applies(T: int, sizes, blocks: Blocks = Blocks()) -> bool:

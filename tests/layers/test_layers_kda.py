@@ -132,13 +132,14 @@ def test_keep_rows_takes_the_new_cache_only_where_active(layer):
   np.testing.assert_array_equal(kept.conv_BWC[1], old.conv_BWC[1])
 
 
-@pytest.mark.parametrize("conv_backward", ["fused", "kernel"])
+@pytest.mark.parametrize("conv_backward", ["fused", "kernel", "auto"])
 def test_the_conv_backward_setting_reaches_the_short_conv(conv_backward):
-  """`kda.conv_backward` picks how the layer's short conv runs its backward pass (the op's tests check its values):
-  q, k and v of 128 channels each and T = 64 are shapes the kernel takes."""
+  """`kda.conv_backward` picks how the layer's short conv runs its backward pass (the op's tests check its values;
+  "auto" is the kernel on a GPU only, and this is a CPU): q, k and v of 128 channels each and T = 128 are shapes the
+  kernel takes."""
   cfg = small_config(**{"d_model": 128, "kda.num_heads": 1, "kda.conv_backward": conv_backward})
   graphdef, params, rest = nnx.split(random_module(lambda rngs: KDALayer(cfg, rngs=rngs)), nnx.Param, ...)
-  x = jax.ShapeDtypeStruct((1, 64, cfg.d_model), jnp.float32)
+  x = jax.ShapeDtypeStruct((1, 128, cfg.d_model), jnp.float32)
   loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0])
   program = str(jax.make_jaxpr(jax.grad(loss))(params, x))
   assert ("short_conv_backward" in program) == (conv_backward == "kernel")

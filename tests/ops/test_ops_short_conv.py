@@ -9,9 +9,9 @@ import pytest
 from k3jax.ops.short_conv import conv_tail, short_conv
 from model_testing import T, normal, segments
 
-# The kernel's shapes: T a multiple of its 16 rows × 4 programs a row (here two blocks a program), parts multiples
+# The kernel's shapes: T a multiple of its 8 rows × 16 programs a row (here two blocks a program), parts multiples
 # of its 128 channels.
-KERNEL_T, KERNEL_SPLIT, KERNEL_C = 128, (128, 256), 384
+KERNEL_T, KERNEL_SPLIT, KERNEL_C = 256, (128, 256), 384
 
 
 def test_short_conv_matches_formula_with_state_and_documents():
@@ -77,6 +77,7 @@ def test_the_kernel_backward_is_taken_where_it_applies(n):
     return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
   assert ("short_conv_backward" in program("kernel")) == (n == KERNEL_T)
   assert "short_conv_backward" not in program("fused")
+  assert "short_conv_backward" not in program("auto")   # the kernel on a GPU only; this is a CPU
   with pytest.raises(ValueError, match="backward must be one of"):
     program("triton")
 

@@ -11,9 +11,9 @@ from pallas_testing import cuda_module_text
 
 
 def test_shapes_it_does_not_take_are_refused():
-  W, T = 4, 40                                            # T not a multiple of 16 rows x 4 programs
+  W, T = 4, 40                                            # T not a multiple of 8 rows x 16 programs
   xp = jnp.zeros((1, T + W - 1, 128))
-  with pytest.raises(ValueError, match="multiple of 64"):
+  with pytest.raises(ValueError, match="multiple of 128"):
     conv_kernels.dx_and_dw(xp, (jnp.zeros((1, T, 128)),), jnp.zeros((W, 128)))
   assert not conv_kernels.applies(64, (128, 96)) and conv_kernels.applies(4096, (768, 768, 768))
 
