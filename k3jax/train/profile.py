@@ -10,7 +10,8 @@ Kinds (first rule that matches a kernel's name, its HLO instruction's custom-cal
   other         every other fusion, copy and memset: elementwise and reduction glue
 Glue is everything but gemm, grouped_gemm, attention and kda; it is also split by named scope, found in a kernel's
 op_name: the layers' parts (SCOPES, the outermost that matches), else the step's own (STEP_SCOPES: embedding,
-head, loss, optimizer, ...; the scanned layers' and the layer calls' own bookkeeping), else "unscoped". On a GPU the times are
+head, loss, optimizer, ...; the scanned layers' and the layer calls' own bookkeeping), else, for our glue kernels
+whose trace names no op, their layer's (KERNEL_SCOPES), else "unscoped". On a GPU the times are
 the device streams' kernel events; on a CPU they are XLA:CPU's thunks (they overlap on its thread pool: proportions,
 not a timeline).
 """
@@ -39,6 +40,8 @@ SCOPES = ("moe", "kda", "mla", "ffn", "attnres", "balancer")  # the layers' name
 STEP_SCOPES = (("embed", r"\bembed\b"), ("head", r"\bhead\b"), ("loss", r"\bloss\b"),
                ("optimizer", r"\boptimizer\b"), ("accumulate", r"\baccumulate\b"), ("metrics", r"\bmetrics\b"),
                ("layer_call", r"jit\(_layer_forward\)"), ("layer_scan", r"\bgroups\b"))
+# Our glue kernels, whose trace events name no HLO op (a `traced_once` call's kernel): their layer's scope by name.
+KERNEL_SCOPES = (("kda", r"^short_conv"),)
 _GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|gemv|cublas|matmul|onednn|^dot\b|^ynn_fusion", re.IGNORECASE)
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|all[-_]?to[-_]?all|reduce[-_]?scatter|"
                          r"collective[-_]?permute", re.IGNORECASE)
@@ -58,11 +61,13 @@ class Kernel:
 
   @property
   def scope(self) -> str:
-    """The outermost of SCOPES in the op_name, else the first of STEP_SCOPES that matches, else "unscoped"."""
+    """The outermost of SCOPES in the op_name, else the first of STEP_SCOPES that matches, else the layer of one of
+    our kernels by its name (KERNEL_SCOPES), else "unscoped"."""
     found = [(m.start(), s) for s in SCOPES for m in [re.search(rf"\b{s}\b", self.op_name)] if m]
     if found:
       return min(found)[1]
-    return next((name for name, pattern in STEP_SCOPES if re.search(pattern, self.op_name)), "unscoped")
+    step = next((name for name, pattern in STEP_SCOPES if re.search(pattern, self.op_name)), None)
+    return step or next((name for name, pattern in KERNEL_SCOPES if re.search(pattern, self.name)), "unscoped")
 
 
 def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:

@@ -122,6 +122,11 @@ def test_kernel_scope_is_the_layer_part_else_the_step_part(op_name, scope):
   assert profile.Kernel("fusion_1", "other", 1.0, 1.0, op_name).scope == scope
 
 
+def test_our_glue_kernels_without_an_op_name_count_in_their_layer_s_scope():
+  assert profile.Kernel("short_conv_backward", "other", 9.0, 12.7).scope == "kda"
+  assert profile.Kernel("some_kernel", "other", 1.0, 1.0).scope == "unscoped"
+
+
 def _scanned_step_config(readout):
   changes = {"model.num_layers": 6, "model.layer_pattern": ("kda", "mla"), "model.residual.readout": readout}
   config = benchmark.variant(small_tiny(), seq_len=32, tokens_per_step=256, changes=changes)
