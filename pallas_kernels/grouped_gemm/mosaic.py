@@ -130,13 +130,20 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G, config: TileConfig, *, transpose_rhs:
   schedule, num_items = row_tile_schedule(group_sizes_G.astype(jnp.int32), m, bm)
 
   body = _one_warpgroup if config.compute_wgs == 1 else _two_warpgroups
-  threads = {} if config.compute_wgs == 1 else dict(num_threads=3, thread_name="wg")
   kernel = plgpu.kernel(
       functools.partial(body, k=k, grid_n=n // _cta_n(config), config=config, transpose_rhs=transpose_rhs),
-      out_type=jax.ShapeDtypeStruct((m, n), x_MK.dtype), grid=(num_sms(interpret),), grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="grouped_ragged_dot", **threads)
+      out_type=jax.ShapeDtypeStruct((m, n), x_MK.dtype),
+      **launch("grouped_ragged_dot", interpret, two_warpgroups=config.compute_wgs == 2))
   return kernel(schedule, num_items, x_MK, w_GKN)
+
+
+def launch(name: str, interpret: bool, *, two_warpgroups: bool) -> dict:
+  """`plgpu.kernel`'s launch arguments for a persistent grouped-GEMM kernel: one CTA per SM, warpgroup semantics,
+  with `two_warpgroups` a TMA warpgroup and two consumers (threads named "wg")."""
+  threads = dict(num_threads=3, thread_name="wg") if two_warpgroups else {}
+  return dict(grid=(_num_sms(interpret),), grid_names=("sm",), kernel_name=name,
+              compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+              interpret=plgpu.InterpretGPUParams() if interpret else None, **threads)
 
 
 def _one_warpgroup(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k, grid_n, config, transpose_rhs):
@@ -252,7 +259,7 @@ def store_rows(src_smem, dst_gmem, row0, start, size, cols):
     piece //= 2
 
 
-def num_sms(interpret: bool) -> int:
+def _num_sms(interpret: bool) -> int:
   """One persistent CTA per SM (two when interpreting; an H100/H200's 132 when lowering for CUDA from a CPU)."""
   return 2 if interpret else getattr(jax.devices()[0], "core_count", 132)
 

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_gemm.mosaic import (TileConfig, for_each_tile, num_sms, pipeline_allocations,
+from pallas_kernels.grouped_gemm.mosaic import (TileConfig, for_each_tile, launch, pipeline_allocations,
                                                 row_tile_schedule, store_rows, two_warpgroup_pipeline)
 
 HALF = 64  # gate and up columns alternate in blocks of this many: one 128-byte swizzle row of bf16
@@ -63,7 +63,7 @@ def ragged_dot_glu(x_MK, w_GKN, group_sizes_G, unit, config: TileConfig, *, inte
   kernel = plgpu.kernel(
       functools.partial(_glu_kernel, k=k, grid_n=n // (2 * config.block_n), config=config, unit=unit),
       out_type=(jax.ShapeDtypeStruct((m, n), x_MK.dtype), jax.ShapeDtypeStruct((m, n // 2), x_MK.dtype)),
-      **_launch(interpret, "grouped_ragged_dot_glu"))
+      **launch("grouped_ragged_dot_glu", interpret, two_warpgroups=True))
   return kernel(schedule, num_items, x_MK, w_GKN)
 
 
@@ -75,14 +75,9 @@ def ragged_dot_glu_grad(dy_MK, w_GHK, ab_MN, group_sizes_G, unit, config: TileCo
   schedule, num_items = row_tile_schedule(group_sizes_G.astype(jnp.int32), m, config.block_m)
   kernel = plgpu.kernel(
       functools.partial(_glu_grad_kernel, k=k, grid_n=h // (2 * config.block_n), config=config, unit=unit),
-      out_type=jax.ShapeDtypeStruct((m, 2 * h), dy_MK.dtype), **_launch(interpret, "grouped_ragged_dot_glu_grad"))
+      out_type=jax.ShapeDtypeStruct((m, 2 * h), dy_MK.dtype),
+      **launch("grouped_ragged_dot_glu_grad", interpret, two_warpgroups=True))
   return kernel(schedule, num_items, dy_MK, w_GHK, ab_MN)
-
-
-def _launch(interpret: bool, name: str) -> dict:
-  return dict(grid=(num_sms(interpret),), grid_names=("sm",), num_threads=3, thread_name="wg", kernel_name=name,
-              compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-              interpret=plgpu.InterpretGPUParams() if interpret else None)
 
 
 def _glu_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, h_gmem, *, k, grid_n, config, unit):
