@@ -1,7 +1,7 @@
 """The routed experts' SiTU-GLU in the grouped GEMMs' epilogues (`glu_ffn`, Mosaic GPU) on a Hopper GPU: the
 expert's output and its three gradients against the fp32 formula, each held to the error of the unit between the
-products (the Mosaic products with XLA's bf16 unit between them, the path before the fusion) on the same inputs.
-`small`'s expert shape (ℓ = 384, 512 units, 64 experts) on fewer rows, random group sizes with empty groups, a row
+products (the Mosaic products with XLA's bf16 unit between them, the path before the fusion) on the same inputs,
+which is itself held to a bound that a misplaced row would break. `small`'s expert shape (ℓ = 384, 512 units, 64 experts) on fewer rows, random group sizes with empty groups, a row
 count no tile divides, and units deep in saturation.
 """
 import jax
@@ -17,6 +17,7 @@ from pallas_kernels.grouped_gemm.ops import glu_ffn_reference
 pytestmark = pytest.mark.gpu
 
 K, H, G = 384, 512, 64
+MAX_REL_ERR = 0.1   # a bf16 expert's error, with room: a row the kernels store in the wrong place is off by O(1)
 CASES = {"routed rows": (16384, 1.0), "rows no tile divides": (5000, 1.0), "saturated units": (8192, 4.0)}
 
 
@@ -52,3 +53,4 @@ def test_the_unit_in_the_epilogues_is_held_to_the_unfused_experts_error(case):
     errors[name] = [rel_err(g, r) for g, r in zip(got, wants)]
   for part, e_fused, e_unfused in zip(("y", "dx", "dw_gate_up", "dw_down"), errors["fused"], errors["unfused"]):
     assert e_fused <= 1.1 * e_unfused, (part, errors)
+    assert e_unfused <= MAX_REL_ERR, (part, errors)   # both paths share the plain kernels: neither may be wrong
