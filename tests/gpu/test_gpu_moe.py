@@ -1,8 +1,9 @@
 """The routed experts' SiTU-GLU in the grouped GEMMs' epilogues (`glu_ffn`, Mosaic GPU) on a Hopper GPU: the
 expert's output and its three gradients against the fp32 formula, each held to the error of the unit between the
 products (the Mosaic products with XLA's bf16 unit between them, the path before the fusion) on the same inputs,
-which is itself held to a bound that a misplaced row would break. `small`'s expert shape (ℓ = 384, 512 units, 64 experts) on fewer rows, random group sizes with empty groups, a row
-count no tile divides, and units deep in saturation.
+which is itself held to a bound that a misplaced row would break. `small`'s expert shape (ℓ = 384, 512 units, 64
+experts) on fewer rows, random group sizes with empty groups, a row count no tile divides, and units deep in
+saturation.
 """
 import jax
 import jax.numpy as jnp
