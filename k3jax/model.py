@@ -234,7 +234,9 @@ class K3Model(nnx.Module):
   def _scan(self, stream, run, caches, remat: str):
     """The scanned groups: (stream after them, stacked caches per position, stacked MoE stats per position)."""
     plan, closes = self.plan, self.closes
-    count = attnres.num_sources(self.mode, [c for layer in closes[:plan.end] for c in layer])
+    sources_after = lambda i: attnres.num_sources(self.mode, [c for layer in closes[:i] for c in layer])
+    # Read-outs see the sources present when the last group starts; the sums its flush writes are only returned.
+    count, readable = sources_after(plan.end), sources_after(plan.end - plan.group_size)
     flags_GP2 = np.array([[closes[i] for i in plan.position(j)] for j in range(plan.group_size)], bool)
     flags_GP2 = flags_GP2.transpose(1, 0, 2)
     # A flag equal in every group stays a Python bool (no select in the body); the others are scanned over.
@@ -254,7 +256,7 @@ class K3Model(nnx.Module):
         return attnres.summarize(carry, [a for layer in layers for a in (layer.mixer_res, layer.ffn_res)])
 
     summarize = summarize_group if self.summarize_groups else None
-    carry = attnres.to_carry(stream, count)
+    carry = attnres.to_carry(stream, count, readable)
     flags = jnp.asarray(flags_GP2)
     if remat == "none" or caches is not None:
       def body(carry, xs):
@@ -366,7 +368,7 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       carry = summarize(params_g, rest_g, carry)
     inputs, stats = [], []
     for j in range(num_positions):
-      inputs.append(carry.replace(sources_NBTD=None, summaries=()))
+      inputs.append(carry.replace(sources_NBTD=None, later_MBTD=None, summaries=()))
       carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
       stats.append(layer_stats)
     return attnres.flush(carry), (tuple(stats), tuple(inputs))
@@ -387,33 +389,33 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_G, rest_G, xs_G))
     treedef, index = layout[0]
     inputs_G = jax.tree.unflatten(treedef, [unique_G[i] for i in index])
-    return (carry, stats), (params_G, rest_G, xs_G, inputs_G, carry.sources_NBTD)
+    return (carry, stats), (params_G, rest_G, xs_G, inputs_G, (carry.sources_NBTD, carry.later_MBTD))
 
   def backward(residuals, cotangents):
-    params_G, rest_G, xs_G, inputs_G, sources = residuals
+    params_G, rest_G, xs_G, inputs_G, (sources, later) = residuals
     d_carry, d_stats_G = cotangents
 
     def layer_vjp(j, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats):
       """(d params_j, d input, d summaries) of layer j (then the flush, for the last position) reading `summaries`;
-      the differentiable part of a carry is (buffer, partial sum, closed sums)."""
+      the differentiable part of a carry is (buffer, its later slots, partial sum, closed sums)."""
       flags = [closed for _, closed in input_carry.closed]
 
       def fn(params_j, diff):
-        sources, partial, closed, summaries = diff
-        c = input_carry.replace(sources_NBTD=sources, partial_BTD=partial, closed=tuple(zip(closed, flags)),
-                                summaries=summaries)
+        sources, later, partial, closed, summaries = diff
+        c = input_carry.replace(sources_NBTD=sources, later_MBTD=later, partial_BTD=partial,
+                                closed=tuple(zip(closed, flags)), summaries=summaries)
         c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
         if j == num_positions - 1:
           c = attnres.flush(c)
-        return (c.sources_NBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
+        return (c.sources_NBTD, c.later_MBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
 
-      diff = (sources, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed), summaries)
+      diff = (sources, later, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed), summaries)
       # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
       # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
       (params_j, diff), d_out = jax.lax.optimization_barrier(((params_j, diff), d_out))
       _, vjp = jax.vjp(fn, params_j, diff)
-      d_params_j, (d_sources, d_partial, d_closed, d_summaries) = vjp((d_out, d_stats))
-      return d_params_j, (d_sources, d_partial, d_closed), d_summaries
+      d_params_j, (d_sources, d_later, d_partial, d_closed, d_summaries) = vjp((d_out, d_stats))
+      return d_params_j, (d_sources, d_later, d_partial, d_closed), d_summaries
 
     def body(d, xs):
       params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
@@ -432,10 +434,10 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
         d = (d[0] + d_buffer, *d[1:])
       return d, tuple(d_params)
 
-    (d_sources, d_partial, _), d_params_G = jax.lax.scan(
-        body, (d_carry.sources_NBTD, d_carry.partial_BTD, ()), (params_G, rest_G, xs_G, inputs_G, d_stats_G),
-        reverse=True)
-    return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, partial_BTD=d_partial)
+    (d_sources, d_later, d_partial, _), d_params_G = jax.lax.scan(
+        body, (d_carry.sources_NBTD, d_carry.later_MBTD, d_carry.partial_BTD, ()),
+        (params_G, rest_G, xs_G, inputs_G, d_stats_G), reverse=True)
+    return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, later_MBTD=d_later, partial_BTD=d_partial)
 
   groups.defvjp(forward, backward)
   return groups(params_G, rest_G, xs_G, carry)

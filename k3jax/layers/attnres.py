@@ -12,7 +12,9 @@ The residual stream is a `Stream`: completed sources plus the partial sum of the
 The stream is kept in fp32. Between unrolled layers it is a `Stream` (a tuple that grows); through a scan over
 layer groups it is a `Carry`, the same state in a fixed shape: a buffer with room for every source the scan will
 hold, of which the first `count` are valid, the partial sum with a flag for "empty", and the sums closed since the
-buffer was last written (with flags for whether each did close). A read-out of a `Carry` masks the softmax to what
+buffer was last written (with flags for whether each did close). The buffer is two arrays: the slots a read-out may
+see (as many as the last group of a scan reads), and the slots only the scan's last flush writes, which no read-out
+inside the scan sees: every read-out's passes, forward and backward, then cover only the first. A read-out of a `Carry` masks the softmax to what
 is valid, so it gives the `Stream`'s result (up to fp32 summation order). Inside a group the buffer is not written
 (`flush` writes it at the group's end), so every layer of the group reads the same buffer: a rematerialised layer
 then keeps only its partial sum, not a copy of the buffer. For the same reason the buffer's part of all the group's
@@ -39,15 +41,18 @@ class Stream:
 
 @flax.struct.dataclass
 class Carry:
-  """A `Stream` in a fixed shape (a scan carry). The completed sources are `sources_NBTD[:count]` and, of `closed`
-  (sums closed since the buffer was last written, as (value `[B,T,D]`, closed flag) pairs), those whose flag is
-  set; `partial_BTD` is the current block's partial sum, not a value when `has_partial` is false (empty)."""
-  sources_NBTD: jax.Array   # [capacity, B, T, D] fp32; slots from `count` on are not sources
+  """A `Stream` in a fixed shape (a scan carry). The completed sources are the first `count` slots of the buffer
+  (`sources_NBTD`, then `later_MBTD`) and, of `closed` (sums closed since the buffer was last written, as (value
+  `[B,T,D]`, closed flag) pairs), those whose flag is set; `partial_BTD` is the current block's partial sum, not a
+  value when `has_partial` is false (empty). Read-outs see `sources_NBTD` only: a carry whose `count` exceeds its
+  length is not read, only flushed and returned (`from_carry`)."""
+  sources_NBTD: jax.Array   # [readable, B, T, D] fp32; slots from `count` on are not sources
   count: jax.Array          # int32 scalar
   partial_BTD: jax.Array    # [B, T, D] fp32
   has_partial: jax.Array    # bool scalar
   closed: tuple = ()
   summaries: tuple = ()     # the buffer's part of each read-out still to come, in order (`summarize`)
+  later_MBTD: jax.Array | None = None   # [capacity - readable, B, T, D] fp32, or None: the slots no read-out sees
 
 
 def closes(mode: str, block_size: int, num_layers: int) -> tuple[tuple[bool, bool], ...]:
@@ -68,31 +73,44 @@ def start(x0_BTD, mode: str) -> Stream:
   return Stream((), x0) if mode == "none" else Stream((x0,), None)
 
 
-def to_carry(stream: Stream, capacity: int) -> Carry:
-  """The stream in a buffer with room for `capacity` sources."""
+def to_carry(stream: Stream, capacity: int, readable: int | None = None) -> Carry:
+  """The stream in a buffer with room for `capacity` sources, of which read-outs see the first `readable` (all by
+  default; at least the stream's own sources)."""
   n = len(stream.sources)
-  if capacity < n:
-    raise ValueError(f"capacity={capacity} is less than the stream's {n} sources")
+  readable = capacity if readable is None else readable
+  if not n <= readable <= capacity:
+    raise ValueError(f"need the stream's {n} sources <= readable={readable} <= capacity={capacity}")
   like = stream.sources[0] if n else stream.partial
   # Concatenated, not scattered into zeros: the scatter's VJP would keep the zeros for the backward pass.
-  pieces = ([jnp.stack(stream.sources)] if n else []) + [jnp.zeros((capacity - n, *like.shape), jnp.float32)]
+  pieces = ([jnp.stack(stream.sources)] if n else []) + [jnp.zeros((readable - n, *like.shape), jnp.float32)]
   sources = jnp.concatenate(pieces)
+  later = jnp.zeros((capacity - readable, *like.shape), jnp.float32) if capacity > readable else None
   partial = jnp.zeros(like.shape, jnp.float32) if stream.partial is None else stream.partial
-  return Carry(sources, jnp.asarray(n, jnp.int32), partial, jnp.asarray(stream.partial is not None))
+  return Carry(sources, jnp.asarray(n, jnp.int32), partial, jnp.asarray(stream.partial is not None),
+               later_MBTD=later)
 
 
 def flush(carry: Carry) -> Carry:
   """The carry with its closed sums written into the buffer (those whose flag is set, in order)."""
   if carry.summaries:
     raise ValueError(f"flush of a carry with {len(carry.summaries)} summaries of the old buffer left unread")
-  sources, count = carry.sources_NBTD, carry.count
+  sources, later, count = carry.sources_NBTD, carry.later_MBTD, carry.count
+  readable = sources.shape[0]
   for value, closed in carry.closed:
-    # One slot is rewritten either way: the closed sum, or (not closed) its own value. Past the last source the
-    # index clamps to a valid slot, which is then rewritten unchanged.
-    slot = jax.lax.dynamic_index_in_dim(sources, count, keepdims=False)
-    sources = jax.lax.dynamic_update_index_in_dim(sources, jnp.where(closed, value, slot), count, 0)
+    if later is None:
+      sources = _write_slot(sources, count, value, closed)
+    else:   # the slot is in one array or the other
+      sources = _write_slot(sources, count, value, closed & (count < readable))
+      later = _write_slot(later, count - readable, value, closed & (count >= readable))
     count = count + jnp.asarray(closed, jnp.int32)
-  return Carry(sources, count, carry.partial_BTD, carry.has_partial)
+  return Carry(sources, count, carry.partial_BTD, carry.has_partial, later_MBTD=later)
+
+
+def _write_slot(buffer_NBTD, index, value_BTD, write):
+  """`buffer_NBTD` with slot `index` set to `value_BTD` where `write`. One slot is rewritten either way (the value,
+  or its own contents); an index out of range clamps to a valid slot, which is then rewritten unchanged."""
+  slot = jax.lax.dynamic_index_in_dim(buffer_NBTD, index, keepdims=False)
+  return jax.lax.dynamic_update_index_in_dim(buffer_NBTD, jnp.where(write, value_BTD, slot), index, 0)
 
 
 def summarize(carry: Carry, attns) -> Carry:
@@ -115,7 +133,8 @@ def from_carry(carry: Carry, count: int, has_partial: bool) -> Stream:
     raise ValueError("from_carry needs a flushed carry (see flush)")
   partial = carry.partial_BTD if has_partial else None
   # One split, not a slice per source: a slice's transpose pads its cotangent to the whole buffer, then they are added.
-  return Stream(tuple(jnp.unstack(carry.sources_NBTD)[:count]), partial)
+  slots = [*jnp.unstack(carry.sources_NBTD), *(() if carry.later_MBTD is None else jnp.unstack(carry.later_MBTD))]
+  return Stream(tuple(slots[:count]), partial)
 
 
 def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
@@ -124,7 +143,7 @@ def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
   y = y_BTD.astype(jnp.float32)
   if isinstance(stream, Carry):
     partial = jnp.where(stream.has_partial, stream.partial_BTD, 0.0) + y
-    if close is False or stream.sources_NBTD.shape[0] == 0:
+    if close is False or (stream.sources_NBTD.shape[0] == 0 and stream.later_MBTD is None):
       return stream.replace(partial_BTD=partial, has_partial=jnp.asarray(True))
     close = jnp.asarray(close)  # the partial sum itself is the closed value: no copy
     return stream.replace(partial_BTD=partial, has_partial=~close, closed=stream.closed + ((partial, close),))

@@ -79,13 +79,16 @@ def test_stream_is_float32():
   assert jax.tree.leaves(stream)  # a pytree (crosses jit / remat boundaries)
 
 
+@pytest.mark.parametrize("readable", ["all", "read"], ids=["every_slot_readable", "last_writes_unread"])
 @pytest.mark.parametrize("summarized", [False, True], ids=["buffer_read_per_read_out", "buffer_summarized"])
 @pytest.mark.parametrize("mode", ["block", "full", "none"])
-def test_carry_reads_and_adds_as_the_stream_does(mode, summarized):
+def test_carry_reads_and_adds_as_the_stream_does(mode, summarized, readable):
   # The same sub-layer outputs through a Stream and through a Carry entered after two sub-layers (so it starts with
   # a partial sum), its close flags traced, its buffer written twice: every read-out agrees, and so does the stream
   # taken back out. Summarized: after each write the buffer's part of the read-outs up to the next is computed at
-  # once (as at the start of a scanned group), and each read-out takes its own.
+  # once (as at the start of a scanned group), and each read-out takes its own. "read": read-outs see only the
+  # slots written by the first write (as a scan's read-outs see those present when its last group starts); the
+  # second writes the rest to the slots past them.
   closes = {"block": [False, True, False, False, False, True, True, False],
             "full": [True] * 8, "none": [False] * 8}[mode]
   attn = attnres.DepthAttention(8)
@@ -105,7 +108,7 @@ def test_carry_reads_and_adds_as_the_stream_does(mode, summarized):
     for y, close in zip(ys[:enter], closes[:enter]):
       got.append(attnres.read(s, None if mode == "none" else attn)[0])
       s = attnres.add(s, y, close=close)
-    c = attnres.to_carry(s, capacity)
+    c = attnres.to_carry(s, capacity, capacity if readable == "all" else attnres.num_sources(mode, closes[:5]))
     reads = lambda n: [attn] * n if summarized and mode != "none" else []
     c = attnres.summarize(c, reads(5 - enter))
     for i in range(enter, len(ys)):
