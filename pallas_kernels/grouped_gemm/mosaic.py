@@ -44,21 +44,27 @@ class Configs:
   dw: TileConfig = TileConfig()
 
 
-# What `grouped_matmul` uses when given no tiles: the first whose shape constraints hold. The first is the best of
-# bench_moe's sweep on the H200 (its numbers: BUILD_NOTES.md, LatentMoE and grouped GEMM); the second fits any
-# N that is a multiple of 128.
+# What `grouped_matmul` uses when given no tiles, chosen per product: the first whose shape constraints hold for that
+# product. The first is the best of bench_moe's sweep on the H200 (its numbers: BUILD_NOTES.md, LatentMoE and grouped
+# GEMM); the last fits any N and K that are multiples of 128.
 DEFAULT_CONFIGS = (
     Configs(fwd=TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=4, compute_wgs=2),
             dx=TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=8, compute_wgs=2),
             dw=TileConfig(128, 128, 64, max_concurrent_steps=4, grid_block_n=8)),
     Configs())
 
+PRODUCTS = ("fwd", "dx", "dw")
+
 
 def default_configs(k: int, n: int, dtype, preferred: tuple[Configs, ...] = ()) -> Configs:
-  """The first of `preferred`, then of `DEFAULT_CONFIGS`, that fits `[M, k] x [G, k, n]` (the last default when
-  none does)."""
+  """For each product of `[M, k] x [G, k, n]`, the first tiling of `preferred`, then of `DEFAULT_CONFIGS`, that
+  fits it (the last default's when none does)."""
   candidates = tuple(preferred) + DEFAULT_CONFIGS
-  return next((c for c in candidates if shape_reason(k, n, dtype, c) is None), DEFAULT_CONFIGS[-1])
+
+  def pick(product):
+    fits = (getattr(c, product) for c in candidates if _product_reason(product, k, n, getattr(c, product)) is None)
+    return next(fits, getattr(DEFAULT_CONFIGS[-1], product))
+  return Configs(**{product: pick(product) for product in PRODUCTS})
 
 
 def row_multiple(configs: Configs) -> int:
@@ -75,14 +81,22 @@ def shape_reason(k: int, n: int, dtype, configs: Configs) -> str | None:
   """The shape and dtype constraints of the three kernels under `configs` (None when all hold)."""
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
     return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
-  checks = (
-      (k % configs.fwd.block_k, f"K={k} is not a multiple of fwd.block_k={configs.fwd.block_k}"),
-      (n % _cta_n(configs.fwd), f"N={n} is not a multiple of fwd's {_cta_n(configs.fwd)} columns per tile"),
-      (n % configs.dx.block_k, f"N={n} is not a multiple of dx.block_k={configs.dx.block_k}"),
-      (k % _cta_n(configs.dx), f"K={k} is not a multiple of dx's {_cta_n(configs.dx)} columns per tile"),
-      (k % configs.dw.block_m, f"K={k} is not a multiple of dw.block_m={configs.dw.block_m}"),
-      (n % configs.dw.block_n, f"N={n} is not a multiple of dw.block_n={configs.dw.block_n}"),
-  )
+  reasons = (_product_reason(product, k, n, getattr(configs, product)) for product in PRODUCTS)
+  return next((r for r in reasons if r), None)
+
+
+def _product_reason(product: str, k: int, n: int, config: TileConfig) -> str | None:
+  """Why `product` ("fwd": `[M,k] x [k,n]`, "dx": `[M,n] x [n,k]`, "dw": `[k,M] x [M,n]`) cannot run under `config`."""
+  if product == "dw":
+    checks = ((k % config.block_m, f"K={k} is not a multiple of dw.block_m={config.block_m}"),
+              (n % config.block_n, f"N={n} is not a multiple of dw.block_n={config.block_n}"))
+  else:
+    contracted, out = (k, n) if product == "fwd" else (n, k)
+    names = ("K", "N") if product == "fwd" else ("N", "K")
+    checks = ((contracted % config.block_k, f"{names[0]}={contracted} is not a multiple of {product}.block_k="
+                                            f"{config.block_k}"),
+              (out % _cta_n(config), f"{names[1]}={out} is not a multiple of {product}'s {_cta_n(config)} columns "
+                                     "per tile"))
   return next((msg for bad, msg in checks if bad), None)
 
 
@@ -172,7 +186,7 @@ def _one_warpgroup(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k, 
       store_rows(y_smem, y_gmem, block * bm, lo, hi - lo, pl.ds(ni * bn, bn))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    pl.run_scoped(store, plgpu.SMEM((bm, bn), y_gmem.dtype))
+    pl.run_scoped(store, out_tile((bm, bn), y_gmem.dtype))
 
 
 def _two_warpgroups(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k, grid_n, config, transpose_rhs):
@@ -190,7 +204,7 @@ def _two_warpgroups(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k,
   pipeline = two_warpgroup_pipeline(config, k, cta_n, x_gmem.dtype, transpose_rhs)
 
   @functools.partial(pl.run_scoped, allocations=pipeline_allocations(pipeline, x_gmem, w_gmem),
-                     y_smem=plgpu.SMEM((2, bm, bn), y_gmem.dtype), collective_axes="wg")
+                     y_smem=out_tile((2, bm, bn), y_gmem.dtype), collective_axes="wg")
   def _scope(allocations, y_smem):
     @functools.partial(for_each_tile, schedule_gmem, num_items_gmem, grid_n, config)
     def _tile(block, group, lo, hi, ni):
@@ -199,16 +213,18 @@ def _two_warpgroups(schedule_gmem, num_items_gmem, x_gmem, w_gmem, y_gmem, *, k,
         def _acc(acc_ref):
           run(acc_ref)
           wg = lax.axis_index("wg")
-          y_smem[wg] = acc_ref[...].astype(y_smem.dtype)
+          y = acc_ref[...].astype(y_smem.dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's stores have read y_smem
+          y_smem[wg] = y
           plgpu.commit_smem()
           store_rows(y_smem.at[wg], y_gmem, block * bm, lo, hi - lo, pl.ds(ni * cta_n + wg * bn, bn))
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       w_cols = pl.ds(ni * cta_n, cta_n)
       pipeline(mma, context)(
           x_gmem.at[pl.ds(block * bm, bm)],
           w_gmem.at[group, w_cols] if transpose_rhs else w_gmem.at[group, :, w_cols],
           allocations=allocations)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def for_each_tile(schedule_gmem, num_items_gmem, grid_n: int, config: TileConfig, body):
@@ -245,6 +261,15 @@ def pipeline_allocations(pipeline, x_gmem, w_gmem):
   tile a CTA runs."""
   ignore = lambda *_, **__: None
   return pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0])
+
+
+def out_tile(shape, dtype):
+  """A shared-memory tile that a warpgroup's accumulators are written to and TMA stores read, swizzled so the
+  accumulators' rows land in distinct banks, and tiled by single rows so that `store_rows` can store any row range
+  of it."""
+  swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
+  transforms = (plgpu.TilingTransform((1, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def store_rows(src_smem, dst_gmem, row0, start, size, cols):

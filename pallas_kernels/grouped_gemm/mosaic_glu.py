@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_gemm.mosaic import (TileConfig, for_each_tile, launch, pipeline_allocations,
+from pallas_kernels.grouped_gemm.mosaic import (TileConfig, for_each_tile, launch, out_tile, pipeline_allocations,
                                                 row_tile_schedule, store_rows, two_warpgroup_pipeline)
 
 HALF = 64  # gate and up columns alternate in blocks of this many: one 128-byte swizzle row of bf16
@@ -95,7 +95,7 @@ def _glu_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, h_gmem, 
   pipeline = two_warpgroup_pipeline(config, k, cta_n, dtype, transpose_rhs=False)
 
   @functools.partial(pl.run_scoped, allocations=pipeline_allocations(pipeline, x_gmem, w_gmem),
-                     out_smem=plgpu.SMEM((2, 2, bm, HALF), dtype), collective_axes="wg")
+                     out_smem=out_tile((2, 2, bm, HALF), dtype), collective_axes="wg")
   def _scope(allocations, out_smem):
     @functools.partial(for_each_tile, schedule_gmem, num_items_gmem, grid_n, config)
     def _tile(block, group, lo, hi, ni):
@@ -105,8 +105,9 @@ def _glu_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, h_gmem, 
         def _acc(acc_a, acc_b):
           run((acc_a, acc_b))
           wg = lax.axis_index("wg")
-          col = ni * cta_n + wg * bn
+          col = pl.multiple_of(ni * cta_n + wg * bn, 2 * HALF)
           a, b = acc_a[...].astype(dtype), acc_b[...].astype(dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's h store has read out_smem
           out_smem[wg, 0] = a
           out_smem[wg, 1] = b
           plgpu.commit_smem()
@@ -116,11 +117,12 @@ def _glu_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, h_gmem, 
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the ab stores have read the tile: reuse it for h
           out_smem[wg, 0] = h
           plgpu.commit_smem()
-          store_rows(out_smem.at[wg, 0], h_gmem, block * bm, lo, hi - lo, pl.ds(col // 2, HALF))
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          h_cols = pl.ds(pl.multiple_of(col // 2, HALF), HALF)
+          store_rows(out_smem.at[wg, 0], h_gmem, block * bm, lo, hi - lo, h_cols)
 
       pipeline(mma, context)(x_gmem.at[pl.ds(block * bm, bm)], w_gmem.at[group, :, pl.ds(ni * cta_n, cta_n)],
                              allocations=allocations)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _glu_grad_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, dab_gmem, *, k, grid_n, config, unit):
@@ -137,7 +139,7 @@ def _glu_grad_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, dab
   pipeline = two_warpgroup_pipeline(config, k, cta_n, dtype, transpose_rhs=True)
 
   @functools.partial(pl.run_scoped, allocations=pipeline_allocations(pipeline, x_gmem, w_gmem),
-                     ab_smem=plgpu.SMEM((2, 2, bm, HALF), dtype),
+                     ab_smem=out_tile((2, 2, bm, HALF), dtype),
                      loaded=plgpu.Barrier(num_arrivals=1, num_barriers=4), collective_axes="wg")
   def _scope(allocations, ab_smem, loaded):
     @functools.partial(for_each_tile, schedule_gmem, num_items_gmem, grid_n, config)
@@ -146,7 +148,8 @@ def _glu_grad_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, dab
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
         def _acc(acc_ref):
           wg = lax.axis_index("wg")
-          col = 2 * (ni * cta_n + wg * bn)   # ab's columns of this warpgroup's units: HALF gate, then HALF up
+          # ab's columns of this warpgroup's units: HALF gate, then HALF up
+          col = pl.multiple_of(2 * (ni * cta_n + wg * bn), 2 * HALF)
           for half in range(2):   # loaded while the product runs
             plgpu.copy_gmem_to_smem(ab_gmem.at[pl.ds(block * bm, bm), pl.ds(col + half * HALF, HALF)],
                                     ab_smem.at[wg, half], loaded.at[2 * wg + half])

@@ -144,25 +144,29 @@ def test_mosaic_ragged_dot_rejects_tiles_that_do_not_divide_the_operands():
     mosaic.ragged_dot(x, w, sizes, TileConfig(64, 64, 64, compute_wgs=2), interpret=True)
 
 
-def test_default_tiles_are_two_warpgroups_where_they_fit_and_one_elsewhere():
+def test_default_tiles_are_chosen_per_product_two_warpgroups_where_they_fit():
   assert mosaic.default_configs(1024, 2048, jnp.bfloat16).fwd.compute_wgs == 2
   narrow = mosaic.default_configs(1024, 384, jnp.bfloat16)  # 384 columns: not a multiple of 2 x 128
   assert narrow.fwd.compute_wgs == 1 and mosaic.shape_reason(1024, 384, jnp.bfloat16, narrow) is None
+  assert narrow.dx == mosaic.DEFAULT_CONFIGS[0].dx   # dX has 1024 columns: the first default fits it
+  up = mosaic.default_configs(384, 1024, jnp.bfloat16)  # `small`'s gate/up: the forward fits, dX's 384 columns not
+  assert up.fwd == mosaic.DEFAULT_CONFIGS[0].fwd and up.dx.compute_wgs == 1
 
 
 def test_options_try_their_tiles_first_where_they_fit(monkeypatch):
-  """A layer's `GroupedGemmOptions.tiles` come before the defaults for each product's shape, and a tiling that does
-  not fit a shape is passed over (a sweep's best for one GEMM of the MoE, say, and not the other)."""
-  wide = Configs(fwd=TileConfig(128, 256, 64), dx=TileConfig(128, 128, 64), dw=TileConfig(128, 128, 64))
+  """A layer's `GroupedGemmOptions.tiles` come before the defaults for each product of each shape, and a tiling that
+  does not fit a product is passed over for that product alone (a sweep's best for one GEMM of the MoE, say)."""
+  wide = Configs(fwd=TileConfig(128, 256, 64), dx=TileConfig(128, 128, 64, 5), dw=TileConfig(128, 128, 64, 5))
   assert mosaic.default_configs(1024, 2048, jnp.bfloat16, (wide,)) == wide
-  assert mosaic.default_configs(1024, 384, jnp.bfloat16, (wide,)) == mosaic.default_configs(1024, 384, jnp.bfloat16)
+  narrow = mosaic.default_configs(1024, 384, jnp.bfloat16, (wide,))  # 384 columns: wide's forward does not fit
+  assert narrow == Configs(fwd=mosaic.default_configs(1024, 384, jnp.bfloat16).fwd, dx=wide.dx, dw=wide.dw)
   seen = []
   monkeypatch.setattr(ops, "grouped_matmul", lambda x, w, gs, *, backend, configs: seen.append((backend, configs)))
   x, sizes = jnp.ones((8, 1024), jnp.bfloat16), jnp.array([8, 0], jnp.int32)
   options = GroupedGemmOptions("xla", tiles=(wide,))
   options.matmul(x, jnp.ones((2, 1024, 2048), jnp.bfloat16), sizes)
   options.matmul(x, jnp.ones((2, 1024, 384), jnp.bfloat16), sizes)
-  assert seen == [("xla", wide), ("xla", mosaic.default_configs(1024, 384, jnp.bfloat16))]
+  assert seen == [("xla", wide), ("xla", narrow)]
 
 
 @pytest.mark.parametrize("kwargs, says", [(dict(backend="triton"), "backend must be one of"),
