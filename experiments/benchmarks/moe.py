@@ -345,22 +345,26 @@ def run(shapes: Shapes) -> tuple[dict, bool]:
   """All sections; returns (results, ok). A failing section is recorded and the others still run."""
   key = jax.random.key(0)
   device = jax.devices()[0]
-  configs = mosaic.default_configs(shapes.latent_dim, 2 * shapes.expert_hidden, jnp.bfloat16)
   results = {"device": str(device.device_kind), "jax": jax.__version__, "shapes": dataclasses.asdict(shapes),
-             "tile_configs": dataclasses.asdict(configs), "errors": {}}
+             "errors": {}}
   ok = True
   print(f"device {device.device_kind}, jax {jax.__version__}; shapes {dataclasses.asdict(shapes)}", flush=True)
+  preferred = ()   # tilings tried before the defaults, for each product of each GEMM (`mosaic.default_configs`)
+  default = mosaic.default_configs(shapes.latent_dim, 2 * shapes.expert_hidden, jnp.bfloat16)
   if shapes.sweep and mosaic.unsupported_reason(shapes.latent_dim, 2 * shapes.expert_hidden, jnp.bfloat16,
-                                                configs) is None:
+                                                default) is None:
     print(f"tile sweep, both GEMMs at E={shapes.experts[0]}:", flush=True)
     results["sweep"] = sweep(shapes, shapes.experts[0], key)
-    configs = best_configs(results["sweep"], configs)
-    results["tile_configs"] = dataclasses.asdict(configs)
-    print(f"the sections below use the sweep's best tiles: {configs}", flush=True)
-  layer_options = GroupedGemmOptions(tiles=(configs,))   # the layer sections use the sweep's tiles where they fit
+    preferred = (best_configs(results["sweep"], default),)
+    print(f"the sections below use the sweep's best tiles where they fit: {preferred[0]}", flush=True)
+  tile_configs = {name: mosaic.default_configs(k, n, jnp.bfloat16, preferred)
+                  for name, (k, n) in gemm_shapes(shapes).items()}
+  results["tile_configs"] = {name: dataclasses.asdict(c) for name, c in tile_configs.items()}
+  layer_options = GroupedGemmOptions(tiles=preferred)
   for experts in shapes.experts:
     results.setdefault(f"E{experts}", {})
     for name, (k, n) in gemm_shapes(shapes).items() if "gemm" in shapes.sections else ():
+      configs = tile_configs[name]
       products = ops.products("auto", k, n, jnp.bfloat16, configs)
       tag = f"E={experts} {name} [{shapes.tokens * shapes.top_k}x{k}]x[{k}x{n}]"
       backend = type(products).__name__
