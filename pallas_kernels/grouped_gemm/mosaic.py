@@ -46,11 +46,15 @@ class Configs:
 
 # What `grouped_matmul` uses when given no tiles, chosen per product: the first whose shape constraints hold for that
 # product. The first is the best of bench_moe's sweep on the H200 (its numbers: BUILD_NOTES.md, LatentMoE and grouped
-# GEMM); the last fits any N and K that are multiples of 128.
+# GEMM); the second takes outputs of a multiple of 384 columns (a latent of 384, as `small`'s), which the first's
+# 256-column tiles do not divide, in tiles of 384 (two warpgroups of 192); the last fits any N and K that are
+# multiples of 128.
 DEFAULT_CONFIGS = (
     Configs(fwd=TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=4, compute_wgs=2),
             dx=TileConfig(128, 128, 64, max_concurrent_steps=3, grid_block_n=8, compute_wgs=2),
             dw=TileConfig(128, 128, 64, max_concurrent_steps=4, grid_block_n=8)),
+    Configs(fwd=TileConfig(128, 192, 64, max_concurrent_steps=2, compute_wgs=2),
+            dx=TileConfig(128, 192, 64, max_concurrent_steps=2, compute_wgs=2)),
     Configs())
 
 PRODUCTS = ("fwd", "dx", "dw")

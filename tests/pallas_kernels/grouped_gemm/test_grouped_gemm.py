@@ -145,12 +145,15 @@ def test_mosaic_ragged_dot_rejects_tiles_that_do_not_divide_the_operands():
 
 
 def test_default_tiles_are_chosen_per_product_two_warpgroups_where_they_fit():
-  assert mosaic.default_configs(1024, 2048, jnp.bfloat16).fwd.compute_wgs == 2
-  narrow = mosaic.default_configs(1024, 384, jnp.bfloat16)  # 384 columns: not a multiple of 2 x 128
-  assert narrow.fwd.compute_wgs == 1 and mosaic.shape_reason(1024, 384, jnp.bfloat16, narrow) is None
-  assert narrow.dx == mosaic.DEFAULT_CONFIGS[0].dx   # dX has 1024 columns: the first default fits it
+  first, wide = mosaic.DEFAULT_CONFIGS[:2]
+  assert mosaic.default_configs(1024, 2048, jnp.bfloat16).fwd == first.fwd
+  narrow = mosaic.default_configs(1024, 384, jnp.bfloat16)  # 384 columns: not a multiple of 2 x 128, of 2 x 192
+  assert narrow.fwd == wide.fwd and mosaic.shape_reason(1024, 384, jnp.bfloat16, narrow) is None
+  assert narrow.dx == first.dx   # dX has 1024 columns: the first default fits it
   up = mosaic.default_configs(384, 1024, jnp.bfloat16)  # `small`'s gate/up: the forward fits, dX's 384 columns not
-  assert up.fwd == mosaic.DEFAULT_CONFIGS[0].fwd and up.dx.compute_wgs == 1
+  assert up.fwd == first.fwd and up.dx == wide.dx
+  odd = mosaic.default_configs(1024, 640, jnp.bfloat16)   # 640 columns: only one warpgroup's 128-column tiles
+  assert odd.fwd.compute_wgs == 1 and mosaic.shape_reason(1024, 640, jnp.bfloat16, odd) is None
 
 
 def test_options_try_their_tiles_first_where_they_fit(monkeypatch):
