@@ -242,6 +242,11 @@ class K3Model(nnx.Module):
     # A flag equal in every group stays a Python bool (no select in the body); the others are scanned over.
     static = [[bool(f[0]) if f.all() or not f.any() else None for f in flags_GP2[:, j].T]
               for j in range(plan.group_size)]
+    # Each closed sum of a group (a sub-layer whose flag is not always False) lands in the slots the read-outs see,
+    # unless it closes in the last group: then in the later slots (`attnres.flush`).
+    targets = tuple("sources" if not flags_GP2[-1, j, s] else "later" if not flags_GP2[:-1, j, s].any() else "either"
+                    for j in range(plan.group_size) for s in (0, 1) if static[j][s] is not False)
+    flush = functools.partial(attnres.flush, targets=targets)
     graphdefs, params, rest = zip(*(nnx.split(layer, nnx.Param, ...) for layer in self.groups))
 
     def layer_step(j, params_j, rest_j, flags_P2, carry, cache):
@@ -269,11 +274,12 @@ class K3Model(nnx.Module):
                                                  None if caches_g is None else caches_g[j])
           out_caches.append(cache)
           out_stats.append(layer_stats)
-        return attnres.flush(carry), (tuple(out_caches), tuple(out_stats))
+        return flush(carry), (tuple(out_caches), tuple(out_stats))
       carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
     else:
       step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
-      carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize)
+      carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize,
+                                      flush=flush)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
@@ -344,7 +350,8 @@ def _check_tokens(tokens_BT, segment_ids_BT):
                      f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
 
 
-def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None):
+def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None,
+                     flush=attnres.flush):
   """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input.
 
   `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
@@ -352,7 +359,8 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   differentiated) hold a tuple per position of arrays stacked over the groups. Returns (the flushed carry after the
   last group, per position the MoE stats stacked over the groups). `summarize(params_g, rest_g, carry) -> carry`,
   if given, runs at each group's start and gives the carry the buffer's part of the group's read-outs
-  (`attnres.summarize`), each layer reading the same number of them.
+  (`attnres.summarize`), each layer reading the same number of them. `flush(carry) -> carry` writes a group's closed
+  sums at its end (`attnres.flush`).
 
   The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
   in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
@@ -371,7 +379,7 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       inputs.append(carry.replace(sources_NBTD=None, later_MBTD=None, summaries=()))
       carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
       stats.append(layer_stats)
-    return attnres.flush(carry), (tuple(stats), tuple(inputs))
+    return flush(carry), (tuple(stats), tuple(inputs))
 
   @jax.custom_vjp
   def groups(params_G, rest_G, xs_G, carry):
@@ -406,7 +414,7 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
                                 closed=tuple(zip(closed, flags)), summaries=summaries)
         c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
         if j == num_positions - 1:
-          c = attnres.flush(c)
+          c = flush(c)
         return (c.sources_NBTD, c.later_MBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
 
       diff = (sources, later, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed), summaries)

@@ -14,12 +14,13 @@ layer groups it is a `Carry`, the same state in a fixed shape: a buffer with roo
 hold, of which the first `count` are valid, the partial sum with a flag for "empty", and the sums closed since the
 buffer was last written (with flags for whether each did close). The buffer is two arrays: the slots a read-out may
 see (as many as the last group of a scan reads), and the slots only the scan's last flush writes, which no read-out
-inside the scan sees: every read-out's passes, forward and backward, then cover only the first. A read-out of a `Carry` masks the softmax to what
-is valid, so it gives the `Stream`'s result (up to fp32 summation order). Inside a group the buffer is not written
-(`flush` writes it at the group's end), so every layer of the group reads the same buffer: a rematerialised layer
-then keeps only its partial sum, not a copy of the buffer. For the same reason the buffer's part of all the group's
-read-outs can be computed at the group's start in one pass (`summarize`, `model.residual.readout="group"`): the
-carry then holds one summary per read-out still to come, and each read-out takes the next.
+inside the scan sees: every read-out's passes, forward and backward, then cover only the first. A read-out of a
+`Carry` masks the softmax to what is valid, so it gives the `Stream`'s result (up to fp32 summation order). Inside
+a group the buffer is not written (`flush` writes it at the group's end), so every layer of the group reads the same
+buffer: a rematerialised layer then keeps only its partial sum, not a copy of the buffer. For the same reason the
+buffer's part of all the group's read-outs can be computed at the group's start in one pass (`summarize`,
+`model.residual.readout="group"`): the carry then holds one summary per read-out still to come, and each read-out
+takes the next.
 """
 from __future__ import annotations
 
@@ -90,15 +91,25 @@ def to_carry(stream: Stream, capacity: int, readable: int | None = None) -> Carr
                later_MBTD=later)
 
 
-def flush(carry: Carry) -> Carry:
-  """The carry with its closed sums written into the buffer (those whose flag is set, in order)."""
+FLUSH_TARGETS = ("sources", "later", "either")
+
+
+def flush(carry: Carry, targets=None) -> Carry:
+  """The carry with its closed sums written into the buffer (those whose flag is set, in order). `targets`: per
+  closed sum, which of the buffer's arrays its slot may be in (FLUSH_TARGETS: the slots read-outs see, the later
+  ones, or either, the default); a sum known to land in one array is written to that one alone."""
   if carry.summaries:
     raise ValueError(f"flush of a carry with {len(carry.summaries)} summaries of the old buffer left unread")
+  targets = ("either",) * len(carry.closed) if targets is None else tuple(targets)
+  if len(targets) != len(carry.closed) or not set(targets) <= set(FLUSH_TARGETS):
+    raise ValueError(f"need one of {FLUSH_TARGETS} per closed sum ({len(carry.closed)}), got {targets}")
   sources, later, count = carry.sources_NBTD, carry.later_MBTD, carry.count
   readable = sources.shape[0]
-  for value, closed in carry.closed:
-    if later is None:
+  for (value, closed), target in zip(carry.closed, targets):
+    if later is None or target == "sources":
       sources = _write_slot(sources, count, value, closed)
+    elif target == "later":
+      later = _write_slot(later, count - readable, value, closed)
     else:   # the slot is in one array or the other
       sources = _write_slot(sources, count, value, closed & (count < readable))
       later = _write_slot(later, count - readable, value, closed & (count >= readable))

@@ -130,6 +130,25 @@ def test_carry_reads_and_adds_as_the_stream_does(mode, summarized, readable):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_flush_writes_each_closed_sum_to_the_array_its_target_names():
+  # A buffer of 2 readable slots (x_0 written) and 2 later ones; three sums close in turn, the first two at traced
+  # flags (the second not closed): slots 1 and 2. Told where each lands, the flush writes the same buffer as when
+  # it must look ("either"); told wrong, the sum is not where the stream wants it.
+  ys = [normal(80 + i, (2, 3, 8)) for i in range(3)]
+  carry = attnres.to_carry(attnres.start(normal(79, (2, 3, 8)), "block"), 4, 2)
+  for y, close in zip(ys, (jnp.asarray(True), jnp.asarray(False), True)):
+    carry = attnres.add(carry, y, close=close)
+  want = attnres.flush(carry)
+  got = attnres.flush(carry, ("sources", "either", "later"))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(want.later_MBTD[0], ys[1] + ys[2])   # slot 2: the third sum, the partial y1 + y2
+  wrong = attnres.flush(carry, ("later", "either", "later"))
+  assert not np.array_equal(wrong.sources_NBTD[1], want.sources_NBTD[1])
+  with pytest.raises(ValueError, match="one of"):
+    attnres.flush(carry, ("sources", "later"))
+
+
 def test_summaries_are_made_after_a_flush_and_all_read_before_the_next():
   attn = attnres.DepthAttention(8)
   carry = attnres.to_carry(attnres.start(normal(1, (2, 3, 8)), "block"), 3)
