@@ -246,8 +246,7 @@ def two_warpgroup_pipeline(config: TileConfig, k: int, cta_n: int, dtype, transp
   """`pipeline(body, context)`: the K loop of one tile, a TMA warpgroup feeding two consumer warpgroups the x tile
   `(block_m, block_k)` and the rhs tile of `cta_n` columns (`(cta_n, block_k)` with `transpose_rhs`)."""
   bm, bk = config.block_m, config.block_k
-  swizzle = plgpu.find_swizzle(bk * jnp.dtype(dtype).itemsize * 8)
-  tiled = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+  tiled = _swizzled(bk, dtype, tile_rows=8)
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
   def pipeline(body, context):
@@ -267,13 +266,18 @@ def pipeline_allocations(pipeline, x_gmem, w_gmem):
   return pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0])
 
 
+def _swizzled(cols: int, dtype, *, tile_rows: int):
+  """The shared-memory transforms of tiles `cols` wide: the widest swizzle their rows take, in tiles of `tile_rows`
+  rows by one swizzle's columns."""
+  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+  return plgpu.TilingTransform((tile_rows, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
 def out_tile(shape, dtype):
   """A shared-memory tile that a warpgroup's accumulators are written to and TMA stores read, swizzled so the
   accumulators' rows land in distinct banks, and tiled by single rows so that `store_rows` can store any row range
   of it."""
-  swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
-  transforms = (plgpu.TilingTransform((1, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-  return plgpu.SMEM(shape, dtype, transforms=transforms)
+  return plgpu.SMEM(shape, dtype, transforms=_swizzled(shape[-1], dtype, tile_rows=1))
 
 
 def store_rows(src_smem, dst_gmem, row0, start, size, cols):
