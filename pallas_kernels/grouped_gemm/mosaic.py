@@ -95,11 +95,10 @@ def _product_reason(product: str, k: int, n: int, config: TileConfig) -> str | N
     checks = ((k % config.block_m, f"K={k} is not a multiple of dw.block_m={config.block_m}"),
               (n % config.block_n, f"N={n} is not a multiple of dw.block_n={config.block_n}"))
   else:
-    contracted, out = (k, n) if product == "fwd" else (n, k)
-    names = ("K", "N") if product == "fwd" else ("N", "K")
-    checks = ((contracted % config.block_k, f"{names[0]}={contracted} is not a multiple of {product}.block_k="
+    (inner, contracted), (outer, out) = (("K", k), ("N", n)) if product == "fwd" else (("N", n), ("K", k))
+    checks = ((contracted % config.block_k, f"{inner}={contracted} is not a multiple of {product}.block_k="
                                             f"{config.block_k}"),
-              (out % _cta_n(config), f"{names[1]}={out} is not a multiple of {product}'s {_cta_n(config)} columns "
+              (out % _cta_n(config), f"{outer}={out} is not a multiple of {product}'s {_cta_n(config)} columns "
                                      "per tile"))
   return next((msg for bad, msg in checks if bad), None)
 
