@@ -16,6 +16,9 @@ LAYER_TYPES = ("kda", "mla")
 RESIDUAL_MODES = ("block", "full", "none")
 RESIDUAL_READOUTS = ("layer", "group")
 RESIDUAL_BACKWARDS = ("fused", "barrier")
+# The dtype the AttnRes sources (the embedding and the closed block sums) are stored in: "compute" is `model.dtype`.
+# The partial sum of the current block stays fp32 either way; the read-outs compute in fp32.
+RESIDUAL_SOURCE_DTYPES = ("compute", "float32", "bfloat16")
 SHORT_CONV_BACKWARDS = ("auto", "fused", "kernel")
 KDA_GATES = ("bounded", "softplus")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
@@ -102,6 +105,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.residual.readout = "layer"            # scanned groups' buffer of sources: read per read-out, or once per group
   m.residual.backward = "fused"           # the read-out's backward as XLA fuses it, or its reductions over the
                                           # tokens behind an optimization barrier (k3jax.ops.attnres)
+  m.residual.source_dtype = "float32"     # one of RESIDUAL_SOURCE_DTYPES: the stored sources' dtype
   return m.lock()                         # setting a field it does not have is an error (a typo, not a new field)
 
 
@@ -149,6 +153,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
   _positive_int(m, "residual.block_size")
   _one_of(m, "residual.readout", RESIDUAL_READOUTS)
   _one_of(m, "residual.backward", RESIDUAL_BACKWARDS)
+  _one_of(m, "residual.source_dtype", RESIDUAL_SOURCE_DTYPES)
 
   if _get(m, "moe.enabled"):
     validate_moe(m.moe)
@@ -209,7 +214,8 @@ def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
   (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
-  `residual.backward` and `kda.conv_backward` "fused", `moe.load_unit` 1 (the article balancer's unit before it was
+  `residual.backward` and `kda.conv_backward` "fused", `residual.source_dtype` "float32" (the sources were stored
+  in fp32), `moe.load_unit` 1 (the article balancer's unit before it was
   a setting), `moe.glu_epilogue` False (the SiTU-GLU between the grouped GEMMs). Options removed since, each
   computing what remains: `scan_alike_layers` (the same layers and parameters) and `residual.forward` are dropped,
   `residual.backward="kernel"` is read as "fused"."""
@@ -219,7 +225,7 @@ def saved_model_fields(d: dict) -> dict:
   if "kda" in d:
     d["kda"] = {"conv_backward": "fused", **d["kda"]}
   if "residual" in d:
-    residual = {"readout": "layer", "backward": "fused", **d["residual"]}
+    residual = {"readout": "layer", "backward": "fused", "source_dtype": "float32", **d["residual"]}
     residual.pop("forward", None)
     if residual["backward"] == "kernel":
       residual["backward"] = "fused"
@@ -289,6 +295,12 @@ def uses_moe(m, layer: int) -> bool:
 
 def compute_dtype(m):
   return jnp.dtype(m.dtype)
+
+
+def residual_source_dtype(m):
+  """The dtype the AttnRes sources are stored in (`residual.source_dtype`; "compute": `model.dtype`)."""
+  name = m.residual.source_dtype
+  return compute_dtype(m) if name == "compute" else jnp.dtype(name)
 
 
 def kda_head_dim(m) -> int:

@@ -145,6 +145,7 @@ class K3Model(nnx.Module):
     self.d_model, self.vocab_size = d, V
     self.dtype = config_lib.compute_dtype(model_cfg)
     self.mode = model_cfg.residual.mode
+    self.source_dtype = config_lib.residual_source_dtype(model_cfg)
     self.summarize_groups = self.mode != "none" and model_cfg.residual.readout == "group"
     self.z_loss_coef = float(model_cfg.z_loss_coef)
     self.remat = model_cfg.remat
@@ -168,7 +169,7 @@ class K3Model(nnx.Module):
     `segment_ids_BT`: documents 1, 2, … (attention and the KDA state do not cross them) and 0 for padding, which
     no MoE statistic counts (`LatentMoE`: the balancer's update, the load, the auxiliary loss)."""
     _check_tokens(tokens_BT, segment_ids_BT)
-    stream = attnres.start(self._embed(tokens_BT), self.mode)
+    stream = attnres.start(self._embed(tokens_BT), self.mode, self.source_dtype)
     run = lambda layer, s, closes, _: layer(s, closes, segment_ids_BT=segment_ids_BT)
     stream, _, stats = self.run_layers(stream, run, remat=self.remat)
     logits = self._logits(stream)
@@ -181,7 +182,7 @@ class K3Model(nnx.Module):
     _check_tokens(tokens_BT, None)
     if max_len < tokens_BT.shape[1]:
       raise ValueError(f"max_len={max_len} is shorter than the prompt (T={tokens_BT.shape[1]})")
-    stream = attnres.start(self._embed(tokens_BT), self.mode)
+    stream = attnres.start(self._embed(tokens_BT), self.mode, self.source_dtype)
     run = lambda layer, s, closes, _: layer.prefill(s, closes, max_len)
     stream, (caches, group_caches), _ = self.run_layers(stream, run)
     last = jax.tree.map(lambda a: a[:, -1:], stream)
@@ -195,7 +196,7 @@ class K3Model(nnx.Module):
       raise ValueError(f"token_B must be an integer array of shape [B], got {token_B.dtype}{tuple(token_B.shape)}")
     if not isinstance(cache.pos, jax.core.Tracer) and int(cache.pos) >= cache.max_len:
       raise ValueError(f"the cache is full: position {int(cache.pos)} >= max_len={cache.max_len}")
-    stream = attnres.start(self._embed(token_B[:, None]), self.mode)
+    stream = attnres.start(self._embed(token_B[:, None]), self.mode, self.source_dtype)
     run = lambda layer, s, closes, layer_cache: layer.decode(s, closes, layer_cache, cache.pos)
     stream, (caches, group_caches), _ = self.run_layers(stream, run, (cache.layers, cache.groups))
     return self._logits(stream)[:, 0], ModelCache(caches, group_caches, cache.pos + 1, cache.max_len)

@@ -20,6 +20,7 @@ from model_testing import small_config
     ({"residual.mode": "hyper"}, r"model.residual.mode must be one of"),
     ({"residual.block_size": 0}, r"model.residual.block_size must be a positive int"),
     ({"residual.backward": "fast"}, r"model.residual.backward must be one of"),
+    ({"residual.source_dtype": "float16"}, r"model.residual.source_dtype must be one of"),
     ({"kda.gate": "relu"}, r"model.kda.gate must be one of"),
     ({"kda.lower_bound": 1.0}, r"model.kda.lower_bound must be negative"),
     ({"mla.kv_lora_rank": None}, r"model.mla.kv_lora_rank must be a positive int"),

@@ -134,7 +134,7 @@ def test_kda_intra_kernel_runs_once_per_layer_and_once_more_under_remat(monkeypa
 
 SCAN_CASES = {  # with the layers of SCANNED: (KDA, MLA) twice under the scan, after two unrolled layers
     "blocks_straddle_groups": small_config(**{**SCANNED, "remat": "save_kda_out"}),
-    "full": small_config(**{**SCANNED, "residual.mode": "full"}),
+    "full": small_config(**{**SCANNED, "residual.mode": "full", "residual.source_dtype": "bfloat16"}),  # sources in bf16
     "none": small_config(**{**SCANNED, "residual.mode": "none", "remat": "full"}),
 }
 

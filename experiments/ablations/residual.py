@@ -74,7 +74,7 @@ def _walk(graphdef, state, tokens_BT, segment_ids_BT):
     y = layer.ffn(h)[0] if layer.uses_moe else layer.ffn(h)
     return attnres.add(stream, y, close=closes[1]), cache, (mixer_w, ffn_w)
 
-  stream = attnres.start(embed(model.embed[...], tokens_BT, model.dtype), model.mode)
+  stream = attnres.start(embed(model.embed[...], tokens_BT, model.dtype), model.mode, model.source_dtype)
   stream, _, per_layer = model.run_layers(stream, run)
   return per_layer, model.final_res.weights(stream), stream
 

@@ -58,6 +58,7 @@ def get_config():
   m.moe.first_dense_layers = 1
   m.residual.mode = "block"
   m.residual.block_size = 12            # 8 blocks (the last one of 9 layers); assumed
+  m.residual.source_dtype = "compute"   # AttnRes sources stored in bf16: half the read-outs' reads
   c.model = m
   c.mesh = "data:64,expert:16"
   c.seq_len = 8192

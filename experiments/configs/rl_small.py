@@ -25,6 +25,7 @@ def get_config():
   # The article balancer's step as the recorded run (28c5ff4, notebook 06) trained with: at most two cut-off gaps,
   # in proportion over one share; the defaults changed after it (docs/design.md, quantile balancing).
   c.model.moe.correction_step, c.model.moe.load_unit = 2.0, 1.0
+  c.model.residual.source_dtype = "float32"   # the recorded run's AttnRes sources (small's became bf16 after it)
   with c.unlocked():
     c.rl = rl_config()
   r = c.rl

@@ -31,6 +31,7 @@ def get_config():
   m.moe.shared_hidden = 1024
   m.moe.routed_scaling = 2.5
   m.residual.block_size = 3
+  m.residual.source_dtype = "compute"   # AttnRes sources stored in bf16: half the read-outs' reads
   c.model = m
   c.seq_len = 4096
   c.batch_size = 16

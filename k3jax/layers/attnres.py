@@ -9,7 +9,9 @@ The residual stream is a `Stream`: completed sources plus the partial sum of the
   reference pseudocode, where the block that just closed is the last source instead.
 - "full": every sub-layer output is a source of its own (a block of one sub-layer).
 - "none": the standard pre-norm residual; the stream is the running sum x_0 + Σ f_l and is each sub-layer's input.
-The stream is kept in fp32. Between unrolled layers it is a `Stream` (a tuple that grows); through a scan over
+The partial sum is kept in fp32; the sources are stored in the dtype `start` is given (`residual.source_dtype`):
+a sum is rounded to it once, when it closes, and every read-out computes in fp32 from what is stored. In bf16 the
+sources halve what the read-outs read, the largest part of their passes. Between unrolled layers it is a `Stream` (a tuple that grows); through a scan over
 layer groups it is a `Carry`, the same state in a fixed shape: a buffer with room for every source the scan will
 hold, of which the first `count` are valid, the partial sum with a flag for "empty", and the sums closed since the
 buffer was last written (with flags for whether each did close). The buffer is two arrays: the slots a read-out may
@@ -47,13 +49,14 @@ class Carry:
   `[B,T,D]`, closed flag) pairs), those whose flag is set; `partial_BTD` is the current block's partial sum, not a
   value when `has_partial` is false (empty). Read-outs see `sources_NBTD` only: a carry whose `count` exceeds its
   length is not read, only flushed and returned (`from_carry`)."""
-  sources_NBTD: jax.Array   # [readable, B, T, D] fp32; slots from `count` on are not sources
+  sources_NBTD: jax.Array   # [readable, B, T, D] in the sources' dtype; slots from `count` on are not sources
   count: jax.Array          # int32 scalar
   partial_BTD: jax.Array    # [B, T, D] fp32
   has_partial: jax.Array    # bool scalar
   closed: tuple = ()
   summaries: tuple = ()     # the buffer's part of each read-out still to come, in order (`summarize`)
-  later_MBTD: jax.Array | None = None   # [capacity - readable, B, T, D] fp32, or None: the slots no read-out sees
+  later_MBTD: jax.Array | None = None   # [capacity - readable, B, T, D] as sources_NBTD, or None: the slots no
+                                        # read-out sees
 
 
 def closes(mode: str, block_size: int, num_layers: int) -> tuple[tuple[bool, bool], ...]:
@@ -69,9 +72,12 @@ def num_sources(mode: str, closes_so_far) -> int:
   return 0 if mode == "none" else 1 + sum(bool(c) for c in closes_so_far)
 
 
-def start(x0_BTD, mode: str) -> Stream:
-  x0 = x0_BTD.astype(jnp.float32)
-  return Stream((), x0) if mode == "none" else Stream((x0,), None)
+def start(x0_BTD, mode: str, source_dtype=jnp.float32) -> Stream:
+  """The stream of the embedding `x0_BTD`: its first source, stored in `source_dtype` (the dtype of every source
+  after it), or in "none" the running sum (fp32)."""
+  if mode == "none":
+    return Stream((), x0_BTD.astype(jnp.float32))
+  return Stream((x0_BTD.astype(source_dtype),), None)
 
 
 def to_carry(stream: Stream, capacity: int, readable: int | None = None) -> Carry:
@@ -82,10 +88,11 @@ def to_carry(stream: Stream, capacity: int, readable: int | None = None) -> Carr
   if not n <= readable <= capacity:
     raise ValueError(f"need the stream's {n} sources <= readable={readable} <= capacity={capacity}")
   like = stream.sources[0] if n else stream.partial
+  dtype = like.dtype if n else jnp.float32
   # Concatenated, not scattered into zeros: the scatter's VJP would keep the zeros for the backward pass.
-  pieces = ([jnp.stack(stream.sources)] if n else []) + [jnp.zeros((readable - n, *like.shape), jnp.float32)]
+  pieces = ([jnp.stack(stream.sources)] if n else []) + [jnp.zeros((readable - n, *like.shape), dtype)]
   sources = jnp.concatenate(pieces)
-  later = jnp.zeros((capacity - readable, *like.shape), jnp.float32) if capacity > readable else None
+  later = jnp.zeros((capacity - readable, *like.shape), dtype) if capacity > readable else None
   partial = jnp.zeros(like.shape, jnp.float32) if stream.partial is None else stream.partial
   return Carry(sources, jnp.asarray(n, jnp.int32), partial, jnp.asarray(stream.partial is not None),
                later_MBTD=later)
@@ -121,6 +128,7 @@ def _write_slot(buffer_NBTD, index, value_BTD, write):
   """`buffer_NBTD` with slot `index` set to `value_BTD` where `write`. One slot is rewritten either way (the value,
   or its own contents); an index out of range clamps to a valid slot, which is then rewritten unchanged."""
   slot = jax.lax.dynamic_index_in_dim(buffer_NBTD, index, keepdims=False)
+  value_BTD = value_BTD.astype(buffer_NBTD.dtype)
   return jax.lax.dynamic_update_index_in_dim(buffer_NBTD, jnp.where(write, value_BTD, slot), index, 0)
 
 
@@ -156,11 +164,12 @@ def add(stream: Stream | Carry, y_BTD, *, close) -> Stream | Carry:
     partial = jnp.where(stream.has_partial, stream.partial_BTD, 0.0) + y
     if close is False or (stream.sources_NBTD.shape[0] == 0 and stream.later_MBTD is None):
       return stream.replace(partial_BTD=partial, has_partial=jnp.asarray(True))
-    close = jnp.asarray(close)  # the partial sum itself is the closed value: no copy
-    return stream.replace(partial_BTD=partial, has_partial=~close, closed=stream.closed + ((partial, close),))
+    close = jnp.asarray(close)  # in fp32 sources, the partial sum itself is the closed value: no copy
+    closed = partial.astype(stream.sources_NBTD.dtype)
+    return stream.replace(partial_BTD=partial, has_partial=~close, closed=stream.closed + ((closed, close),))
   partial = y if stream.partial is None else stream.partial + y
   if close and stream.sources:
-    return Stream(stream.sources + (partial,), None)
+    return Stream(stream.sources + (partial.astype(stream.sources[0].dtype),), None)
   return Stream(stream.sources, partial)
 
 

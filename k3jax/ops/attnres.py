@@ -4,7 +4,9 @@
     w   = softmax of s over the valid n,     h = Σ_n w_n v_n
 
 The values are a stacked buffer `[C,B,T,D]` (valid where `valid_C`) and single arrays `[B,T,D]` (valid where
-`valid_E`), all fp32; what is not valid has weight exactly 0 and a zero cotangent.
+`valid_E`), fp32 or bf16 (the stored sources, `k3jax.layers.attnres`), read into fp32: every product and sum is
+fp32, and each value's cotangent is rounded to its own dtype once, at the end. What is not valid has weight exactly 0
+and a zero cotangent.
 
 The backward pass, from `w`, `a` and `r` kept per value and token (`[N,B,T]`, small beside the values):
 
@@ -41,9 +43,9 @@ from k3jax.config import RESIDUAL_BACKWARDS as BACKWARDS
 
 
 def readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *, eps: float, backward: str = "fused"):
-  """h `[B,T,D]` fp32. `query_D`, `scale_D`: the pseudo-query and the key RMSNorm's weight; `buffer_CBTD` fp32 (C
-  may be 0) with `valid_C` bool `[C]`; `values` a tuple of E fp32 `[B,T,D]` with `valid_E` bool `[E]`. At least one
-  value must be valid (else the weights are NaN).
+  """h `[B,T,D]` fp32. `query_D`, `scale_D`: the pseudo-query and the key RMSNorm's weight; `buffer_CBTD` fp32 or
+  bf16 (C may be 0) with `valid_C` bool `[C]`; `values` a tuple of E fp32 or bf16 `[B,T,D]` with `valid_E` bool
+  `[E]`. At least one value must be valid (else the weights are NaN).
 
   `backward` (BACKWARDS), how the backward pass runs; the same arithmetic, which is faster is measured: "fused", as
   XLA fuses it; "barrier", its reductions over the tokens (`u`) reading their coefficients and values through an
@@ -63,7 +65,7 @@ def readout_reference(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *
   """`readout` as the formula reads, left to autodiff: every value stacked, RMS-normalised and scored (the test
   reference; at `precision=DEFAULT`, which may be TF32 on a GPU, what the model ran before the op, timed by
   `experiments/bench_attnres.py`)."""
-  v_NBTD = jnp.concatenate([buffer_CBTD, *(v[None] for v in values)])
+  v_NBTD = jnp.concatenate([buffer_CBTD, *(v[None] for v in values)]).astype(jnp.float32)
   valid_N = jnp.concatenate([valid_C, valid_E])
   keys_NBTD = v_NBTD * jax.lax.rsqrt(jnp.mean(v_NBTD * v_NBTD, axis=-1, keepdims=True) + eps) * scale_D
   s_NBT = jnp.einsum("d,nbtd->nbt", query_D, keys_NBTD, precision=precision)
@@ -73,6 +75,7 @@ def readout_reference(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, *
 
 def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
   """(h, w_N, a_N, r_N): the read-out and what its backward pass keeps."""
+  buffer_CBTD, values = _in_fp32(buffer_CBTD, values)
   qg = query_D * scale_D
   stats = lambda v: (jnp.sum(v * qg, axis=-1), jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps))
   a_C, r_C = stats(buffer_CBTD)
@@ -90,6 +93,11 @@ def _forward(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps):
   return h, w_N, a_N, r_N
 
 
+def _in_fp32(buffer_CBTD, values):
+  """The buffer and values read as fp32 (a convert XLA fuses into the pass that reads them)."""
+  return buffer_CBTD.astype(jnp.float32), tuple(v.astype(jnp.float32) for v in values)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _readout(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, backward):
   del backward
@@ -104,7 +112,8 @@ def _readout_fwd(query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, eps, b
 
 def _readout_bwd(eps, backward, residuals, dh):
   del eps
-  query_D, scale_D, buffer_CBTD, valid_C, values, valid_E, w_N, a_N, r_N = residuals
+  query_D, scale_D, buffer_in, valid_C, values_in, valid_E, w_N, a_N, r_N = residuals
+  buffer_CBTD, values = _in_fp32(buffer_in, values_in)
   c, d = buffer_CBTD.shape[0], query_D.shape[0]
   dw_C = jnp.sum(dh * buffer_CBTD, axis=-1)
   dw_N = jnp.concatenate([dw_C, *(jnp.sum(dh * v, axis=-1)[None] for v in values)])
@@ -116,8 +125,9 @@ def _readout_bwd(eps, backward, residuals, dh):
   def dv(i, v):
     return w_N[i][..., None] * dh + c_N[i][..., None] * qg + k_N[i][..., None] * v
 
-  d_buffer = jnp.where(valid_C[:, None, None, None], dv(slice(0, c), buffer_CBTD), 0.0)
-  d_values = tuple(jnp.where(valid_E[i], dv(c + i, v), 0.0) for i, v in enumerate(values))
+  d_buffer = jnp.where(valid_C[:, None, None, None], dv(slice(0, c), buffer_CBTD), 0.0).astype(buffer_in.dtype)
+  d_values = tuple(jnp.where(valid_E[i], dv(c + i, v), 0.0).astype(v_in.dtype)
+                   for i, (v, v_in) in enumerate(zip(values, values_in)))
   if backward == "barrier":
     c_N, buffer_CBTD, values = jax.lax.optimization_barrier((c_N, buffer_CBTD, values))
   u = jnp.sum(c_N[:c, ..., None] * buffer_CBTD, axis=(0, 1, 2))
@@ -143,6 +153,7 @@ def summarize_buffer(queries_JD, scales_JD, buffer_CBTD, valid_C, *, eps: float)
   """The buffer's part of the read-outs of J (query, key-norm weight) pairs, in one pass over the buffer (the module
   docstring). The tokens' axes lead P̄ so that the J means of one token lie side by side (one read of each slot's
   row serves all J)."""
+  buffer_CBTD = buffer_CBTD.astype(jnp.float32)
   qg_JD = queries_JD * scales_JD
   a_BTJC = jnp.einsum("cbtd,jd->btjc", buffer_CBTD, qg_JD, precision=jax.lax.Precision.HIGHEST)
   r_BTC = jnp.moveaxis(jax.lax.rsqrt(jnp.mean(buffer_CBTD * buffer_CBTD, axis=-1) + eps), 0, -1)
@@ -162,6 +173,7 @@ def readout_from_summary(query_D, scale_D, part, values, valid_E, *, eps: float)
   """h `[B,T,D]` fp32: `readout` of a buffer whose part `part` = `BufferSummary.part(j)` is (with `query_D`,
   `scale_D` read-out j's own) and of the single `values` (valid where `valid_E`)."""
   mean_BTD, lse_BT = part
+  values = tuple(v.astype(jnp.float32) for v in values)
   qg = query_D * scale_D
   score = lambda v: jnp.sum(v * qg, axis=-1) * jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
   s_NBT = jnp.stack([lse_BT, *(jnp.where(valid_E[i], score(v), -jnp.inf) for i, v in enumerate(values))])

@@ -1,7 +1,8 @@
 """One train step of a small model on the GPU's kernels (KDA ×3 + MLA, LatentMoE, bf16, its layers scanned in two
 groups): finite, and its loss, gradient norm and every parameter's gradient those of the same step on the XLA paths
 (`model.kda.backend = "xla"`, the MoE's grouped GEMM on `jax.lax.ragged_dot`), held to the XLA bf16 step's own error
-against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`); and the
+against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`) and with the
+sources stored in bf16 (`model.residual.source_dtype`; the references store them in fp32); and the
 program compared holds the Pallas kernels (the KDA kernels, the Mosaic GPU grouped GEMM; with the per-layer read-out
 also the short convs' backward kernel), so the XLA path is not compared with itself.
 
@@ -65,15 +66,17 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
                "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "body"}
 # The "pallas" run's short convs run their backward passes as kernels too.
-GLUE_KERNELS = {"pallas": {"short_conv_backward"}, "pallas_group": set()}
+GLUE_KERNELS = {"pallas": {"short_conv_backward"}, "pallas_group": set(), "pallas_bf16_sources": set()}
 
 
-def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_backward: str = "fused"):
+def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_backward: str = "fused",
+                  source_dtype: str = "float32"):
   """The pattern KDA, KDA, KDA, MLA over 9 layers (layer 0 dense, 1-8 LatentMoE of 4 experts, scanned as two groups,
   so that a group read-out has a group to read), two heads per mixer; `conv_backward` the short convs' backward
-  passes ("kernel": their Pallas kernel, which takes these shapes)."""
+  passes ("kernel": their Pallas kernel, which takes these shapes); `source_dtype` the AttnRes sources' storage."""
   m = config_lib.model_config()
   m.num_layers, m.last_layer, m.residual.readout = 9, None, readout
+  m.residual.source_dtype = source_dtype
   m.kda.conv_backward = conv_backward
   m.d_model, m.dtype, m.ffn_hidden = D_MODEL, dtype, 2 * D_MODEL
   m.kda.num_heads, m.kda.backend = 2, kda_backend
@@ -114,7 +117,7 @@ def _batch(vocab_size):
 
 @pytest.fixture(scope="module")
 def steps():
-  """{"pallas", "pallas_group", "xla", "fp32"}: (metrics, gradients, the state after the step, the Pallas kernels of
+  """{"pallas", "pallas_group", "pallas_bf16_sources", "xla", "fp32"}: (metrics, gradients, the state after the step, the Pallas kernels of
   its traced program, its lowered program's text) of one step from the same state on the same batch."""
   c = common.base_config()
   c.model, c.mesh, c.seq_len, c.batch_size, c.steps = _model_config("bfloat16", "pallas"), MESH, T, B, 10
@@ -126,6 +129,7 @@ def steps():
   batch = _batch(c.model.vocab_size)
   runs = {"pallas": (_model_config("bfloat16", "pallas", conv_backward="kernel"), "auto"),
           "pallas_group": (_model_config("bfloat16", "pallas", readout="group"), "auto"),
+          "pallas_bf16_sources": (_model_config("bfloat16", "pallas", source_dtype="bfloat16"), "auto"),
           "xla": (_model_config("bfloat16", "xla"), "xla"), "fp32": (_model_config("float32", "xla"), "xla")}
   out = {}
   for name, (model_cfg, moe_backend) in runs.items():
@@ -145,7 +149,7 @@ def _leaves(tree):
 
 
 # The kernels' steps held to the XLA bf16 step: the AttnRes read-out per layer and per scanned group.
-KERNEL_RUNS = ("pallas", "pallas_group")
+KERNEL_RUNS = ("pallas", "pallas_group", "pallas_bf16_sources")
 
 
 def test_the_model_scans_two_groups_for_the_group_read_out_to_read():

@@ -72,23 +72,30 @@ def test_none_stream_is_the_running_sum_and_is_read_without_attention():
   assert stream.sources == ()
 
 
-def test_stream_is_float32():
-  stream = attnres.add(attnres.start(normal(1, (1, 2, 4), jnp.bfloat16), "block"),
-                       normal(2, (1, 2, 4), jnp.bfloat16), close=False)
+def test_partial_sum_is_float32_and_sources_keep_the_dtype_they_start_in():
+  x0, ys = normal(1, (1, 2, 4), jnp.bfloat16), [normal(2 + i, (1, 2, 4), jnp.bfloat16) for i in range(2)]
+  stream = attnres.add(attnres.start(x0, "block"), ys[0], close=False)
   chex.assert_type([stream.sources[0], stream.partial], jnp.float32)
   assert jax.tree.leaves(stream)  # a pytree (crosses jit / remat boundaries)
+  # Stored in bf16: the partial sum still adds in fp32, and is rounded once, when it closes.
+  stream = attnres.add(attnres.start(x0, "block", jnp.bfloat16), ys[0], close=False)
+  chex.assert_type([stream.sources[0], stream.partial], [jnp.bfloat16, jnp.float32])
+  closed = attnres.add(stream, ys[1], close=True)
+  chex.assert_type(closed.sources, jnp.bfloat16)
+  np.testing.assert_array_equal(closed.sources[1], (ys[0].astype(jnp.float32) + ys[1]).astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("readable", ["all", "read"], ids=["every_slot_readable", "last_writes_unread"])
 @pytest.mark.parametrize("summarized", [False, True], ids=["buffer_read_per_read_out", "buffer_summarized"])
-@pytest.mark.parametrize("mode", ["block", "full", "none"])
+@pytest.mark.parametrize("mode", ["block", "full", "none", "block_bf16_sources"])
 def test_carry_reads_and_adds_as_the_stream_does(mode, summarized, readable):
   # The same sub-layer outputs through a Stream and through a Carry entered after two sub-layers (so it starts with
   # a partial sum), its close flags traced, its buffer written twice: every read-out agrees, and so does the stream
   # taken back out. Summarized: after each write the buffer's part of the read-outs up to the next is computed at
   # once (as at the start of a scanned group), and each read-out takes its own. "read": read-outs see only the
   # slots written by the first write (as a scan's read-outs see those present when its last group starts); the
-  # second writes the rest to the slots past them.
+  # second writes the rest to the slots past them. bf16 sources: the Carry rounds each sum where the Stream does.
+  mode, dtype = (mode[:5], jnp.bfloat16) if mode.endswith("bf16_sources") else (mode, jnp.float32)
   closes = {"block": [False, True, False, False, False, True, True, False],
             "full": [True] * 8, "none": [False] * 8}[mode]
   attn = attnres.DepthAttention(8)
@@ -97,14 +104,14 @@ def test_carry_reads_and_adds_as_the_stream_does(mode, summarized, readable):
   ys = [normal(50 + i, (2, 3, 8)) for i in range(len(closes))]
   enter = 2
   capacity = attnres.num_sources(mode, closes)
-  stream, want = attnres.start(normal(42, (2, 3, 8)), mode), []
+  stream, want = attnres.start(normal(42, (2, 3, 8)), mode, dtype), []
   for y, close in zip(ys, closes):
     want.append(attnres.read(stream, None if mode == "none" else attn)[0])
     stream = attnres.add(stream, y, close=close)
 
   @jax.jit
   def through_carry(flags):
-    s, got = attnres.start(normal(42, (2, 3, 8)), mode), []
+    s, got = attnres.start(normal(42, (2, 3, 8)), mode, dtype), []
     for y, close in zip(ys[:enter], closes[:enter]):
       got.append(attnres.read(s, None if mode == "none" else attn)[0])
       s = attnres.add(s, y, close=close)
@@ -127,7 +134,9 @@ def test_carry_reads_and_adds_as_the_stream_does(mode, summarized, readable):
   out = attnres.from_carry(carry, capacity, not closes[-1] or mode == "none")
   assert len(out.sources) == len(stream.sources) and (out.partial is None) == (stream.partial is None)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(stream)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+  assert {x.dtype for x in out.sources} <= {jnp.dtype(dtype)}
 
 
 def test_flush_writes_each_closed_sum_to_the_array_its_target_names():

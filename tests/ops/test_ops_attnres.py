@@ -120,3 +120,35 @@ def test_summarized_buffer_read_out_and_every_gradient_equal_autodiff_of_the_for
   want = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3)))(qs, gs, buffer, values)
   _assert_gradients_close(got, want, ("queries", "scales", "buffer", "values"))
   assert not np.any(np.asarray(got[2])[np.asarray(~valid_C)])
+
+
+@pytest.mark.parametrize("summarized", [False, True], ids=["read_out", "summarized_buffer"])
+def test_bf16_sources_are_read_in_fp32_and_their_cotangents_rounded_once(summarized):
+  """Sources stored in bf16 (`residual.source_dtype`): the read-out is the fp32 formula on the stored values (no
+  bf16 arithmetic: within fp32 roundoff of the reference on the values read into fp32), and each gradient of a bf16
+  input is the fp32 gradient rounded once to bf16 (within half a bf16 ulp of it), in the input's dtype."""
+  q, g, buffer, valid_C, values, valid_E = _inputs(4, 3, [True, True, False], query_scale=3.0)
+  buffer16, values16 = buffer.astype(jnp.bfloat16), (values[0].astype(jnp.bfloat16), *values[1:])
+  as32 = lambda b, vs: (b.astype(jnp.float32), tuple(v.astype(jnp.float32) for v in vs))
+  cot = normal(99, values[0].shape)
+
+  def ours(q, g, buffer, values):
+    if summarized:
+      part = attnres_ops.summarize_buffer(q[None], g[None], buffer, valid_C, eps=EPS).part(0)
+      return attnres_ops.readout_from_summary(q, g, part, values, valid_E, eps=EPS)
+    return attnres_ops.readout(q, g, buffer, valid_C, values, valid_E, eps=EPS)
+
+  reference = lambda q, g, buffer, values: attnres_ops.readout_reference(q, g, buffer, valid_C, values, valid_E,
+                                                                         eps=EPS)
+  np.testing.assert_allclose(ours(q, g, buffer16, values16), reference(q, g, *as32(buffer16, values16)),
+                             rtol=2e-5, atol=2e-5)
+  grad = lambda fn, *a: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2, 3)))(*a)
+  got = grad(ours, q, g, buffer16, values16)
+  want = grad(reference, q, g, *as32(buffer16, values16))
+  assert got[2].dtype == jnp.bfloat16 and [d.dtype for d in got[3]] == [jnp.bfloat16, jnp.float32, jnp.float32]
+  _assert_gradients_close(got[:2], want[:2], ("query", "scale"))
+  for name, a, b in (("buffer", got[2], want[2]), ("value 0", got[3][0], want[3][0])):
+    a, b = np.asarray(a, np.float32), np.asarray(b)
+    bound = float(np.max(np.abs(b)))
+    np.testing.assert_array_less(np.abs(a - b), 2.0 ** -8 * np.abs(b) + 1e-5 * bound, err_msg=name)  # bf16: u = 2⁻⁸
+  _assert_gradients_close((got[3][1:],), (want[3][1:],), ("values 1, 2",))

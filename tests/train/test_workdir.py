@@ -76,12 +76,13 @@ def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_tra
   saved = workdir_lib.as_json(tiny.get_config())
   del saved["model"]["scan_layers"]
   del saved["model"]["residual"]["readout"], saved["model"]["residual"]["backward"]
+  del saved["model"]["residual"]["source_dtype"]
   del saved["model"]["kda"]["conv_backward"], saved["model"]["moe"]["glu_epilogue"]
   saved["model"]["remat"] = True
   c = workdir_lib.config_from_json(saved)
   assert (c.model.scan_layers, c.model.remat, c.model.residual.readout, c.model.residual.backward,
-          c.model.kda.conv_backward, c.model.moe.glu_epilogue) == (False, "save_kda_out", "layer", "fused", "fused",
-                                                                   False)
+          c.model.residual.source_dtype, c.model.kda.conv_backward,
+          c.model.moe.glu_epilogue) == (False, "save_kda_out", "layer", "fused", "float32", "fused", False)
   c = workdir_lib.config_from_json(workdir_lib.as_json(tiny.get_config()))   # a current one is kept as saved
   assert (c.model.scan_layers, c.model.remat) == (True, "none")
 
