@@ -59,12 +59,13 @@ FEW = 64
 # 2x it plus this fraction of the value.
 SCALAR_FLOOR = 2e-3
 # The kernels the KDA layers launch at this size (B·H = 4: the Triton state passes, the Mosaic GPU solve), and on
-# the GPU the grouped GEMM's: ours for the forward and dX, JAX's `transposed_ragged_dot` (its kernel is "body") for
-# dW.
+# the GPU the grouped GEMM's: ours for the forward and dX (the routed SiTU-GLU in the epilogues of the gate/up
+# product and of the down product's dX, `moe.glu_epilogue`), JAX's `transposed_ragged_dot` (its kernel is "body")
+# for dW.
 KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mosaic", "kda_state_fwd",
                "kda_state_bwd", "kda_state_grads", "kda_intra_bwd_rows", "kda_intra_bwd_cols",
                "kda_intra_bwd_dg"}
-GEMM_KERNELS = {"grouped_ragged_dot", "body"}
+GEMM_KERNELS = {"grouped_ragged_dot", "grouped_ragged_dot_glu", "grouped_ragged_dot_glu_grad", "body"}
 # The "pallas" run's short convs run their backward passes as kernels too.
 GLUE_KERNELS = {"pallas": {"short_conv_backward"}, "pallas_group": set(), "pallas_bf16_sources": set()}
 
@@ -194,7 +195,8 @@ def test_the_step_compared_runs_the_kernels(steps, run):
   GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the Triton and Mosaic GPU calls); the XLA steps
   launch none."""
   _, _, _, kernels, text = steps[run]
-  assert kernels == KDA_KERNELS | GLUE_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set()), sorted(kernels)
+  want = KDA_KERNELS | GLUE_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set())
+  assert kernels == want, f"missing {sorted(want - kernels)}, not expected {sorted(kernels - want)}"
   for name in ("xla", "fp32"):
     assert not steps[name][3], (name, steps[name][3])
   if ON_GPU:
