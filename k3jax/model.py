@@ -388,7 +388,7 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
     return carry, stats
 
   def forward(params_G, rest_G, xs_G, carry):
-    def kept_group(carry, xs):  # the layers' inputs, each array once (a closed sum is also the next partial sum)
+    def kept_group(carry, xs):  # the layers' inputs, each array once (an fp32 closed sum is the next partial sum)
       carry, (stats, inputs) = group(carry, xs)
       leaves, treedef = jax.tree.flatten(inputs)
       unique = list({id(x): x for x in leaves}.values())

@@ -9,20 +9,20 @@ The residual stream is a `Stream`: completed sources plus the partial sum of the
   reference pseudocode, where the block that just closed is the last source instead.
 - "full": every sub-layer output is a source of its own (a block of one sub-layer).
 - "none": the standard pre-norm residual; the stream is the running sum x_0 + Σ f_l and is each sub-layer's input.
-The partial sum is kept in fp32; the sources are stored in the dtype `start` is given (`residual.source_dtype`):
-a sum is rounded to it once, when it closes, and every read-out computes in fp32 from what is stored. In bf16 the
-sources halve what the read-outs read, the largest part of their passes. Between unrolled layers it is a `Stream` (a tuple that grows); through a scan over
-layer groups it is a `Carry`, the same state in a fixed shape: a buffer with room for every source the scan will
-hold, of which the first `count` are valid, the partial sum with a flag for "empty", and the sums closed since the
-buffer was last written (with flags for whether each did close). The buffer is two arrays: the slots a read-out may
-see (as many as the last group of a scan reads), and the slots only the scan's last flush writes, which no read-out
-inside the scan sees: every read-out's passes, forward and backward, then cover only the first. A read-out of a
-`Carry` masks the softmax to what is valid, so it gives the `Stream`'s result (up to fp32 summation order). Inside
-a group the buffer is not written (`flush` writes it at the group's end), so every layer of the group reads the same
-buffer: a rematerialised layer then keeps only its partial sum, not a copy of the buffer. For the same reason the
-buffer's part of all the group's read-outs can be computed at the group's start in one pass (`summarize`,
-`model.residual.readout="group"`): the carry then holds one summary per read-out still to come, and each read-out
-takes the next.
+The partial sum is kept in fp32; the sources are stored in the dtype `start` is given (`residual.source_dtype`): a sum
+is rounded to it once, when it closes, and every read-out computes in fp32 from what is stored. In bf16 the sources
+halve what the read-outs read, the largest part of their passes. Between unrolled layers the stream is a `Stream` (a
+tuple that grows); through a scan over layer groups it is a `Carry`, the same state in a fixed shape: a buffer with room
+for every source the scan will hold, of which the first `count` are valid, the partial sum with a flag for "empty", and
+the sums closed since the buffer was last written (with flags for whether each did close). The buffer is two arrays: the
+slots a read-out may see (as many as the last group of a scan reads), and the slots only the scan's last flush writes,
+which no read-out inside the scan sees: every read-out's passes, forward and backward, then cover only the first. A
+read-out of a `Carry` masks the softmax to what is valid, so it gives the `Stream`'s result (up to fp32 summation
+order). Inside a group the buffer is not written (`flush` writes it at the group's end), so every layer of the group
+reads the same buffer: a rematerialised layer then keeps only its partial sum, not a copy of the buffer. For the same
+reason the buffer's part of all the group's read-outs can be computed at the group's start in one pass (`summarize`,
+`model.residual.readout="group"`): the carry then holds one summary per read-out still to come, and each read-out takes
+the next.
 """
 from __future__ import annotations
 
