@@ -36,7 +36,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import parallel, sampling
-from k3jax.layers import attnres
 
 
 @flax.struct.dataclass
@@ -102,7 +101,7 @@ def prefill_chunk(model, cache: GenerationCache, tokens_BT, lengths_B):
   """Row b's first `lengths_B[b]` tokens of `tokens_BT` (0..T; the rest padding) appended to its cache.
   Returns (fp32 logits after each row's last token of the chunk `[B, V]`; arbitrary for rows with none, the
   advanced cache)."""
-  stream = attnres.start(model._embed(tokens_BT), model.mode, model.source_dtype)
+  stream = model.start_stream(tokens_BT)
   start_B = cache.lengths_B
   mix = lambda mixer, x, layer_cache: mixer.prefill_chunk(x, layer_cache, start_B, lengths_B)
   stream, cache = _run_layers(model, stream, cache, mix)
@@ -115,7 +114,7 @@ def decode_step(model, cache: GenerationCache, token_B, active_B, layers=None):
   """One token per row at the row's own position `cache.lengths_B[b]`; rows not `active_B` keep their caches and
   length (their logits are arbitrary). `layers`: `decoder_layers(model)` when already cut (a decode loop cuts them
   once, outside its loop). Returns (fp32 logits `[B, V]`, the advanced cache)."""
-  stream = attnres.start(model._embed(token_B[:, None]), model.mode, model.source_dtype)
+  stream = model.start_stream(token_B[:, None])
   pos_B = cache.lengths_B
 
   def mix(mixer, x, layer_cache):

@@ -169,7 +169,7 @@ class K3Model(nnx.Module):
     `segment_ids_BT`: documents 1, 2, … (attention and the KDA state do not cross them) and 0 for padding, which
     no MoE statistic counts (`LatentMoE`: the balancer's update, the load, the auxiliary loss)."""
     _check_tokens(tokens_BT, segment_ids_BT)
-    stream = attnres.start(self._embed(tokens_BT), self.mode, self.source_dtype)
+    stream = self.start_stream(tokens_BT)
     run = lambda layer, s, closes, _: layer(s, closes, segment_ids_BT=segment_ids_BT)
     stream, _, stats = self.run_layers(stream, run, remat=self.remat)
     logits = self._logits(stream)
@@ -182,7 +182,7 @@ class K3Model(nnx.Module):
     _check_tokens(tokens_BT, None)
     if max_len < tokens_BT.shape[1]:
       raise ValueError(f"max_len={max_len} is shorter than the prompt (T={tokens_BT.shape[1]})")
-    stream = attnres.start(self._embed(tokens_BT), self.mode, self.source_dtype)
+    stream = self.start_stream(tokens_BT)
     run = lambda layer, s, closes, _: layer.prefill(s, closes, max_len)
     stream, (caches, group_caches), _ = self.run_layers(stream, run)
     last = jax.tree.map(lambda a: a[:, -1:], stream)
@@ -196,7 +196,7 @@ class K3Model(nnx.Module):
       raise ValueError(f"token_B must be an integer array of shape [B], got {token_B.dtype}{tuple(token_B.shape)}")
     if not isinstance(cache.pos, jax.core.Tracer) and int(cache.pos) >= cache.max_len:
       raise ValueError(f"the cache is full: position {int(cache.pos)} >= max_len={cache.max_len}")
-    stream = attnres.start(self._embed(token_B[:, None]), self.mode, self.source_dtype)
+    stream = self.start_stream(token_B[:, None])
     run = lambda layer, s, closes, layer_cache: layer.decode(s, closes, layer_cache, cache.pos)
     stream, (caches, group_caches), _ = self.run_layers(stream, run, (cache.layers, cache.groups))
     return self._logits(stream)[:, 0], ModelCache(caches, group_caches, cache.pos + 1, cache.max_len)
@@ -316,8 +316,9 @@ class K3Model(nnx.Module):
                for j, layer in enumerate(self.groups or ()) if layer.uses_moe])
 
   @jax.named_scope("embed")
-  def _embed(self, tokens_BT):
-    return embed(self.embed[...], tokens_BT, self.dtype)
+  def start_stream(self, tokens_BT):
+    """The residual stream the first layer reads: the tokens' embedding as its first source (`attnres.start`)."""
+    return attnres.start(embed(self.embed[...], tokens_BT, self.dtype), self.mode, self.source_dtype)
 
   @jax.named_scope("head")
   def _logits(self, stream):

@@ -18,7 +18,6 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers import attnres
-from k3jax.layers.common import embed
 
 
 def names(model) -> list[str]:
@@ -74,7 +73,7 @@ def _walk(graphdef, state, tokens_BT, segment_ids_BT):
     y = layer.ffn(h)[0] if layer.uses_moe else layer.ffn(h)
     return attnres.add(stream, y, close=closes[1]), cache, (mixer_w, ffn_w)
 
-  stream = attnres.start(embed(model.embed[...], tokens_BT, model.dtype), model.mode, model.source_dtype)
+  stream = model.start_stream(tokens_BT)
   stream, _, per_layer = model.run_layers(stream, run)
   return per_layer, model.final_res.weights(stream), stream
 

@@ -128,7 +128,6 @@ def _write_slot(buffer_NBTD, index, value_BTD, write):
   """`buffer_NBTD` with slot `index` set to `value_BTD` where `write`. One slot is rewritten either way (the value,
   or its own contents); an index out of range clamps to a valid slot, which is then rewritten unchanged."""
   slot = jax.lax.dynamic_index_in_dim(buffer_NBTD, index, keepdims=False)
-  value_BTD = value_BTD.astype(buffer_NBTD.dtype)
   return jax.lax.dynamic_update_index_in_dim(buffer_NBTD, jnp.where(write, value_BTD, slot), index, 0)
 
 
