@@ -29,13 +29,13 @@ BALANCER_METHODS = ("exact", "histogram", "article")
 # every token, the unchosen weighted 0), "auto" (dense for a call of few tokens, T <= E <= T·k, else sorted).
 MOE_ROUTINGS = ("auto", "sorted", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
-# What each decoder layer keeps for its backward pass (the jax.checkpoint policy of an unrolled layer, by name):
-# "none" everything (no rematerialisation); "full" only its inputs (the rest is recomputed in the backward pass);
-# "save_kda_out" its inputs and the KDA kernels' output (the kernels' VJP recomputes from the layer's inputs, so
-# with the output kept the KDA forward runs once more, not twice). The scanned groups, under either of the last
-# two, keep each layer's input and recompute the layer once in the backward pass, from which its VJP keeps what it
-# needs (`k3jax.model.recomputing_scan`): the KDA forward runs once more, no KDA output is kept.
-REMAT_POLICIES = ("none", "full", "save_kda_out")
+# What each decoder layer keeps for its backward pass (the jax.checkpoint policy of a layer, by name), the scanned
+# groups' layers alike (`k3jax.model.recomputing_scan`): "none" everything (no rematerialisation); "full" only its
+# inputs (the rest is recomputed in the backward pass); "save_kda_out" its inputs and the KDA kernels' output;
+# "save_attention" its inputs and cuDNN attention's output and softmax statistics, so the backward pass does not run
+# the attention forward again; "save_mixers" that and the KDA kernels' output and residuals, so neither mixer's
+# forward runs again (the most memory: the KDA residuals are several times the layer's activations).
+REMAT_POLICIES = ("none", "full", "save_kda_out", "save_attention", "save_mixers")
 
 
 def model_config() -> ml_collections.ConfigDict:

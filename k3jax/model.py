@@ -35,10 +35,16 @@ from k3jax.layers.common import RMSNorm, embed, normal_param
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.kda import KDA_OUT, KDALayer
 from k3jax.layers.mla import GatedMLA
+from k3jax.ops import kda as kda_ops, mla as mla_ops
 
 # The jax.checkpoint policies of config.REMAT_POLICIES ("none": no jax.checkpoint at all).
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "save_kda_out": jax.checkpoint_policies.save_only_these_names(KDA_OUT)}
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_kda_out": jax.checkpoint_policies.save_only_these_names(KDA_OUT),
+    "save_attention": mla_ops.saves_fused_attention,
+    "save_mixers": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(KDA_OUT, kda_ops.RESIDUALS_NAME), mla_ops.saves_fused_attention),
+}
 
 
 @flax.struct.dataclass
@@ -280,7 +286,7 @@ class K3Model(nnx.Module):
     else:
       step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
       carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize,
-                                      flush=flush)
+                                      flush=flush, policy=REMAT_POLICIES[remat])
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
@@ -353,8 +359,9 @@ def _check_tokens(tokens_BT, segment_ids_BT):
 
 
 def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None,
-                     flush=attnres.flush):
-  """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input.
+                     flush=attnres.flush, policy=jax.checkpoint_policies.nothing_saveable):
+  """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input and
+  what `policy` (a `jax.checkpoint` policy) kept of its forward.
 
   `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
   `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
@@ -364,80 +371,108 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   (`attnres.summarize`), each layer reading the same number of them. `flush(carry) -> carry` writes a group's closed
   sums at its end (`attnres.flush`).
 
-  The forward pass keeps each layer's input carry without its buffer of sources (a partial sum and the sums closed
-  in the group so far), the buffer once, after the last group. The backward pass runs the groups in reverse, each
-  layer's VJP on its input with that final buffer in place of the one it read: the read-outs mask the buffer to the
-  first `count` sources, and those slots never change once written, so the layer sees what it saw. Under
-  `jax.checkpoint` inside a `lax.scan` the scan would instead keep the buffer of every group. The summaries are not
-  kept either: the backward pass computes them again from that buffer, once per group, and after the group's layers
-  adds their VJP (buffer and read-out parameters) to the layers'.
+  The forward pass runs each layer as `jax.vjp` of it under `jax.checkpoint(policy)`, and keeps that VJP's
+  residuals, stacked over the groups: what the policy saves (the KDA kernels' residuals, say) and the layer's inputs
+  (a partial sum, the sums closed in the group so far), each array once, but not what the backward pass has again:
+  the parameters and the other state, the scanned inputs, the summaries, and the buffer of sources, which is kept
+  once, after the last group. The backward pass runs the groups in reverse, each layer's VJP from what was kept with
+  that final buffer in place of the one it read: the read-outs mask the buffer to the first `count` sources, and
+  those slots never change once written, so the layer sees what it saw. Under `jax.checkpoint` inside a `lax.scan`
+  the scan would instead keep the buffer of every group. The summaries are not kept either: the backward pass
+  computes them again from that buffer, once per group, and after the group's layers adds their VJP (buffer and
+  read-out parameters) to the layers'.
   """
   def group(carry, xs):
     params_g, rest_g, xs_g = xs
     if summarize is not None:
       carry = summarize(params_g, rest_g, carry)
-    inputs, stats = [], []
+    stats = []
     for j in range(num_positions):
-      inputs.append(carry.replace(sources_NBTD=None, later_MBTD=None, summaries=()))
       carry, layer_stats = layer_step(j, params_g[j], rest_g[j], xs_g, carry)
       stats.append(layer_stats)
-    return flush(carry), (tuple(stats), tuple(inputs))
+    return flush(carry), tuple(stats)
+
+  def layer(j, rest_j, xs_g, input_carry):
+    """Layer j (then the flush, for the last position) as a function of (params_j, the carry's differentiable
+    part: buffer, its later slots, partial sum, closed sums, summaries) returning ((the output carry's
+    differentiable part less the summaries, MoE stats), the output carry)."""
+    flags = [closed for _, closed in input_carry.closed]
+
+    def fn(params_j, diff):
+      sources, later, partial, closed, summaries = diff
+      c = input_carry.replace(sources_NBTD=sources, later_MBTD=later, partial_BTD=partial,
+                              closed=tuple(zip(closed, flags)), summaries=summaries)
+      c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
+      if j == num_positions - 1:
+        c = flush(c)
+      return ((c.sources_NBTD, c.later_MBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats), c
+    return fn
 
   @jax.custom_vjp
   def groups(params_G, rest_G, xs_G, carry):
-    carry, (stats, _) = jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
-    return carry, stats
+    return jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
+
+  # Where the backward pass finds each leaf: for the group's input carry (its first entry), then for each position's
+  # VJP, (treedef, per leaf ("given", index) or ("kept", index)). Written by the forward pass's trace.
+  layout = []
 
   def forward(params_G, rest_G, xs_G, carry):
-    def kept_group(carry, xs):  # the layers' inputs, each array once (an fp32 closed sum is the next partial sum)
-      carry, (stats, inputs) = group(carry, xs)
-      leaves, treedef = jax.tree.flatten(inputs)
-      unique = list({id(x): x for x in leaves}.values())
-      layout.append((treedef, [[id(u) for u in unique].index(id(x)) for x in leaves]))
-      return carry, (stats, unique)
-    layout = []
-    carry, (stats, unique_G) = jax.lax.scan(kept_group, carry, (params_G, rest_G, xs_G))
-    treedef, index = layout[0]
-    inputs_G = jax.tree.unflatten(treedef, [unique_G[i] for i in index])
-    return (carry, stats), (params_G, rest_G, xs_G, inputs_G, (carry.sources_NBTD, carry.later_MBTD))
+
+    def kept_group(carry, xs):
+      params_g, rest_g, xs_g = xs
+      if summarize is not None:
+        carry = summarize(params_g, rest_g, carry)
+      n = len(carry.summaries) // num_positions
+      given = jax.tree.leaves((params_g, rest_g, xs_g, carry.sources_NBTD, carry.later_MBTD, carry.summaries))
+      given_at = {id(x): i for i, x in enumerate(given)}
+      kept = {}
+      def where(x):
+        if id(x) in given_at:
+          return "given", given_at[id(x)]
+        return "kept", kept.setdefault(id(x), (len(kept), x))[0]
+      start_leaves, start_def = jax.tree.flatten(carry.replace(sources_NBTD=None, later_MBTD=None, summaries=()))
+      layout[:] = [(start_def, [where(x) for x in start_leaves])]
+      stats = []
+      for j in range(num_positions):
+        summaries, later_summaries = carry.summaries[:n], carry.summaries[n:]
+        c = carry.replace(summaries=summaries)
+        diff = (c.sources_NBTD, c.later_MBTD, c.partial_BTD, tuple(v for v, _ in c.closed), summaries)
+        fn = jax.checkpoint(layer(j, rest_g[j], xs_g, c), policy=policy)
+        (_, layer_stats), vjp, carry = jax.vjp(fn, params_g[j], diff, has_aux=True)
+        carry = carry.replace(summaries=later_summaries)
+        leaves, treedef = jax.tree.flatten(vjp)
+        layout.append((treedef, [where(x) for x in leaves]))
+        stats.append(layer_stats)
+      return carry, (tuple(stats), [x for _, x in kept.values()])
+
+    carry, (stats, kept_G) = jax.lax.scan(kept_group, carry, (params_G, rest_G, xs_G))
+    return (carry, stats), (params_G, rest_G, xs_G, kept_G, (carry.sources_NBTD, carry.later_MBTD))
 
   def backward(residuals, cotangents):
-    params_G, rest_G, xs_G, inputs_G, (sources, later) = residuals
+    params_G, rest_G, xs_G, kept_G, (sources, later) = residuals
     d_carry, d_stats_G = cotangents
 
-    def layer_vjp(j, params_j, rest_j, xs_g, input_carry, summaries, d_out, d_stats):
-      """(d params_j, d input, d summaries) of layer j (then the flush, for the last position) reading `summaries`;
-      the differentiable part of a carry is (buffer, its later slots, partial sum, closed sums)."""
-      flags = [closed for _, closed in input_carry.closed]
-
-      def fn(params_j, diff):
-        sources, later, partial, closed, summaries = diff
-        c = input_carry.replace(sources_NBTD=sources, later_MBTD=later, partial_BTD=partial,
-                                closed=tuple(zip(closed, flags)), summaries=summaries)
-        c, layer_stats = layer_step(j, params_j, rest_j, xs_g, c)
-        if j == num_positions - 1:
-          c = flush(c)
-        return (c.sources_NBTD, c.later_MBTD, c.partial_BTD, tuple(v for v, _ in c.closed)), layer_stats
-
-      diff = (sources, later, input_carry.partial_BTD, tuple(v for v, _ in input_carry.closed), summaries)
-      # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
-      # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
-      (params_j, diff), d_out = jax.lax.optimization_barrier(((params_j, diff), d_out))
-      _, vjp = jax.vjp(fn, params_j, diff)
-      d_params_j, (d_sources, d_later, d_partial, d_closed, d_summaries) = vjp((d_out, d_stats))
-      return d_params_j, (d_sources, d_later, d_partial, d_closed), d_summaries
-
     def body(d, xs):
-      params_g, rest_g, xs_g, inputs_g, d_stats_g = xs
-      d_params, d_summaries, summaries = [None] * num_positions, [()] * num_positions, [()] * num_positions
+      params_g, rest_g, xs_g, kept_g, d_stats_g = xs
+      given = jax.tree.leaves((params_g, rest_g, xs_g, sources, later))   # then the summaries
+      rebuild = lambda treedef, where: jax.tree.unflatten(treedef, [given[i] if src == "given" else kept_g[i]
+                                                                    for src, i in where])
+      summaries = ()
       if summarize is not None:   # the group's summaries again, from the final buffer (what they read is unchanged)
-        of_buffer = lambda p, s: summarize(p, rest_g, inputs_g[0].replace(sources_NBTD=s)).summaries
-        flat, summary_vjp = jax.vjp(of_buffer, params_g, sources)
-        n = len(flat) // num_positions
-        summaries = [flat[j * n:(j + 1) * n] for j in range(num_positions)]
+        start = rebuild(*layout[0])
+        of_buffer = lambda p, s: summarize(p, rest_g, start.replace(sources_NBTD=s)).summaries
+        summaries, summary_vjp = jax.vjp(of_buffer, params_g, sources)
+        given += jax.tree.leaves(summaries)
+      d_params, d_summaries = [None] * num_positions, [()] * num_positions
       for j in reversed(range(num_positions)):
-        d_params[j], d, d_summaries[j] = layer_vjp(j, params_g[j], rest_g[j], xs_g, inputs_g[j], summaries[j], d,
-                                                   d_stats_g[j])
+        treedef, where = layout[1 + j]
+        leaves = [given[i] if src == "given" else kept_g[i] for src, i in where]
+        # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
+        # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
+        leaves, d = jax.lax.optimization_barrier((leaves, d))
+        vjp = jax.tree.unflatten(treedef, leaves)
+        d_params[j], (d_sources, d_later, d_partial, d_closed, d_summaries[j]) = vjp((d, d_stats_g[j]))
+        d = (d_sources, d_later, d_partial, d_closed)
       if summarize is not None:
         d_params_s, d_buffer = summary_vjp(tuple(x for d_j in d_summaries for x in d_j))
         d_params = jax.tree.map(jnp.add, tuple(d_params), d_params_s)
@@ -446,7 +481,7 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
 
     (d_sources, d_later, d_partial, _), d_params_G = jax.lax.scan(
         body, (d_carry.sources_NBTD, d_carry.later_MBTD, d_carry.partial_BTD, ()),
-        (params_G, rest_G, xs_G, inputs_G, d_stats_G), reverse=True)
+        (params_G, rest_G, xs_G, kept_G, d_stats_G), reverse=True)
     return d_params_G, None, None, d_carry.replace(sources_NBTD=d_sources, later_MBTD=d_later, partial_BTD=d_partial)
 
   groups.defvjp(forward, backward)

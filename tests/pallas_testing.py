@@ -44,6 +44,11 @@ def kernel_launches(closed_jaxpr, name: str) -> int:
              for _, eqn in _equations(closed_jaxpr))
 
 
+def primitive_calls(closed_jaxpr, name: str) -> int:
+  """How many times a traced program binds the primitive `name`, counted as `kernel_launches` counts."""
+  return sum(eqn.primitive.name == name for _, eqn in _equations(closed_jaxpr))
+
+
 def kernel_products(closed_jaxpr) -> set[tuple[str, str, object]]:
   """(kernel name, operand dtype, precision) of every product inside the Pallas kernels of a traced program."""
   return {(kernel, str(eqn.invars[0].aval.dtype), eqn.params["precision"]) for kernel, eqn in _equations(closed_jaxpr)

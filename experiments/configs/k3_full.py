@@ -34,7 +34,7 @@ def get_config():
   m.layer_pattern = ("kda", "kda", "kda", "mla")
   m.last_layer = "mla"
   m.dtype = "bfloat16"
-  m.remat = "save_kda_out"               # keep the KDA kernels' output; recompute the rest
+  m.remat = "save_attention"             # keep cuDNN attention's output and statistics; recompute the rest
   m.tie_embeddings = False
   m.ffn_hidden = 18432
   m.kda.num_heads = 64

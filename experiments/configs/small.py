@@ -16,7 +16,7 @@ def get_config():
   m.d_model = 768
   m.num_layers = 12
   m.dtype = "bfloat16"
-  m.remat = "save_kda_out"               # keep the KDA kernels' output; recompute the rest
+  m.remat = "save_attention"             # keep cuDNN attention's output and statistics; recompute the rest
   m.ffn_hidden = 2048                   # layer 0's dense FFN
   m.kda.num_heads = 6                   # head dim 128, Kimi Linear's
   m.mla.num_heads = 6                   # head dims 128

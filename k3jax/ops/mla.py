@@ -80,6 +80,13 @@ def causal_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: floa
   return jax.lax.cond(jnp.max(runs_B) <= max_documents, packed, blocked)[..., :Dv]
 
 
+def saves_fused_attention(prim, *_, **__) -> bool:
+  """A `jax.checkpoint` policy: keep what cuDNN's fused attention forward writes (the output and the softmax
+  statistics its backward reads), so that a rematerialised layer does not run the attention forward again."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  return prim is cudnn._dot_product_attention_fwd_p_wrapper
+
+
 def blocked_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, *, scale: float, block: int = 256):
   """`causal_attention`'s result by blocks of `block` queries and keys with an online softmax (FlashAttention's),
   in fp32: exact, O(T) memory besides one block pair, every pair at or below the diagonal computed (no document

@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from k3jax.ops.kda.common import CHUNK, IntraOutputs, reset_mask
+from k3jax.ops.kda.common import CHUNK, RESIDUALS_NAME, IntraOutputs, reset_mask
 from k3jax.ops.kda.gate import fused_inputs
 from pallas_kernels._triton import traced_once
 from pallas_kernels.kda import bwd, fwd
@@ -135,7 +136,8 @@ def _forward(plan, q, k, v, g, beta, gate, S0, reset, *, save):
 
 
 def _kda_fwd(plan, q, k, v, g, beta, gate, S0, reset):
-  return _forward_once(plan, True, q, k, v, g, beta, gate, S0, reset)
+  out, res = _forward_once(plan, True, q, k, v, g, beta, gate, S0, reset)
+  return out, jax.tree.map(lambda x: checkpoint_name(x, RESIDUALS_NAME), res)   # for a remat policy to keep
 
 
 def _backward(plan, res: Residuals, cotangents):

@@ -1,8 +1,9 @@
 """One train step of a small model on the GPU's kernels (KDA ×3 + MLA, LatentMoE, bf16, its layers scanned in two
 groups): finite, and its loss, gradient norm and every parameter's gradient those of the same step on the XLA paths
 (`model.kda.backend = "xla"`, the MoE's grouped GEMM on `jax.lax.ragged_dot`), held to the XLA bf16 step's own error
-against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`) and with the
-sources stored in bf16 (`model.residual.source_dtype`; the references store them in fp32); and the
+against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`), with the
+sources stored in bf16 (`model.residual.source_dtype`; the references store them in fp32) and rematerialised keeping
+the mixers' residuals (`model.remat="save_mixers"`; the references keep everything); and the
 program compared holds the Pallas kernels (the KDA kernels, the Mosaic GPU grouped GEMM; with the per-layer read-out
 also the short convs' backward kernel), so the XLA path is not compared with itself.
 
@@ -32,7 +33,7 @@ from k3jax.model import K3Model
 from k3jax.numerics import rel_err
 from k3jax.train import optimizer, stages as stages_lib, state as state_lib, step as step_lib
 from pallas_kernels.grouped_gemm import GroupedGemmOptions
-from pallas_testing import pallas_kernels_in
+from pallas_testing import pallas_kernels_in, primitive_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -67,16 +68,19 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
                "kda_intra_bwd_dg"}
 GEMM_KERNELS = {"grouped_ragged_dot", "grouped_ragged_dot_glu", "grouped_ragged_dot_glu_grad", "body"}
 # The "pallas" run's short convs run their backward passes as kernels too.
-GLUE_KERNELS = {"pallas": {"short_conv_backward"}, "pallas_group": set(), "pallas_bf16_sources": set()}
+GLUE_KERNELS = {"pallas": {"short_conv_backward"}, "pallas_group": set(), "pallas_bf16_sources": set(),
+                "pallas_save_mixers": set()}
+# The primitive of cuDNN's fused attention forward, as its custom VJP binds it.
+CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 
 
 def _model_config(dtype: str, kda_backend: str, readout: str = "layer", conv_backward: str = "fused",
-                  source_dtype: str = "float32"):
+                  source_dtype: str = "float32", remat: str = "none"):
   """The pattern KDA, KDA, KDA, MLA over 9 layers (layer 0 dense, 1-8 LatentMoE of 4 experts, scanned as two groups,
   so that a group read-out has a group to read), two heads per mixer; `conv_backward` the short convs' backward
   passes ("kernel": their Pallas kernel, which takes these shapes); `source_dtype` the AttnRes sources' storage."""
   m = config_lib.model_config()
-  m.num_layers, m.last_layer, m.residual.readout = 9, None, readout
+  m.num_layers, m.last_layer, m.residual.readout, m.remat = 9, None, readout, remat
   m.residual.source_dtype = source_dtype
   m.kda.conv_backward = conv_backward
   m.d_model, m.dtype, m.ffn_hidden = D_MODEL, dtype, 2 * D_MODEL
@@ -118,8 +122,8 @@ def _batch(vocab_size):
 
 @pytest.fixture(scope="module")
 def steps():
-  """{"pallas", "pallas_group", "pallas_bf16_sources", "xla", "fp32"}: (metrics, gradients, the state after the step, the Pallas kernels of
-  its traced program, its lowered program's text) of one step from the same state on the same batch."""
+  """{*KERNEL_RUNS, "xla", "fp32"}: (metrics, gradients, the state after the step, its traced program, its lowered
+  program's text) of one step from the same state on the same batch."""
   c = common.base_config()
   c.model, c.mesh, c.seq_len, c.batch_size, c.steps = _model_config("bfloat16", "pallas"), MESH, T, B, 10
   lr = stages_lib.training_plan(c).learning_rate
@@ -132,6 +136,8 @@ def steps():
           "pallas_group": (_model_config("bfloat16", "pallas", readout="group"), "auto"),
           "pallas_bf16_sources": (_model_config("bfloat16", "pallas", source_dtype="bfloat16"), "auto"),
           "xla": (_model_config("bfloat16", "xla"), "xla"), "fp32": (_model_config("float32", "xla"), "xla")}
+  if "pallas_save_mixers" in KERNEL_RUNS:
+    runs["pallas_save_mixers"] = (_model_config("bfloat16", "pallas", remat="save_mixers"), "auto")
   out = {}
   for name, (model_cfg, moe_backend) in runs.items():
     step = jax.jit(step_lib.make_train_step(_graphdef(model_cfg, moe_backend, mesh), tx, lr, model_cfg))
@@ -140,8 +146,7 @@ def steps():
       traced = step.trace(state, batch)
       lowered = traced.lower()
     new_state, metrics = lowered.compile()(state, batch)
-    out[name] = (jax.device_get(metrics), new_state.opt_state[0], new_state, pallas_kernels_in(traced.jaxpr),
-                 lowered.as_text())
+    out[name] = (jax.device_get(metrics), new_state.opt_state[0], new_state, traced.jaxpr, lowered.as_text())
   return out
 
 
@@ -150,7 +155,9 @@ def _leaves(tree):
 
 
 # The kernels' steps held to the XLA bf16 step: the AttnRes read-out per layer and per scanned group.
-KERNEL_RUNS = ("pallas", "pallas_group", "pallas_bf16_sources")
+# Rematerialised keeping the mixers' residuals on the GPU only: interpret mode runs the kernels through ordered
+# callbacks, which jax.checkpoint cannot differentiate.
+KERNEL_RUNS = ("pallas", "pallas_group", "pallas_bf16_sources") + (("pallas_save_mixers",) if ON_GPU else ())
 
 
 def test_the_model_scans_two_groups_for_the_group_read_out_to_read():
@@ -194,14 +201,24 @@ def test_the_step_compared_runs_the_kernels(steps, run):
   """The kernels' step launches every KDA kernel (the "pallas" run also the short conv's backward kernel) and on the
   GPU the Mosaic GPU grouped GEMM's (lowered, its program holds the Triton and Mosaic GPU calls); the XLA steps
   launch none."""
-  _, _, _, kernels, text = steps[run]
+  _, _, _, jaxpr, text = steps[run]
+  kernels = pallas_kernels_in(jaxpr)
   want = KDA_KERNELS | GLUE_KERNELS[run] | (GEMM_KERNELS if ON_GPU else set())
   assert kernels == want, f"missing {sorted(want - kernels)}, not expected {sorted(kernels - want)}"
   for name in ("xla", "fp32"):
-    assert not steps[name][3], (name, steps[name][3])
+    assert not pallas_kernels_in(steps[name][3]), name
   if ON_GPU:
     assert all(f'name = "{n}"' in text for n in KDA_KERNELS if not n.endswith("_mosaic"))
     assert "kda_intra_fwd_solve_mosaic" in text and "grouped_ragged_dot" in text
     for name in ("xla", "fp32"):
       xla_text = steps[name][4]
       assert "__gpu$xla.gpu.triton" not in xla_text and "mosaic_gpu_v2" not in xla_text, name
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused attention runs on the GPU only (the CPU check runs XLA's)")
+def test_remat_keeping_the_mixers_residuals_runs_the_attention_forward_once_per_layer(steps):
+  """Under "save_mixers" the rematerialised step launches cuDNN's attention forward as often as the step that keeps
+  everything (once per MLA layer), not once more for the recomputation; the KDA kernels likewise (the CPU test
+  tests/test_model.py counts them)."""
+  count = lambda run: primitive_calls(steps[run][3], CUDNN_ATTENTION_FORWARD)
+  assert count("pallas_save_mixers") == count("pallas") > 0

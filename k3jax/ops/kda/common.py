@@ -19,6 +19,9 @@ SUB = 16     # tokens per tile: exponents are anchored per tile (docs/design.md,
 L2_EPS = 1e-6   # x / sqrt(Σx² + L2_EPS): the q/k normalisation of the fused entry and of the kernels' pre-pass
 # Every 16-token tile may factorise e^{±G} only if |lower_bound|·16 < 88.7 (fp32/bf16 exponent range).
 SAFE_LOWER_BOUND = -5.5
+# The name (`jax.ad_checkpoint.checkpoint_name`) the Pallas path gives what its forward keeps for its backward: a
+# remat policy that saves it keeps the kernels' residuals instead of running the KDA forward again.
+RESIDUALS_NAME = "kda_residuals"
 
 
 class IntraOutputs(NamedTuple):
