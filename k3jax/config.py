@@ -31,11 +31,10 @@ MOE_ROUTINGS = ("auto", "sorted", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 # What each decoder layer keeps for its backward pass (the jax.checkpoint policy of a layer, by name), the scanned
 # groups' layers alike (`k3jax.model.recomputing_scan`): "none" everything (no rematerialisation); "full" only its
-# inputs (the rest is recomputed in the backward pass); "save_kda_out" its inputs and the KDA kernels' output;
-# "save_attention" its inputs and cuDNN attention's output and softmax statistics, so the backward pass does not run
+# inputs (the rest is recomputed in the backward pass); "save_attention" its inputs and cuDNN attention's output and softmax statistics, so the backward pass does not run
 # the attention forward again; "save_mixers" that and the KDA kernels' output and residuals, so neither mixer's
 # forward runs again (the most memory: the KDA residuals are several times the layer's activations).
-REMAT_POLICIES = ("none", "full", "save_kda_out", "save_attention", "save_mixers")
+REMAT_POLICIES = ("none", "full", "save_attention", "save_mixers")
 
 
 def model_config() -> ml_collections.ConfigDict:
@@ -125,7 +124,7 @@ def validate(m: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.last_layer must be one of {LAYER_TYPES} or None, got {last!r}")
   remat = _get(m, "remat")
   if remat not in REMAT_POLICIES:
-    hint = " (True was today's 'save_kda_out', False 'none')" if isinstance(remat, bool) else ""
+    hint = " (True is today's 'full', False 'none')" if isinstance(remat, bool) else ""
     raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {remat!r}{hint}")
   if not isinstance(_get(m, "scan_layers"), bool):
     raise ValueError(f"model.scan_layers must be a bool, got {m.scan_layers!r}")
@@ -213,12 +212,13 @@ def unread_moe_fields(moe: dict) -> set[str]:
 def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
-  (True was "save_kda_out", False "none"), `residual.readout` "layer" (each read-out read the buffer),
+  (True "full", False "none"), `residual.readout` "layer" (each read-out read the buffer),
   `residual.backward` and `kda.conv_backward` "fused", `residual.source_dtype` "float32" (the sources were stored
   in fp32), `moe.load_unit` 1 (the article balancer's unit before it was
   a setting), `moe.glu_epilogue` False (the SiTU-GLU between the grouped GEMMs). Options removed since, each
   computing what remains: `scan_alike_layers` (the same layers and parameters) and `residual.forward` are dropped,
-  `residual.backward="kernel"` is read as "fused"."""
+  `residual.backward="kernel"` is read as "fused", `remat="save_kda_out"` as "full" (it kept the KDA output, which
+  spared no kernel: their backward reads residuals only their forward writes)."""
   d = dict(d)
   d.setdefault("scan_layers", False)
   d.pop("scan_alike_layers", None)
@@ -232,8 +232,8 @@ def saved_model_fields(d: dict) -> dict:
     d["residual"] = residual
   if isinstance(d.get("moe"), dict) and d["moe"]:
     d["moe"] = {"load_unit": 1.0, "glu_epilogue": False, **d["moe"]}
-  if isinstance(d.get("remat"), bool):
-    d["remat"] = "save_kda_out" if d["remat"] else "none"
+  if isinstance(d.get("remat"), bool) or d.get("remat") == "save_kda_out":
+    d["remat"] = "none" if d["remat"] is False else "full"
   return d
 
 

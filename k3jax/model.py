@@ -37,14 +37,17 @@ from k3jax.layers.kda import KDA_OUT, KDALayer
 from k3jax.layers.mla import GatedMLA
 from k3jax.ops import kda as kda_ops, mla as mla_ops
 
-# The jax.checkpoint policies of config.REMAT_POLICIES ("none": no jax.checkpoint at all).
+# The jax.checkpoint policies of config.REMAT_POLICIES ("none": no jax.checkpoint at all). "save_mixers" keeps the
+# KDA output with the kernels' residuals: the layer's recomputation reads it, and would otherwise run the kernels.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_kda_out": jax.checkpoint_policies.save_only_these_names(KDA_OUT),
     "save_attention": mla_ops.saves_fused_attention,
     "save_mixers": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_only_these_names(KDA_OUT, kda_ops.RESIDUALS_NAME), mla_ops.saves_fused_attention),
 }
+# Under each policy, the mixers whose layers keep something of their forward; a scanned layer of another mixer runs
+# its forward undifferentiated and keeps only its input (`recomputing_scan`).
+REMAT_KEEPS = {"full": (), "save_attention": ("mla",), "save_mixers": ("kda", "mla")}
 
 
 @flax.struct.dataclass
@@ -286,7 +289,8 @@ class K3Model(nnx.Module):
     else:
       step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
       carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize,
-                                      flush=flush, policy=REMAT_POLICIES[remat])
+                                      flush=flush, policies=[REMAT_POLICIES[remat] if layer.kind in REMAT_KEEPS[remat]
+                                                             else None for layer in self.groups])
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
@@ -359,9 +363,9 @@ def _check_tokens(tokens_BT, segment_ids_BT):
 
 
 def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs_G, *, summarize=None,
-                     flush=attnres.flush, policy=jax.checkpoint_policies.nothing_saveable):
+                     flush=attnres.flush, policies=None):
   """Groups of `num_positions` layers under one scan whose backward pass recomputes each layer from its input and
-  what `policy` (a `jax.checkpoint` policy) kept of its forward.
+  what its policy kept of its forward.
 
   `layer_step(j, params_j, rest_j, xs_g, carry) -> (carry, MoE stats or None)` runs position j of a group on an
   `attnres.Carry`; `params_G` (differentiated), `rest_G` (the other state, not differentiated) and `xs_G` (not
@@ -369,15 +373,17 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   last group, per position the MoE stats stacked over the groups). `summarize(params_g, rest_g, carry) -> carry`,
   if given, runs at each group's start and gives the carry the buffer's part of the group's read-outs
   (`attnres.summarize`), each layer reading the same number of them. `flush(carry) -> carry` writes a group's closed
-  sums at its end (`attnres.flush`).
+  sums at its end (`attnres.flush`). `policies`: per position a `jax.checkpoint` policy, or None (the default, for
+  every position) for a layer that keeps nothing of its forward.
 
-  The forward pass runs each layer as `jax.vjp` of it under `jax.checkpoint(policy)`, and keeps that VJP's
-  residuals, stacked over the groups: what the policy saves (the KDA kernels' residuals, say) and the layer's inputs
-  (a partial sum, the sums closed in the group so far), each array once, but not what the backward pass has again:
-  the parameters and the other state, the scanned inputs, the summaries, and the buffer of sources, which is kept
-  once, after the last group. The backward pass runs the groups in reverse, each layer's VJP from what was kept with
-  that final buffer in place of the one it read: the read-outs mask the buffer to the first `count` sources, and
-  those slots never change once written, so the layer sees what it saw. Under `jax.checkpoint` inside a `lax.scan`
+  The forward pass runs a layer with a policy as `jax.vjp` of it under `jax.checkpoint(policy)`, and keeps that
+  VJP's residuals: what the policy saves (cuDNN attention's output, say) and the layer's inputs (a partial sum, the
+  sums closed in the group so far). A layer without one runs undifferentiated (its custom VJPs' plain forwards, which
+  write no residuals) and keeps its inputs; the backward pass takes its VJP again. Kept, stacked over the groups:
+  each array once, and not what the backward pass has again: the parameters and the other state, the scanned
+  inputs, the summaries, and the buffer of sources, which is kept once, after the last group. The backward pass runs
+  the groups in reverse, each layer's VJP with that final buffer in place of the one it read: the read-outs mask the
+  buffer to the first `count` sources, and those slots never change once written, so the layer sees what it saw. Under `jax.checkpoint` inside a `lax.scan`
   the scan would instead keep the buffer of every group. The summaries are not kept either: the backward pass
   computes them again from that buffer, once per group, and after the group's layers adds their VJP (buffer and
   read-out parameters) to the layers'.
@@ -412,8 +418,12 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   def groups(params_G, rest_G, xs_G, carry):
     return jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
 
-  # Where the backward pass finds each leaf: for the group's input carry (its first entry), then for each position's
-  # VJP, (treedef, per leaf ("given", index) or ("kept", index)). Written by the forward pass's trace.
+  policies = (None,) * num_positions if policies is None else tuple(policies)
+  if len(policies) != num_positions:
+    raise ValueError(f"need a policy (or None) per position ({num_positions}), got {len(policies)}")
+  # Where the backward pass finds each leaf: for the group's input carry (its first entry), then per position
+  # (treedef, per leaf ("given", index) or ("kept", index)) of its VJP, or of its input carry where it has no policy.
+  # Written by the forward pass's trace.
   layout = []
 
   def forward(params_G, rest_G, xs_G, carry):
@@ -436,11 +446,15 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       for j in range(num_positions):
         summaries, later_summaries = carry.summaries[:n], carry.summaries[n:]
         c = carry.replace(summaries=summaries)
-        diff = (c.sources_NBTD, c.later_MBTD, c.partial_BTD, tuple(v for v, _ in c.closed), summaries)
-        fn = jax.checkpoint(layer(j, rest_g[j], xs_g, c), policy=policy)
-        (_, layer_stats), vjp, carry = jax.vjp(fn, params_g[j], diff, has_aux=True)
+        fn = layer(j, rest_g[j], xs_g, c)
+        if policies[j] is None:
+          (_, layer_stats), carry = fn(params_g[j], _differentiable(c))
+          leaves, treedef = jax.tree.flatten(c.replace(sources_NBTD=None, later_MBTD=None, summaries=()))
+        else:
+          (_, layer_stats), vjp, carry = jax.vjp(jax.checkpoint(fn, policy=policies[j]), params_g[j],
+                                                 _differentiable(c), has_aux=True)
+          leaves, treedef = jax.tree.flatten(vjp)
         carry = carry.replace(summaries=later_summaries)
-        leaves, treedef = jax.tree.flatten(vjp)
         layout.append((treedef, [where(x) for x in leaves]))
         stats.append(layer_stats)
       return carry, (tuple(stats), [x for _, x in kept.values()])
@@ -457,20 +471,24 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
       given = jax.tree.leaves((params_g, rest_g, xs_g, sources, later))   # then the summaries
       rebuild = lambda treedef, where: jax.tree.unflatten(treedef, [given[i] if src == "given" else kept_g[i]
                                                                     for src, i in where])
-      summaries = ()
+      summaries = ()   # the group's, in order
       if summarize is not None:   # the group's summaries again, from the final buffer (what they read is unchanged)
         start = rebuild(*layout[0])
         of_buffer = lambda p, s: summarize(p, rest_g, start.replace(sources_NBTD=s)).summaries
         summaries, summary_vjp = jax.vjp(of_buffer, params_g, sources)
         given += jax.tree.leaves(summaries)
+      n = len(summaries) // num_positions
       d_params, d_summaries = [None] * num_positions, [()] * num_positions
       for j in reversed(range(num_positions)):
-        treedef, where = layout[1 + j]
-        leaves = [given[i] if src == "given" else kept_g[i] for src, i in where]
+        kept_j = rebuild(*layout[1 + j])
         # Tied to the incoming cotangent, the recomputation cannot run ahead of the later layers' backward passes
         # (XLA would be free to recompute every layer of the group first, holding all their activations at once).
-        leaves, d = jax.lax.optimization_barrier((leaves, d))
-        vjp = jax.tree.unflatten(treedef, leaves)
+        if policies[j] is None:   # kept_j is the layer's input carry
+          c = kept_j.replace(sources_NBTD=sources, later_MBTD=later, summaries=summaries[j * n:(j + 1) * n])
+          (params_j, diff), d = jax.lax.optimization_barrier(((params_g[j], _differentiable(c)), d))
+          _, vjp, _ = jax.vjp(layer(j, rest_g[j], xs_g, c), params_j, diff, has_aux=True)
+        else:                     # kept_j is the layer's VJP
+          vjp, d = jax.lax.optimization_barrier((kept_j, d))
         d_params[j], (d_sources, d_later, d_partial, d_closed, d_summaries[j]) = vjp((d, d_stats_g[j]))
         d = (d_sources, d_later, d_partial, d_closed)
       if summarize is not None:
@@ -486,6 +504,12 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
 
   groups.defvjp(forward, backward)
   return groups(params_G, rest_G, xs_G, carry)
+
+
+def _differentiable(carry: attnres.Carry):
+  """A carry's differentiable part, as `recomputing_scan`'s layers take it: (buffer, its later slots, partial sum,
+  closed sums, summaries)."""
+  return (carry.sources_NBTD, carry.later_MBTD, carry.partial_BTD, tuple(v for v, _ in carry.closed), carry.summaries)
 
 
 def unstacked_ndim(path, x) -> int:

@@ -116,7 +116,7 @@ def test_layer_plan_needs_two_groups_and_can_be_turned_off():
   assert (lp.unrolled, lp.start, lp.group_size, lp.num_groups) == ((0,), 1, 1, 11)
 
 
-@pytest.mark.parametrize("value,match", [(True, "True was today's 'save_kda_out'"), ("kda", "must be one of")])
+@pytest.mark.parametrize("value,match", [(True, "True is today's 'full'"), ("kda", "must be one of")])
 def test_remat_is_a_policy_name(value, match):
   # A bool arrives from the config.json of a run made before the policies had names.
   cfg = ml_collections.ConfigDict(dict(small_config().to_dict(), remat=value))

@@ -89,7 +89,7 @@ def test_remat_gives_the_same_loss_and_gradients():
   changes = {**MODEL, "num_layers": 1, "layer_pattern": ("mla",), "moe.first_dense_layers": 0,
              "residual.mode": "full", "z_loss_coef": 1e-3}
   plain = random_module(lambda rngs: K3Model(small_config(**changes), rngs=rngs), seed=3)
-  remat = random_module(lambda rngs: K3Model(small_config(remat="save_kda_out", **changes), rngs=rngs), seed=3)
+  remat = random_module(lambda rngs: K3Model(small_config(remat="save_mixers", **changes), rngs=rngs), seed=3)
   tokens = _tokens(4, (2, T))
 
   def loss_and_grads(model):
@@ -111,16 +111,15 @@ def test_remat_gives_the_same_loss_and_gradients():
 
 
 def test_kda_intra_kernel_runs_once_per_layer_and_once_more_unless_remat_keeps_its_residuals(monkeypatch):
-  # The kernels' VJP keeps the intra pass's outputs, so without remat the backward does not rerun it; "save_kda_out"
-  # spares the layer's recomputation the state pass, not the intra pass (its residuals are not saved), and
-  # "save_mixers" keeps the residuals, so the intra pass runs once. Counted where the traced program launches it
-  # (each call of a shared program counted): unrolled, each of the two layers launches it; scanned (two groups of
-  # one layer), the group's body launches it once.
+  # The kernels' VJP keeps the intra pass's outputs, so without remat the backward does not rerun it; "full" reruns
+  # the layer's forward, kernels and all, and "save_mixers" keeps the kernels' residuals, so the intra pass runs
+  # once. Counted where the traced program launches it (each call of a shared program counted): unrolled, each of
+  # the two layers launches it; scanned (two groups of one layer), the group's body launches it once.
   changes = {**MODEL, "num_layers": 2, "layer_pattern": ("kda",), "last_layer": "kda", "moe.enabled": False,
              "kda.backend": "pallas"}
   counts = {}
   for scan in (False, True):
-    for remat in ("none", "save_kda_out", "save_mixers"):
+    for remat in ("none", "full", "save_mixers"):
       cfg = small_config(remat=remat, scan_layers=scan, **changes)
       model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
       assert model.plan.num_groups == (2 if scan else 0)
@@ -133,8 +132,11 @@ def test_kda_intra_kernel_runs_once_per_layer_and_once_more_unless_remat_keeps_i
 
 
 SCAN_CASES = {  # with the layers of SCANNED: (KDA, MLA) twice under the scan, after two unrolled layers
-    "blocks_straddle_groups": small_config(**{**SCANNED, "remat": "save_kda_out"}),
-    "full": small_config(**{**SCANNED, "residual.mode": "full", "residual.source_dtype": "bfloat16"}),  # sources in bf16
+    # Rematerialised: the KDA and MLA positions keep their VJPs' residuals ("save_mixers", each keeping the KDA
+    # output), or the KDA ones only their inputs ("save_attention"; on the CPU the MLA ones keep nothing either).
+    "blocks_straddle_groups": small_config(**{**SCANNED, "remat": "save_mixers"}),
+    "full": small_config(**{**SCANNED, "residual.mode": "full", "residual.source_dtype": "bfloat16",   # bf16 sources
+                            "remat": "save_attention"}),
     "none": small_config(**{**SCANNED, "residual.mode": "none", "remat": "full"}),
 }
 

@@ -31,8 +31,9 @@ from k3jax.train import workdir as workdir_lib
 # Fields that name places on a machine, not what a run computes; the token shards (comma-separated paths) are
 # compared by their file names.
 MACHINE_FIELDS = ("data.cache_dir",)
-# How kernels run the same formulas (their order of fp32 sums, the GLU's rounding): a record stays valid across them.
-KERNEL_CHOICES = ("model.kda.conv_backward", "model.residual.backward", "model.moe.glu_epilogue")
+# How kernels run the same formulas (their order of fp32 sums, the GLU's rounding) and what the backward pass keeps
+# rather than recomputes: a record stays valid across them.
+KERNEL_CHOICES = ("model.kda.conv_backward", "model.residual.backward", "model.moe.glu_epilogue", "model.remat")
 SHARD_FIELDS = ("data.shards", "data.heldout_shards")
 COMMIT_ENV = "K3JAX_COMMIT"
 

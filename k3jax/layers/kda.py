@@ -25,7 +25,7 @@ from k3jax.layers.common import Linear, RMSNorm, normal_param
 from k3jax.ops.kda import chunk_kda, fused_inputs, fused_kda, kda_decode_step
 from k3jax.ops.short_conv import conv_tail, short_conv
 
-# The KDA output's name, for a remat policy to keep it ("save_kda_out", "save_mixers"; k3jax.config.REMAT_POLICIES).
+# The KDA output's name, for a remat policy to keep it ("save_mixers"; k3jax.config.REMAT_POLICIES).
 KDA_OUT = "kda_out"
 
 

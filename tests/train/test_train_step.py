@@ -188,8 +188,8 @@ def test_scanned_train_steps_match_the_unrolled_ones(tmp_path):
   # the same parameters. Muon orthogonalises the stacked matrices over their batch axis; quantile balancing updates
   # the stacked MoE layers from stacked micro-batch stats.
   # Rematerialised (the scanned groups' own recomputing VJP) under the scan over micro-batches.
-  scanned_cfg = small_config(**SCANNED, remat="save_kda_out")
-  unrolled_cfg = small_config(**SCANNED, remat="save_kda_out", scan_layers=False)
+  scanned_cfg = small_config(**SCANNED, remat="save_mixers")
+  unrolled_cfg = small_config(**SCANNED, remat="save_mixers", scan_layers=False)
   (m1, s1), (m2, s2, resumed) = _run_steps(unrolled_cfg, 2), _run_steps(scanned_cfg, 2, resume_at=1,
                                                                          directory=tmp_path / "ckpt")
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(s2[2])):   # the stacked layout resumes exactly

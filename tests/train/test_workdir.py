@@ -82,7 +82,7 @@ def test_a_config_saved_before_scanned_layers_loads_as_the_unrolled_model_it_tra
   c = workdir_lib.config_from_json(saved)
   assert (c.model.scan_layers, c.model.remat, c.model.residual.readout, c.model.residual.backward,
           c.model.residual.source_dtype, c.model.kda.conv_backward,
-          c.model.moe.glu_epilogue) == (False, "save_kda_out", "layer", "fused", "float32", "fused", False)
+          c.model.moe.glu_epilogue) == (False, "full", "layer", "fused", "float32", "fused", False)
   c = workdir_lib.config_from_json(workdir_lib.as_json(tiny.get_config()))   # a current one is kept as saved
   assert (c.model.scan_layers, c.model.remat) == (True, "none")
 
