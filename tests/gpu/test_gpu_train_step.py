@@ -2,8 +2,8 @@
 groups): finite, and its loss, gradient norm and every parameter's gradient those of the same step on the XLA paths
 (`model.kda.backend = "xla"`, the MoE's grouped GEMM on `jax.lax.ragged_dot`), held to the XLA bf16 step's own error
 against an fp32 XLA step, with the AttnRes read-out per layer and per group (`model.residual.readout`), with the
-sources stored in bf16 (`model.residual.source_dtype`; the references store them in fp32) and rematerialised keeping
-the mixers' residuals (`model.remat="save_mixers"`; the references keep everything); and the
+sources stored in bf16 (`model.residual.source_dtype`; the references store them in fp32) and rematerialised
+keeping the attention's or both mixers' residuals (`model.remat`; the references keep everything); and the
 program compared holds the Pallas kernels (the KDA kernels, the Mosaic GPU grouped GEMM; with the per-layer read-out
 also the short convs' backward kernel), so the XLA path is not compared with itself.
 
@@ -69,7 +69,7 @@ KDA_KERNELS = {"kda_prepare", "kda_intra_fwd_key_tiles", "kda_intra_fwd_solve_mo
 GEMM_KERNELS = {"grouped_ragged_dot", "grouped_ragged_dot_glu", "grouped_ragged_dot_glu_grad", "body"}
 # The "pallas" run's short convs run their backward passes as kernels too.
 GLUE_KERNELS = {"pallas": {"short_conv_backward"}, "pallas_group": set(), "pallas_bf16_sources": set(),
-                "pallas_save_mixers": set()}
+                "pallas_save_attention": set(), "pallas_save_mixers": set()}
 # The primitive of cuDNN's fused attention forward, as its custom VJP binds it.
 CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 
@@ -136,8 +136,8 @@ def steps():
           "pallas_group": (_model_config("bfloat16", "pallas", readout="group"), "auto"),
           "pallas_bf16_sources": (_model_config("bfloat16", "pallas", source_dtype="bfloat16"), "auto"),
           "xla": (_model_config("bfloat16", "xla"), "xla"), "fp32": (_model_config("float32", "xla"), "xla")}
-  if "pallas_save_mixers" in KERNEL_RUNS:
-    runs["pallas_save_mixers"] = (_model_config("bfloat16", "pallas", remat="save_mixers"), "auto")
+  for policy in REMAT_RUNS:
+    runs[f"pallas_{policy}"] = (_model_config("bfloat16", "pallas", remat=policy), "auto")
   out = {}
   for name, (model_cfg, moe_backend) in runs.items():
     step = jax.jit(step_lib.make_train_step(_graphdef(model_cfg, moe_backend, mesh), tx, lr, model_cfg))
@@ -155,9 +155,11 @@ def _leaves(tree):
 
 
 # The kernels' steps held to the XLA bf16 step: the AttnRes read-out per layer and per scanned group.
-# Rematerialised keeping the mixers' residuals on the GPU only: interpret mode runs the kernels through ordered
-# callbacks, which jax.checkpoint cannot differentiate.
-KERNEL_RUNS = ("pallas", "pallas_group", "pallas_bf16_sources") + (("pallas_save_mixers",) if ON_GPU else ())
+# Rematerialised on the GPU only: interpret mode runs the kernels through ordered callbacks, which jax.checkpoint
+# cannot differentiate. "save_attention": the scanned KDA layers keep only their inputs, the MLA layer its VJP's
+# residuals; "save_mixers": every layer its VJP's residuals.
+REMAT_RUNS = ("save_attention", "save_mixers") if ON_GPU else ()
+KERNEL_RUNS = ("pallas", "pallas_group", "pallas_bf16_sources") + tuple(f"pallas_{p}" for p in REMAT_RUNS)
 
 
 def test_the_model_scans_two_groups_for_the_group_read_out_to_read():
@@ -216,9 +218,10 @@ def test_the_step_compared_runs_the_kernels(steps, run):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused attention runs on the GPU only (the CPU check runs XLA's)")
-def test_remat_keeping_the_mixers_residuals_runs_the_attention_forward_once_per_layer(steps):
-  """Under "save_mixers" the rematerialised step launches cuDNN's attention forward as often as the step that keeps
-  everything (once per MLA layer), not once more for the recomputation; the KDA kernels likewise (the CPU test
-  tests/test_model.py counts them)."""
+@pytest.mark.parametrize("policy", ("save_attention", "save_mixers"))
+def test_remat_keeping_the_attention_s_residuals_runs_its_forward_once_per_layer(steps, policy):
+  """Rematerialised under either policy, the step launches cuDNN's attention forward as often as the step that keeps
+  everything (once per MLA layer), not once more for the recomputation (the KDA kernels under "save_mixers": the CPU
+  test tests/test_model.py counts them)."""
   count = lambda run: primitive_calls(steps[run][3], CUDNN_ATTENTION_FORWARD)
-  assert count("pallas_save_mixers") == count("pallas") > 0
+  assert count(f"pallas_{policy}") == count("pallas") > 0
