@@ -383,11 +383,15 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   each array once, and not what the backward pass has again: the parameters and the other state, the scanned
   inputs, the summaries, and the buffer of sources, which is kept once, after the last group. The backward pass runs
   the groups in reverse, each layer's VJP with that final buffer in place of the one it read: the read-outs mask the
-  buffer to the first `count` sources, and those slots never change once written, so the layer sees what it saw. Under `jax.checkpoint` inside a `lax.scan`
-  the scan would instead keep the buffer of every group. The summaries are not kept either: the backward pass
-  computes them again from that buffer, once per group, and after the group's layers adds their VJP (buffer and
-  read-out parameters) to the layers'.
+  buffer to the first `count` sources, and those slots never change once written, so the layer sees what it saw.
+  Under `jax.checkpoint` inside a `lax.scan` the scan would instead keep the buffer of every group. The summaries are
+  not kept either: the backward pass computes them again from that buffer, once per group, and after the group's
+  layers adds their VJP (buffer and read-out parameters) to the layers'.
   """
+  policies = (None,) * num_positions if policies is None else tuple(policies)
+  if len(policies) != num_positions:
+    raise ValueError(f"need a policy (or None) per position ({num_positions}), got {len(policies)}")
+
   def group(carry, xs):
     params_g, rest_g, xs_g = xs
     if summarize is not None:
@@ -418,9 +422,6 @@ def recomputing_scan(layer_step, num_positions: int, carry, params_G, rest_G, xs
   def groups(params_G, rest_G, xs_G, carry):
     return jax.lax.scan(group, carry, (params_G, rest_G, xs_G))
 
-  policies = (None,) * num_positions if policies is None else tuple(policies)
-  if len(policies) != num_positions:
-    raise ValueError(f"need a policy (or None) per position ({num_positions}), got {len(policies)}")
   # Where the backward pass finds each leaf: for the group's input carry (its first entry), then per position
   # (treedef, per leaf ("given", index) or ("kept", index)) of its VJP, or of its input carry where it has no policy.
   # Written by the forward pass's trace.
