@@ -31,9 +31,10 @@ MOE_ROUTINGS = ("auto", "sorted", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 # What each decoder layer keeps for its backward pass (the jax.checkpoint policy of a layer, by name), the scanned
 # groups' layers alike (`k3jax.model.recomputing_scan`): "none" everything (no rematerialisation); "full" only its
-# inputs (the rest is recomputed in the backward pass); "save_attention" its inputs and cuDNN attention's output and softmax statistics, so the backward pass does not run
-# the attention forward again; "save_mixers" that and the KDA kernels' output and residuals, so neither mixer's
-# forward runs again (the most memory: the KDA residuals are several times the layer's activations).
+# inputs (the rest is recomputed in the backward pass); "save_attention" its inputs and cuDNN attention's output and
+# softmax statistics, so the backward pass does not run the attention forward again; "save_mixers" that and the KDA
+# kernels' output and residuals, so neither mixer's forward runs again (the most memory: the KDA residuals are
+# several times the layer's activations).
 REMAT_POLICIES = ("none", "full", "save_attention", "save_mixers")
 
 

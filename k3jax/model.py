@@ -288,9 +288,9 @@ class K3Model(nnx.Module):
       carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
     else:
       step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
+      policies = [REMAT_POLICIES[remat] if layer.kind in REMAT_KEEPS[remat] else None for layer in self.groups]
       carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize,
-                                      flush=flush, policies=[REMAT_POLICIES[remat] if layer.kind in REMAT_KEEPS[remat]
-                                                             else None for layer in self.groups])
+                                      flush=flush, policies=policies)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
 
   def update_balance(self, moe_stats) -> None:
