@@ -37,17 +37,16 @@ from k3jax.layers.kda import KDA_OUT, KDALayer
 from k3jax.layers.mla import GatedMLA
 from k3jax.ops import kda as kda_ops, mla as mla_ops
 
-# The jax.checkpoint policies of config.REMAT_POLICIES ("none": no jax.checkpoint at all). "save_mixers" keeps the
-# KDA output with the kernels' residuals: the layer's recomputation reads it, and would otherwise run the kernels.
+# What each of config.REMAT_POLICIES keeps ("none": no jax.checkpoint at all), per mixer: the jax.checkpoint policy
+# of a layer of that mixer; a mixer not named keeps nothing of its forward, and in the scanned groups runs it
+# undifferentiated (`recomputing_scan`). "save_mixers" keeps the KDA output with the kernels' residuals: the layer's
+# recomputation reads it, and would otherwise run the kernels.
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_attention": mla_ops.saves_fused_attention,
-    "save_mixers": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.save_only_these_names(KDA_OUT, kda_ops.RESIDUALS_NAME), mla_ops.saves_fused_attention),
+    "full": {},
+    "save_attention": {"mla": mla_ops.saves_fused_attention},
+    "save_mixers": {"kda": jax.checkpoint_policies.save_only_these_names(KDA_OUT, kda_ops.RESIDUALS_NAME),
+                    "mla": mla_ops.saves_fused_attention},
 }
-# Under each policy, the mixers whose layers keep something of their forward; a scanned layer of another mixer runs
-# its forward undifferentiated and keeps only its input (`recomputing_scan`).
-REMAT_KEEPS = {"full": (), "save_attention": ("mla",), "save_mixers": ("kda", "mla")}
 
 
 @flax.struct.dataclass
@@ -137,7 +136,8 @@ def _layer_unit(layer, run, closes, remat: str):
   if remat == "none":
     return lambda stream, cache: run(layer, stream, closes, cache)
   graphdef, state = nnx.split(layer)
-  fn = jax.checkpoint(lambda st, s, c: run(nnx.merge(graphdef, st), s, closes, c), policy=REMAT_POLICIES[remat])
+  policy = REMAT_POLICIES[remat].get(layer.kind, jax.checkpoint_policies.nothing_saveable)
+  fn = jax.checkpoint(lambda st, s, c: run(nnx.merge(graphdef, st), s, closes, c), policy=policy)
   return lambda stream, cache: fn(state, stream, cache)
 
 
@@ -288,7 +288,7 @@ class K3Model(nnx.Module):
       carry, (caches, stats) = jax.lax.scan(body, carry, (params, rest, flags, caches))
     else:
       step = lambda j, p, r, f, c: layer_step(j, p, r, f, c, None)[::2]
-      policies = [REMAT_POLICIES[remat] if layer.kind in REMAT_KEEPS[remat] else None for layer in self.groups]
+      policies = [REMAT_POLICIES[remat].get(layer.kind) for layer in self.groups]
       carry, stats = recomputing_scan(step, plan.group_size, carry, params, rest, flags, summarize=summarize,
                                       flush=flush, policies=policies)
     return attnres.from_carry(carry, count, not closes[plan.end - 1][1]), caches, stats
