@@ -51,6 +51,9 @@ def model_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False
   m.z_loss_coef = 0.0                     # aux["z_loss"] = coef · mean(logsumexp(logits)²)
   m.remat = "none"                        # rematerialisation of each layer: one of REMAT_POLICIES
+  # The unrolled layers' policy (`layer_plan`: those outside the scanned groups), None for `remat`'s. Keeping what a
+  # scanned layer keeps costs copies into the scan's stacked residuals; an unrolled layer's cost only memory.
+  m.remat_unrolled = None
   # Run the repeating group of layers (`layer_plan`) under one jax.lax.scan over stacked parameters. False unrolls
   # every layer: the checkpoint layout of models before scanning (see k3jax.model.scanned_layout) and the scan's
   # reference in the tests; it compiles each layer separately.
@@ -127,6 +130,9 @@ def validate(m: ml_collections.ConfigDict) -> None:
   if remat not in REMAT_POLICIES:
     hint = " (True is today's 'full', False 'none')" if isinstance(remat, bool) else ""
     raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {remat!r}{hint}")
+  if _get(m, "remat_unrolled") not in (None, *REMAT_POLICIES):
+    raise ValueError(f"model.remat_unrolled must be None (as model.remat) or one of {REMAT_POLICIES}, "
+                     f"got {m.remat_unrolled!r}")
   if not isinstance(_get(m, "scan_layers"), bool):
     raise ValueError(f"model.scan_layers must be a bool, got {m.scan_layers!r}")
   if _get(m, "z_loss_coef") < 0:
@@ -213,7 +219,7 @@ def unread_moe_fields(moe: dict) -> set[str]:
 def saved_model_fields(d: dict) -> dict:
   """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
   model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
-  (True "full", False "none"), `residual.readout` "layer" (each read-out read the buffer),
+  (True "full", False "none"), `remat_unrolled` None (as `remat`), `residual.readout` "layer" (each read-out read the buffer),
   `residual.backward` and `kda.conv_backward` "fused", `residual.source_dtype` "float32" (the sources were stored
   in fp32), `moe.load_unit` 1 (the article balancer's unit before it was
   a setting), `moe.glu_epilogue` False (the SiTU-GLU between the grouped GEMMs). Options removed since, each
@@ -222,6 +228,7 @@ def saved_model_fields(d: dict) -> dict:
   spared no kernel: their backward reads residuals only their forward writes)."""
   d = dict(d)
   d.setdefault("scan_layers", False)
+  d.setdefault("remat_unrolled", None)
   d.pop("scan_alike_layers", None)
   if "kda" in d:
     d["kda"] = {"conv_backward": "fused", **d["kda"]}

@@ -158,6 +158,7 @@ class K3Model(nnx.Module):
     self.summarize_groups = self.mode != "none" and model_cfg.residual.readout == "group"
     self.z_loss_coef = float(model_cfg.z_loss_coef)
     self.remat = model_cfg.remat
+    self.remat_unrolled = model_cfg.remat if model_cfg.remat_unrolled is None else model_cfg.remat_unrolled
     self.plan, self.closes, self.moe_ids = spec.plan, spec.closes, spec.moe_layers
     self.embed = normal_param(rngs, (V, d), 1.0)
     # Layer i draws from keys[i] (see the module docstring).
@@ -180,7 +181,7 @@ class K3Model(nnx.Module):
     _check_tokens(tokens_BT, segment_ids_BT)
     stream = self.start_stream(tokens_BT)
     run = lambda layer, s, closes, _: layer(s, closes, segment_ids_BT=segment_ids_BT)
-    stream, _, stats = self.run_layers(stream, run, remat=self.remat)
+    stream, _, stats = self.run_layers(stream, run, remat=True)
     logits = self._logits(stream)
     with jax.named_scope("loss"):
       z = z_loss(logits, self.z_loss_coef)
@@ -210,9 +211,10 @@ class K3Model(nnx.Module):
     stream, (caches, group_caches), _ = self.run_layers(stream, run, (cache.layers, cache.groups))
     return self._logits(stream)[:, 0], ModelCache(caches, group_caches, cache.pos + 1, cache.max_len)
 
-  def run_layers(self, stream, run, caches=None, *, remat: str = "none"):
+  def run_layers(self, stream, run, caches=None, *, remat: bool = False):
     """Every decoder layer on `stream`, in order. `run(layer, stream, closes, cache) -> (stream, cache, MoE stats or
     None)` runs one layer; `cache` is its part of `caches` = (per unrolled layer, per group position), or None.
+    `remat`: rematerialised as the config says (`model.remat`, `model.remat_unrolled`), for a gradient.
     Returns (stream, (caches of the unrolled layers, stacked caches of the group positions), MoE stats per layer)."""
     plan = self.plan
     layer_caches = list(caches[0]) if caches is not None else [None] * len(plan.unrolled)
@@ -222,7 +224,8 @@ class K3Model(nnx.Module):
     def unrolled(k, stream):
       i = plan.unrolled[k]
       with jax.named_scope(f"layer_{i}"):
-        stream, layer_caches[k], stats[i] = _layer_unit(self.layers[k], run, self.closes[i], remat)(
+        policy = self.remat_unrolled if remat else "none"
+        stream, layer_caches[k], stats[i] = _layer_unit(self.layers[k], run, self.closes[i], policy)(
             stream, layer_caches[k])
       return stream
 
@@ -231,7 +234,7 @@ class K3Model(nnx.Module):
       stream = unrolled(k, stream)
     if plan.num_groups:
       with jax.named_scope("groups"):   # the scan, the stream's way in and out of it, the stats' split by layer
-        stream, group_caches, group_stats = self._scan(stream, run, group_caches, remat)
+        stream, group_caches, group_stats = self._scan(stream, run, group_caches, self.remat if remat else "none")
         for j, position_stats in enumerate(group_stats):
           if position_stats is not None:  # stacked over the groups: one array per group (one split, not G slices)
             leaves, treedef = jax.tree.flatten(position_stats)

@@ -44,6 +44,18 @@ def kernel_launches(closed_jaxpr, name: str) -> int:
              for _, eqn in _equations(closed_jaxpr))
 
 
+def scan_bodies(closed_jaxpr) -> list:
+  """The bodies (closed jaxprs) of a traced program's outermost scans: those inside no other scan."""
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan":
+        yield eqn.params["jaxpr"]
+      else:
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+          yield from walk(sub)
+  return list(walk(closed_jaxpr.jaxpr))
+
+
 def primitive_calls(closed_jaxpr, name: str) -> int:
   """How many times a traced program binds the primitive `name`, counted as `kernel_launches` counts."""
   return sum(eqn.primitive.name == name for _, eqn in _equations(closed_jaxpr))

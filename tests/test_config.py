@@ -116,10 +116,13 @@ def test_layer_plan_needs_two_groups_and_can_be_turned_off():
   assert (lp.unrolled, lp.start, lp.group_size, lp.num_groups) == ((0,), 1, 1, 11)
 
 
-@pytest.mark.parametrize("value,match", [(True, "True is today's 'full'"), ("kda", "must be one of")])
-def test_remat_is_a_policy_name(value, match):
+@pytest.mark.parametrize("field,value,match", [
+    ("remat", True, "True is today's 'full'"), ("remat", "kda", "model.remat must be one of"),
+    ("remat_unrolled", "kda", r"model.remat_unrolled must be None \(as model.remat\) or one of"),
+    ("remat_unrolled", False, "model.remat_unrolled must be None")])
+def test_remat_policies_are_names(field, value, match):
   # A bool arrives from the config.json of a run made before the policies had names.
-  cfg = ml_collections.ConfigDict(dict(small_config().to_dict(), remat=value))
+  cfg = ml_collections.ConfigDict(dict(small_config().to_dict(), **{field: value}))
   with pytest.raises(ValueError, match=match):
     config_lib.validate(cfg)
 

@@ -15,7 +15,7 @@ from k3jax.layers.moe import LatentMoE, MoEStats
 from k3jax.model import K3Model, ModelCache, scanned_layout, z_loss
 from k3jax.numerics import rel_err
 from k3jax.ops import attnres as attnres_ops
-from pallas_testing import kernel_launches
+from pallas_testing import kernel_launches, scan_bodies
 from model_testing import (MODEL, SCANNED, T, T0, abstract, random_module, segments, shared_model,
                            small_config)
 
@@ -129,6 +129,26 @@ def test_kda_intra_kernel_runs_once_per_layer_and_once_more_unless_remat_keeps_i
       launches = kernel_launches(jax.make_jaxpr(jax.grad(loss))(params), "kda_intra_fwd_key_tiles")
       counts.setdefault(scan, []).append(launches)
   assert counts == {False: [2, 4, 2], True: [1, 2, 1]}, counts
+
+
+def test_remat_unrolled_sets_the_policy_of_the_layers_outside_the_scan(monkeypatch):
+  # Layer 0 (KDA, dense FFN) unrolled, layers 1-2 (KDA, MoE) two scanned groups of one layer. Launches of the KDA intra
+  # kernel in the gradient's program, (unrolled layer, scanned body): 1 without recomputation, 2 with it.
+  changes = {**MODEL, "layer_pattern": ("kda",), "last_layer": "kda", "moe.first_dense_layers": 1,
+             "kda.backend": "pallas"}
+  counts = {}
+  for remat, unrolled in (("full", None), ("full", "none"), ("none", "full"), ("save_attention", "none")):
+    model = nnx.eval_shape(lambda: K3Model(small_config(remat=remat, remat_unrolled=unrolled, **changes),
+                                           rngs=nnx.Rngs(0)))
+    assert model.plan.unrolled == (0,) and model.plan.num_groups == 2
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
+    monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")   # the kernels as the GPU runs them (traced, not run)
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+    scanned = sum(kernel_launches(body, "kda_intra_fwd_key_tiles") for body in scan_bodies(jaxpr))
+    counts[remat, unrolled] = (kernel_launches(jaxpr, "kda_intra_fwd_key_tiles") - scanned, scanned)
+  assert counts == {("full", None): (2, 2), ("full", "none"): (1, 2), ("none", "full"): (2, 1),
+                    ("save_attention", "none"): (1, 2)}, counts
 
 
 SCAN_CASES = {  # with the layers of SCANNED: (KDA, MLA) twice under the scan, after two unrolled layers

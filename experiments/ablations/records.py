@@ -33,7 +33,8 @@ from k3jax.train import workdir as workdir_lib
 MACHINE_FIELDS = ("data.cache_dir",)
 # How kernels run the same formulas (their order of fp32 sums, the GLU's rounding) and what the backward pass keeps
 # rather than recomputes: a record stays valid across them.
-KERNEL_CHOICES = ("model.kda.conv_backward", "model.residual.backward", "model.moe.glu_epilogue", "model.remat")
+KERNEL_CHOICES = ("model.kda.conv_backward", "model.residual.backward", "model.moe.glu_epilogue", "model.remat",
+                  "model.remat_unrolled")
 SHARD_FIELDS = ("data.shards", "data.heldout_shards")
 COMMIT_ENV = "K3JAX_COMMIT"
 

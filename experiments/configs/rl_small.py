@@ -26,6 +26,9 @@ def get_config():
   # in proportion over one share; the defaults changed after it (docs/design.md, quantile balancing).
   c.model.moe.correction_step, c.model.moe.load_unit = 2.0, 1.0
   c.model.residual.source_dtype = "float32"   # the recorded run's AttnRes sources (small's became bf16 after it)
+  # Layers 0-3 rematerialised as the groups: an RL minibatch is 131,072 tokens, twice small's step, and small's
+  # unrolled layers kept whole take 17 GiB more at 65,536 (not measured for RL).
+  c.model.remat_unrolled = None
   with c.unlocked():
     c.rl = rl_config()
   r = c.rl

@@ -17,6 +17,7 @@ def get_config():
   m.num_layers = 12
   m.dtype = "bfloat16"
   m.remat = "save_attention"             # keep cuDNN attention's output and statistics; recompute the rest
+  m.remat_unrolled = "none"              # layers 0-3 (outside the scan) keep everything: no copies, only memory
   m.ffn_hidden = 2048                   # layer 0's dense FFN
   m.kda.num_heads = 6                   # head dim 128, Kimi Linear's
   m.mla.num_heads = 6                   # head dims 128
