@@ -8,9 +8,10 @@ Layers run as `config.layer_plan` says: the repeating group of the layer pattern
 its FFN) under one `jax.lax.scan` over parameters stacked on a leading axis (`K3Model.groups`), so a deep model
 traces and compiles one group; the layers outside the repetition (a dense first layer, a remainder, a forced last
 layer) one by one (`K3Model.layers`). The residual stream crosses the scan as an `attnres.Carry`. Rematerialisation
-(`model.remat`) is per layer, in the scan as outside it (a whole group would hold all its layers' activations at
-once in the backward pass): `jax.checkpoint` with the policy named for an unrolled layer, `recomputing_scan` for
-the groups, which keeps the carry's buffer of AttnRes sources once rather than once per group.
+is per layer, in the scan as outside it (a whole group would hold all its layers' activations at once in the
+backward pass): `recomputing_scan` with `model.remat`'s policy for the groups, which keeps the carry's buffer of
+AttnRes sources once rather than once per group; `jax.checkpoint` with `model.remat_unrolled`'s (by default the
+same) for an unrolled layer, whose residuals, unlike a scanned layer's, need no copy to be kept.
 
 Initialisation: embedding N(0, 1); untied LM head N(0, 1/d); a tied head reuses the embedding scaled by d^-0.5.
 Layer i draws its parameters from its own key (the i-th of a split of the model's key); the layers of a scanned
