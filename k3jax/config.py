@@ -217,15 +217,15 @@ def unread_moe_fields(moe: dict) -> set[str]:
 
 
 def saved_model_fields(d: dict) -> dict:
-  """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the
-  model it was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name
-  (True "full", False "none"), `remat_unrolled` None (as `remat`), `residual.readout` "layer" (each read-out read
-  the buffer), `residual.backward` and `kda.conv_backward` "fused", `residual.source_dtype` "float32" (the sources were stored
-  in fp32), `moe.load_unit` 1 (the article balancer's unit before it was
-  a setting), `moe.glu_epilogue` False (the SiTU-GLU between the grouped GEMMs). Options removed since, each
-  computing what remains: `scan_alike_layers` (the same layers and parameters) and `residual.forward` are dropped,
-  `residual.backward="kernel"` is read as "fused", `remat="save_kda_out"` as "full" (it kept the KDA output, which
-  spared no kernel: their backward reads residuals only their forward writes)."""
+  """A model config saved as JSON (a dict) before the fields it lacks existed, with the values that rebuild the model it
+  was trained as: `scan_layers` False (its checkpoints hold every layer unrolled), `remat` by name (True "full", False
+  "none"), `remat_unrolled` None (as `remat`), `residual.readout` "layer" (each read-out read the buffer),
+  `residual.backward` and `kda.conv_backward` "fused", `residual.source_dtype` "float32" (the sources were stored in
+  fp32), `moe.load_unit` 1 (the article balancer's unit before it was a setting), `moe.glu_epilogue` False (the
+  SiTU-GLU between the grouped GEMMs). Options removed since, each computing what remains: `scan_alike_layers` (the
+  same layers and parameters) and `residual.forward` are dropped, `residual.backward="kernel"` is read as "fused",
+  `remat="save_kda_out"` as "full" (it kept the KDA output, which spared no kernel: their backward reads residuals
+  only their forward writes)."""
   d = dict(d)
   d.setdefault("scan_layers", False)
   d.setdefault("remat_unrolled", None)

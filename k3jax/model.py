@@ -218,6 +218,7 @@ class K3Model(nnx.Module):
     `remat`: rematerialised as the config says (`model.remat`, `model.remat_unrolled`), for a gradient.
     Returns (stream, (caches of the unrolled layers, stacked caches of the group positions), MoE stats per layer)."""
     plan = self.plan
+    scanned_policy, unrolled_policy = (self.remat, self.remat_unrolled) if remat else ("none", "none")
     layer_caches = list(caches[0]) if caches is not None else [None] * len(plan.unrolled)
     group_caches = caches[1] if caches is not None else None
     stats = [None] * len(self.closes)
@@ -225,8 +226,7 @@ class K3Model(nnx.Module):
     def unrolled(k, stream):
       i = plan.unrolled[k]
       with jax.named_scope(f"layer_{i}"):
-        policy = self.remat_unrolled if remat else "none"
-        stream, layer_caches[k], stats[i] = _layer_unit(self.layers[k], run, self.closes[i], policy)(
+        stream, layer_caches[k], stats[i] = _layer_unit(self.layers[k], run, self.closes[i], unrolled_policy)(
             stream, layer_caches[k])
       return stream
 
@@ -235,7 +235,7 @@ class K3Model(nnx.Module):
       stream = unrolled(k, stream)
     if plan.num_groups:
       with jax.named_scope("groups"):   # the scan, the stream's way in and out of it, the stats' split by layer
-        stream, group_caches, group_stats = self._scan(stream, run, group_caches, self.remat if remat else "none")
+        stream, group_caches, group_stats = self._scan(stream, run, group_caches, scanned_policy)
         for j, position_stats in enumerate(group_stats):
           if position_stats is not None:  # stacked over the groups: one array per group (one split, not G slices)
             leaves, treedef = jax.tree.flatten(position_stats)

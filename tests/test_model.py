@@ -110,6 +110,14 @@ def test_remat_gives_the_same_loss_and_gradients():
   assert float(jnp.max(jnp.abs(g1["layers"][0]["ffn_res"]["query"][...]))) > 0    # gradients reach the queries
 
 
+def _abstract_gradient(cfg):
+  """(the abstract model of `cfg`, the traced program of its loss's gradient on one row of 64 tokens)."""
+  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
+  return model, jax.make_jaxpr(jax.grad(loss))(params)
+
+
 def test_kda_intra_kernel_runs_once_per_layer_and_once_more_unless_remat_keeps_its_residuals(monkeypatch):
   # The kernels' VJP keeps the intra pass's outputs, so without remat the backward does not rerun it; "full" reruns
   # the layer's forward, kernels and all, and "save_mixers" keeps the kernels' residuals, so the intra pass runs
@@ -117,17 +125,13 @@ def test_kda_intra_kernel_runs_once_per_layer_and_once_more_unless_remat_keeps_i
   # the two layers launches it; scanned (two groups of one layer), the group's body launches it once.
   changes = {**MODEL, "num_layers": 2, "layer_pattern": ("kda",), "last_layer": "kda", "moe.enabled": False,
              "kda.backend": "pallas"}
+  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")   # the kernels as the GPU runs them (traced, not run)
   counts = {}
   for scan in (False, True):
     for remat in ("none", "full", "save_mixers"):
-      cfg = small_config(remat=remat, scan_layers=scan, **changes)
-      model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+      model, gradient = _abstract_gradient(small_config(remat=remat, scan_layers=scan, **changes))
       assert model.plan.num_groups == (2 if scan else 0)
-      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-      loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
-      monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")   # the kernels as the GPU runs them (traced, not run)
-      launches = kernel_launches(jax.make_jaxpr(jax.grad(loss))(params), "kda_intra_fwd_key_tiles")
-      counts.setdefault(scan, []).append(launches)
+      counts.setdefault(scan, []).append(kernel_launches(gradient, "kda_intra_fwd_key_tiles"))
   assert counts == {False: [2, 4, 2], True: [1, 2, 1]}, counts
 
 
@@ -136,17 +140,13 @@ def test_remat_unrolled_sets_the_policy_of_the_layers_outside_the_scan(monkeypat
   # kernel in the gradient's program, (unrolled layer, scanned body): 1 without recomputation, 2 with it.
   changes = {**MODEL, "layer_pattern": ("kda",), "last_layer": "kda", "moe.first_dense_layers": 1,
              "kda.backend": "pallas"}
+  monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")   # the kernels as the GPU runs them (traced, not run)
   counts = {}
   for remat, unrolled in (("full", None), ("full", "none"), ("none", "full"), ("save_attention", "none")):
-    model = nnx.eval_shape(lambda: K3Model(small_config(remat=remat, remat_unrolled=unrolled, **changes),
-                                           rngs=nnx.Rngs(0)))
+    model, gradient = _abstract_gradient(small_config(remat=remat, remat_unrolled=unrolled, **changes))
     assert model.plan.unrolled == (0,) and model.plan.num_groups == 2
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.zeros((1, 64), jnp.int32))[0])
-    monkeypatch.setenv("K3JAX_PALLAS_INTERPRET", "0")   # the kernels as the GPU runs them (traced, not run)
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
-    scanned = sum(kernel_launches(body, "kda_intra_fwd_key_tiles") for body in scan_bodies(jaxpr))
-    counts[remat, unrolled] = (kernel_launches(jaxpr, "kda_intra_fwd_key_tiles") - scanned, scanned)
+    scanned = sum(kernel_launches(body, "kda_intra_fwd_key_tiles") for body in scan_bodies(gradient))
+    counts[remat, unrolled] = (kernel_launches(gradient, "kda_intra_fwd_key_tiles") - scanned, scanned)
   assert counts == {("full", None): (2, 2), ("full", "none"): (1, 2), ("none", "full"): (2, 1),
                     ("save_attention", "none"): (1, 2)}, counts
 
