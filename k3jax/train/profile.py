@@ -11,7 +11,9 @@ Kinds (first rule that matches a kernel's name, its HLO instruction's custom-cal
 Glue is everything but gemm, grouped_gemm, attention and kda; it is also split by named scope, found in a kernel's
 op_name: the layers' parts (SCOPES, the outermost that matches), else the step's own (STEP_SCOPES: embedding,
 head, loss, optimizer, ...; the scanned layers' and the layer calls' own bookkeeping), else, for our glue kernels
-whose trace names no op, their layer's (KERNEL_SCOPES), else "unscoped". On a GPU the times are
+whose trace names no op, their layer's (KERNEL_SCOPES), else "unscoped". XLA's own instructions (copies, fusions
+it names nothing, zeros for a loop's outputs) take the op_name of what they run, move or feed (`hlo_instructions`),
+and a kernel that several ops launch (a memcpy, a cuBLAS GEMM) is counted per op. On a GPU the times are
 the device streams' kernel events; on a CPU they are XLA:CPU's thunks (they overlap on its thread pool: proportions,
 not a timeline).
 """
@@ -49,6 +51,11 @@ _DISPATCH = re.compile(r"sort|scatter|gather|radix|top_?k", re.IGNORECASE)
 _HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\b([\w\-]+)\(")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PASS_ON = ("get-tuple-element", "tuple", "bitcast", "copy")   # ops that pass a value on unchanged
+_COMMENT = re.compile(r"/\*.*?\*/")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +99,81 @@ def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:
 
 def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
   """Instruction name, and its GPU kernel's name (the same with '.' and '-' made '_'), -> (custom-call target or
-  opcode, op_name), from a compiled program's HLO text."""
-  out = {}
+  opcode, op_name), from a compiled program's HLO text.
+
+  XLA writes some instructions without an op_name of their own. Each then takes the op_name of what it runs or
+  moves, found in this order: a fusion's, the op_name of its fused computation's root, else of the last fused
+  instruction that has one (a fusion's kernel runs those ops); then the first of its operands that has one, found
+  the same way (a copy of a value belongs to the value's producer); then the first of its users with an op_name of
+  its own, through tuples that pass it on (zeros XLA writes for a loop's stacked outputs belong to that loop). What
+  none of these names stays without one ("unscoped")."""
+  lines = {}                      # name -> (opcode or target, own op_name, operand names, called computation)
+  inner = collections.defaultdict(list)   # computation -> its instructions in order
+  roots = {}                              # computation -> its root instruction
+  users = collections.defaultdict(list)
+  computation = None
   for line in hlo_text.splitlines():
+    line = _COMMENT.sub("", line)   # XLA's /*index=5*/ in long tuples
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+      continue
     m = _HLO_LINE.match(line)
-    if m:
-      target, op_name = _TARGET.search(line), _OP_NAME.search(line)
-      found = (target.group(1) if target else m.group(2), op_name.group(1) if op_name else "")
-      out[m.group(1)] = found
-      out.setdefault(re.sub(r"[.\-]", "_", m.group(1)), found)
+    if not m:
+      continue
+    name = m.group(1)
+    target, op_name, calls = _TARGET.search(line), _OP_NAME.search(line), _CALLS.search(line)
+    operands = _OPERAND.findall(line[m.end():].split(")", 1)[0])
+    lines[name] = (target.group(1) if target else m.group(2), op_name.group(1) if op_name else "", operands,
+                   calls.group(1) if calls else None)
+    for operand in operands:
+      users[operand].append(name)
+    inner[computation].append(name)
+    if line.lstrip().startswith("ROOT "):
+      roots[computation] = name
+  resolved = {}
+
+  def user_op_name(name: str) -> str:
+    """The op_name of the first user that has one of its own, looking through the users of users that only pass a
+    value on (a tuple and its elements: a loop's initial state)."""
+    seen, frontier = {name}, [name]
+    for _ in range(6):
+      nxt = []
+      for user in (u for n in frontier for u in users[n] if u not in seen):
+        if lines[user][1]:
+          return lines[user][1]
+        seen.add(user)
+        if lines[user][0] in _PASS_ON:
+          nxt.append(user)
+      frontier = nxt
+    return ""
+
+  def op_name_of(name: str, depth: int = 0, follow_users: bool = True) -> str:
+    if name in resolved:
+      return resolved[name]
+    if name not in lines or depth > 12:
+      return ""
+    _, own, operands, called = lines[name]
+    found = own
+    if not found and called is not None and called in inner:
+      root = roots.get(called)
+      found = (root and op_name_of(root, depth + 1, follow_users=False)) or next(
+          (lines[i][1] for i in reversed(inner[called]) if lines[i][1]), "")
+    for operand in operands if not found else ():
+      found = op_name_of(operand, depth + 1, follow_users=False)
+      if found:
+        break
+    if not found and follow_users:
+      found = user_op_name(name)
+    if depth == 0 or found:
+      resolved[name] = found
+    return found
+
+  out = {}
+  for name, (opcode, *_rest) in lines.items():
+    found = (opcode, op_name_of(name))
+    out[name] = found
+    out.setdefault(re.sub(r"[.\-]", "_", name), found)
   return out
 
 
@@ -117,20 +190,26 @@ def _profiled(fn: Callable[[], object], options=None):
 
 def trace_kernels(run: Callable[[], object], *, calls: int, hlo_text: str = "") -> list[Kernel]:
   """Runs `run()` (which makes `calls` calls of a compiled program and returns their outputs) under the profiler,
-  and returns the program's kernels per call, slowest first. `hlo_text` (the compiled program's `as_text()`) names
-  their instructions' custom-call targets and op_names; without it, kinds come from kernel names alone."""
+  and returns the program's kernels per call, slowest first (`kernels_of`). `hlo_text` (the compiled program's
+  `as_text()`) names their instructions' custom-call targets and op_names; without it, kinds come from kernel names
+  alone."""
   _, traced = _profiled(lambda: jax.block_until_ready(run()))
   module = re.match(r"HloModule ([^\s,]+)", hlo_text)
-  events = list(_kernel_events(traced, module and module.group(1)))
-  instructions = hlo_instructions(hlo_text)
-  launches, ns, ops = collections.Counter(), collections.Counter(), {}
+  return kernels_of(_kernel_events(traced, module and module.group(1)), hlo_instructions(hlo_text), calls=calls)
+
+
+def kernels_of(events, instructions: dict[str, tuple[str, str]], *, calls: int) -> list[Kernel]:
+  """(kernel name, HLO instruction, duration ns) events of `calls` calls -> their kernels per call, slowest first,
+  one per kernel name and HLO op (`instructions`, as `hlo_instructions` gives): a kernel that several ops launch
+  (a copy, a cuBLAS GEMM) counts in each op's scope. An event whose instruction is not found takes the op of an
+  instruction of the kernel's own name, if any."""
+  launches, ns = collections.Counter(), collections.Counter()
   for name, hlo_op, duration_ns in events:
-    launches[name] += 1
-    ns[name] += duration_ns
-    if name not in ops:   # by the event's HLO op, else by the kernel's own name (where the op is not found)
-      ops[name] = instructions.get(hlo_op) or instructions.get(name, ("", ""))
-  kernels = [Kernel(name, kernel_kind(name, *ops[name]), launches[name] / calls, ns[name] / calls / 1e6,
-                    ops[name][1]) for name in ns]
+    key = (name, instructions.get(hlo_op) or instructions.get(name, ("", "")))
+    launches[key] += 1
+    ns[key] += duration_ns
+  kernels = [Kernel(name, kernel_kind(name, *op), launches[name, op] / calls, ns[name, op] / calls / 1e6, op[1])
+             for name, op in ns]
   return sorted(kernels, key=lambda k: -k.ms)
 
 

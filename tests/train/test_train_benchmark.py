@@ -170,6 +170,60 @@ def test_hlo_instructions_are_found_by_their_gpu_kernels_names_too():
   assert "memcpy32_post" not in instructions
 
 
+_UNNAMED_HLO = """HloModule m
+
+%fused_reduce (p0: f32[8,4]) -> (f32[8], f32[8]) {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  %r1 = f32[8]{0} reduce(%p0, %c), dimensions={1}, to_apply=%add, metadata={op_name="jit(f)/layer_1/attnres/reduce_sum"}
+  %r2 = f32[8]{0} reduce(%p0, %c), dimensions={1}, to_apply=%add, metadata={op_name="jit(f)/layer_1/mla/reduce_sum"}
+  ROOT %t = (f32[8]{0}, /*index=1*/f32[8]{0}) tuple(%r1, %r2)
+}
+
+%fused_zeros () -> f32[2,8] {
+  %z = f32[] constant(0)
+  ROOT %b = f32[2,8]{1,0} broadcast(%z), dimensions={}
+}
+
+ENTRY %main (x: f32[8,4], y: f32[3]) -> (f32[8], f32[2,8], f32[3]) {
+  %x = f32[8,4]{1,0} parameter(0)
+  %y = f32[3]{0} parameter(1)
+  %input_reduce_fusion.3 = (f32[8]{0}, /*index=1*/f32[8]{0}) fusion(%x), kind=kInput, calls=%fused_reduce
+  %gte = f32[8]{0} get-tuple-element(%input_reduce_fusion.3), index=0
+  %copy.7 = f32[8]{0} copy(%gte)
+  %loop_broadcast_fusion.2 = f32[2,8]{1,0} fusion(), kind=kLoop, calls=%fused_zeros
+  %init = (f32[2,8]{1,0}) tuple(%loop_broadcast_fusion.2)
+  %while.5 = (f32[2,8]{1,0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/while/body/groups/while"}
+  %ys = f32[2,8]{1,0} get-tuple-element(%while.5), index=0
+  %copy.9 = f32[3]{0} copy(%y)
+  ROOT %out = (f32[8]{0}, f32[2,8]{1,0}, f32[3]{0}) tuple(%copy.7, %ys, %copy.9)
+}
+"""
+
+
+def test_instructions_without_an_op_name_take_what_they_run_move_or_feed():
+  """XLA's own instructions: a fusion takes its fused root's op_name (a multi-output root's first operand's, past
+  XLA's /*index=N*/ comments), a copy its operand's, zeros written for a loop (through the tuple of its initial
+  state) the loop's; a copy of a parameter, which nothing names, stays unscoped."""
+  instructions = profile.hlo_instructions(_UNNAMED_HLO)
+  scope = lambda name: profile.Kernel(name, "other", 1.0, 1.0, instructions[name][1]).scope
+  assert instructions["input_reduce_fusion_3"] == ("fusion", "jit(f)/layer_1/attnres/reduce_sum")
+  assert scope("input_reduce_fusion.3") == scope("copy.7") == "attnres"
+  assert scope("loop_broadcast_fusion_2") == "layer_scan"
+  assert instructions["copy.9"] == ("copy", "") and scope("copy.9") == "unscoped"
+
+
+def test_a_kernel_launched_by_several_ops_counts_in_each_op_s_scope():
+  instructions = profile.hlo_instructions(_UNNAMED_HLO)
+  events = [("MemcpyD2D", "copy.7", 3_000_000), ("MemcpyD2D", "loop_broadcast_fusion.2", 1_000_000),
+            ("MemcpyD2D", "copy.7", 1_000_000), ("MemcpyD2D", "copy.9", 2_000_000), ("mystery", "", 500_000)]
+  kernels = profile.kernels_of(events, instructions, calls=2)
+  assert [(k.name, k.scope, k.launches, k.ms) for k in kernels] == [
+      ("MemcpyD2D", "attnres", 1.0, 2.0), ("MemcpyD2D", "unscoped", 0.5, 1.0),
+      ("MemcpyD2D", "layer_scan", 0.5, 0.5), ("mystery", "unscoped", 0.5, 0.25)]
+  assert profile.breakdown(kernels)["glue_by_scope"] == {"attnres": 2.0, "unscoped": 1.25, "layer_scan": 0.5}
+
+
 def test_trace_kernels_times_a_cpu_program_by_kind_with_its_op_names():
   @jax.jit
   def f(x, i):
