@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -101,12 +102,11 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
   """Instruction name, and its GPU kernel's name (the same with '.' and '-' made '_'), -> (custom-call target or
   opcode, op_name), from a compiled program's HLO text.
 
-  XLA writes some instructions without an op_name of their own. Each then takes the op_name of what it runs or
-  moves, found in this order: a fusion's, the op_name of its fused computation's root, else of the last fused
-  instruction that has one (a fusion's kernel runs those ops); then the first of its operands that has one, found
-  the same way (a copy of a value belongs to the value's producer); then the first of its users with an op_name of
-  its own, through tuples that pass it on (zeros XLA writes for a loop's stacked outputs belong to that loop). What
-  none of these names stays without one ("unscoped")."""
+  XLA writes some instructions without an op_name of their own. Each then takes the op_name of what it runs, moves
+  or feeds, in this order: for a fusion, its fused root's (else its last fused instruction's that has one: the
+  kernel runs those ops); then its first operand's that has one, found the same way (a copy of a value belongs to
+  the value's producer); then its first user's, looking through tuples that pass it on (zeros XLA writes for a
+  loop's stacked outputs belong to that loop). What none of these names stays without one ("unscoped")."""
   lines = {}                      # name -> (opcode or target, own op_name, operand names, called computation)
   inner = collections.defaultdict(list)   # computation -> its instructions in order
   roots = {}                              # computation -> its root instruction
@@ -131,47 +131,46 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
     inner[computation].append(name)
     if line.lstrip().startswith("ROOT "):
       roots[computation] = name
-  resolved = {}
 
-  def user_op_name(name: str) -> str:
-    """The op_name of the first user that has one of its own, looking through the users of users that only pass a
-    value on (a tuple and its elements: a loop's initial state)."""
-    seen, frontier = {name}, [name]
-    for _ in range(6):
-      nxt = []
-      for user in (u for n in frontier for u in users[n] if u not in seen):
-        if lines[user][1]:
-          return lines[user][1]
-        seen.add(user)
-        if lines[user][0] in _PASS_ON:
-          nxt.append(user)
-      frontier = nxt
-    return ""
+  def own(name: str) -> str:
+    """The op_name the instruction carries, else, for a fusion, its fused root's (a multi-output root's first
+    element's with one), else its last fused instruction's that has one."""
+    _, op_name, _, called = lines[name]
+    if op_name or called is None or called not in inner:
+      return op_name
+    root = roots.get(called)
+    return (root and produced(root)) or next((lines[i][1] for i in reversed(inner[called]) if lines[i][1]), "")
 
-  def op_name_of(name: str, depth: int = 0, follow_users: bool = True) -> str:
-    if name in resolved:
-      return resolved[name]
-    if name not in lines or depth > 12:
+  @functools.cache
+  def produced(name: str, depth: int = 0) -> str:
+    """`own`, else the first operand's `produced` (a tuple's, its first element's with one)."""
+    if name not in lines:
       return ""
-    _, own, operands, called = lines[name]
-    found = own
-    if not found and called is not None and called in inner:
-      root = roots.get(called)
-      found = (root and op_name_of(root, depth + 1, follow_users=False)) or next(
-          (lines[i][1] for i in reversed(inner[called]) if lines[i][1]), "")
-    for operand in operands if not found else ():
-      found = op_name_of(operand, depth + 1, follow_users=False)
+    found = own(name)
+    for operand in lines[name][2] if not found and depth < 12 else ():
+      found = produced(operand, depth + 1)
       if found:
         break
-    if not found and follow_users:
-      found = user_op_name(name)
-    if depth == 0 or found:
-      resolved[name] = found
     return found
+
+  def used(name: str) -> str:
+    """The `own` op_name of the first user that has one, looking through users that only pass a value on (a tuple
+    and its elements: a loop's initial state)."""
+    seen, frontier = {name}, [name]
+    for _ in range(6):
+      passed = []
+      for user in (u for n in frontier for u in users[n] if u not in seen):
+        seen.add(user)
+        if own(user):
+          return own(user)
+        if lines[user][0] in _PASS_ON:
+          passed.append(user)
+      frontier = passed
+    return ""
 
   out = {}
   for name, (opcode, *_rest) in lines.items():
-    found = (opcode, op_name_of(name))
+    found = (opcode, produced(name) or used(name))
     out[name] = found
     out.setdefault(re.sub(r"[.\-]", "_", name), found)
   return out
