@@ -2,7 +2,8 @@
 
 An expert `y = unit(x W_a, x W_b) W_down` runs as two kernels each way instead of two products and an elementwise
 pass between them:
-- `ragged_dot_glu`: `ab = x W_ab[g]` and `h = unit(a, b)` from one tile's accumulators, both written;
+- `ragged_dot_glu`: `ab = x W_ab[g]` and `h = unit(a, b)` from one tile's accumulators, both written (h alone for
+  a forward nothing differentiates);
 - `ragged_dot_glu_grad`: `dh = dy W_down[g]ᵀ`, then `(da, db) = unit.grads(a, b, dh)` with a and b read back from
   the forward's `ab`: the pair's cotangent is written by the product, dh never is.
 The gate and up units are interleaved in blocks of `HALF` columns (`interleave`), so that one warpgroup's tile holds
@@ -54,17 +55,24 @@ def _check(name: str, m: int, k: int, h: int, config: TileConfig, block_n: int) 
     raise ValueError(f"the gated unit's kernels cannot run [M={m}, K={k}] with {h} units: {reason}")
 
 
-def ragged_dot_glu(x_MK, w_GKN, group_sizes_G, unit, config: TileConfig, *, interpret: bool = False):
+def ragged_dot_glu(x_MK, w_GKN, group_sizes_G, unit, config: TileConfig, *, interpret: bool = False,
+                   store_pair: bool = True):
   """(ab `[M, N]`, h `[M, N/2]`) in x's dtype: `ab = x W[g]` with W's columns interleaved (`interleave`) and
-  `h = unit(a, b)` of ab's rounded values, in fp32, rounded once. M a multiple of `config.block_m`."""
+  `h = unit(a, b)` of ab's rounded values, in fp32, rounded once. M a multiple of `config.block_m`. Without
+  `store_pair` (a forward nothing differentiates: the backward's kernel is what reads ab) ab is not written and
+  None is returned in its place; h is the same."""
   (m, k), (_, _, n) = x_MK.shape, w_GKN.shape
   _check("fwd", m, k, n // 2, config, 2 * HALF)
   schedule, num_items = row_tile_schedule(group_sizes_G.astype(jnp.int32), m, config.block_m)
+  h_type = jax.ShapeDtypeStruct((m, n // 2), x_MK.dtype)
   kernel = plgpu.kernel(
-      functools.partial(_glu_kernel, k=k, grid_n=n // (2 * config.block_n), config=config, unit=unit),
-      out_type=(jax.ShapeDtypeStruct((m, n), x_MK.dtype), jax.ShapeDtypeStruct((m, n // 2), x_MK.dtype)),
-      **launch("grouped_ragged_dot_glu", interpret, two_warpgroups=True))
-  return kernel(schedule, num_items, x_MK, w_GKN)
+      functools.partial(_glu_kernel, k=k, grid_n=n // (2 * config.block_n), config=config, unit=unit,
+                        store_pair=store_pair),
+      out_type=(jax.ShapeDtypeStruct((m, n), x_MK.dtype), h_type) if store_pair else h_type,
+      **launch("grouped_ragged_dot_glu" if store_pair else "grouped_ragged_dot_glu_h", interpret,
+               two_warpgroups=True))
+  out = kernel(schedule, num_items, x_MK, w_GKN)
+  return out if store_pair else (None, out)
 
 
 def ragged_dot_glu_grad(dy_MK, w_GHK, ab_MN, group_sizes_G, unit, config: TileConfig, *, interpret: bool = False):
@@ -80,8 +88,10 @@ def ragged_dot_glu_grad(dy_MK, w_GHK, ab_MN, group_sizes_G, unit, config: TileCo
   return kernel(schedule, num_items, dy_MK, w_GHK, ab_MN)
 
 
-def _glu_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, h_gmem, *, k, grid_n, config, unit):
-  """Each consumer warpgroup accumulates HALF gate and HALF up columns; its epilogue stores both, then their unit."""
+def _glu_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, *outs, k, grid_n, config, unit, store_pair):
+  """Each consumer warpgroup accumulates HALF gate and HALF up columns; its epilogue stores both (`store_pair`),
+  then their unit."""
+  ab_gmem, h_gmem = outs if store_pair else (None, *outs)
   bm, bn = config.block_m, config.block_n
   cta_n, dtype = 2 * bn, x_gmem.dtype
 
@@ -107,14 +117,15 @@ def _glu_kernel(schedule_gmem, num_items_gmem, x_gmem, w_gmem, ab_gmem, h_gmem, 
           wg = lax.axis_index("wg")
           col = pl.multiple_of(ni * cta_n + wg * bn, 2 * HALF)
           a, b = acc_a[...].astype(dtype), acc_b[...].astype(dtype)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's h store has read out_smem
-          out_smem[wg, 0] = a
-          out_smem[wg, 1] = b
-          plgpu.commit_smem()
-          for half in range(2):
-            store_rows(out_smem.at[wg, half], ab_gmem, block * bm, lo, hi - lo, pl.ds(col + half * HALF, HALF))
+          if store_pair:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's h store has read out_smem
+            out_smem[wg, 0] = a
+            out_smem[wg, 1] = b
+            plgpu.commit_smem()
+            for half in range(2):
+              store_rows(out_smem.at[wg, half], ab_gmem, block * bm, lo, hi - lo, pl.ds(col + half * HALF, HALF))
           h = unit(a.astype(jnp.float32), b.astype(jnp.float32)).astype(dtype)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the ab stores have read the tile: reuse it for h
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the ab (or previous h) stores have read the tile
           out_smem[wg, 0] = h
           plgpu.commit_smem()
           h_cols = pl.ds(pl.multiple_of(col // 2, HALF), HALF)

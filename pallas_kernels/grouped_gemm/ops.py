@@ -146,9 +146,11 @@ class GluKernels:
   def _pad(self, a_MX):
     return _pad_rows(a_MX, math.lcm(self.tiles.fwd.block_m, self.tiles.grad.block_m))
 
-  def forward(self, x, w, gs):
-    ab, h = mosaic_glu.ragged_dot_glu(self._pad(x), w, gs, self.unit, self.tiles.fwd, interpret=self.interpret)
-    return ab[:x.shape[0]], h[:x.shape[0]]
+  def forward(self, x, w, gs, store_pair: bool = True):
+    """(ab, h) of x's rows; ab None without `store_pair` (not written)."""
+    ab, h = mosaic_glu.ragged_dot_glu(self._pad(x), w, gs, self.unit, self.tiles.fwd, interpret=self.interpret,
+                                      store_pair=store_pair)
+    return (None if ab is None else ab[:x.shape[0]]), h[:x.shape[0]]
 
   def backward(self, dy, w_down, ab, gs):
     return mosaic_glu.ragged_dot_glu_grad(self._pad(dy), w_down, self._pad(ab), gs, self.unit, self.tiles.grad,
@@ -220,14 +222,16 @@ _gradients_once = traced_once(_gradients, static_argnums=(4,))
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-# The gated expert: its forward (two kernels) and backward (four) each one call lowered once per program.
+# The gated expert: its forward (two kernels) and backward (four) each one call lowered once per program. A forward
+# that nothing differentiates (a scanned layer's first forward under remat, evaluation) does not write the pair
+# (a, b), which only the backward's kernel reads.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _glu(x, w_ab, w_down, gs, up, down, kernels):
-  return _glu_forward_once(x, w_ab, w_down, gs, up, down, kernels)[0]
+  return _glu_forward_once(x, w_ab, w_down, gs, up, down, kernels, False)[0]
 
 
 def _glu_fwd(x, w_ab, w_down, gs, up, down, kernels):
-  y, ab, h = _glu_forward_once(x, w_ab, w_down, gs, up, down, kernels)
+  y, ab, h = _glu_forward_once(x, w_ab, w_down, gs, up, down, kernels, True)
   return y, (x, w_ab, w_down, gs, ab, h)
 
 
@@ -237,8 +241,8 @@ def _glu_bwd(up, down, kernels, res, dy):
 
 
 @jax.named_scope(SCOPE)
-def _glu_forward(x, w_ab, w_down, gs, up, down, kernels):
-  ab, h = kernels.forward(x, w_ab, gs)
+def _glu_forward(x, w_ab, w_down, gs, up, down, kernels, store_pair):
+  ab, h = kernels.forward(x, w_ab, gs, store_pair)
   return down.fwd(h, w_down, gs), ab, h
 
 
@@ -249,6 +253,6 @@ def _glu_gradients(x, w_ab, w_down, gs, ab, h, dy, up, down, kernels):
   return up.dx(dab, w_ab, gs), up.dw(x, dab, gs).astype(w_ab.dtype), down.dw(h, dy, gs).astype(w_down.dtype)
 
 
-_glu_forward_once = traced_once(_glu_forward, static_argnums=(4, 5, 6))
+_glu_forward_once = traced_once(_glu_forward, static_argnums=(4, 5, 6, 7))
 _glu_gradients_once = traced_once(_glu_gradients, static_argnums=(7, 8, 9))
 _glu.defvjp(_glu_fwd, _glu_bwd)

@@ -245,6 +245,10 @@ def test_glu_kernels_in_interpret_mode_match_the_formula_forward_and_backward(sc
   # h from ab's rounded values, as the kernel forms it: then only h's own rounding is left.
   ab_bf16 = ab_want.astype(jnp.bfloat16).astype(jnp.float32)
   assert max_rel(hid, unit(ab_bf16[:, :h], ab_bf16[:, h:])) <= 4e-3
+  no_pair, hid_only = mosaic_glu.ragged_dot_glu(x, mosaic_glu.interleave(w), GLU_SIZES, unit, GLU_TILES.fwd,
+                                                interpret=True, store_pair=False)
+  assert no_pair is None
+  np.testing.assert_array_equal(hid_only, hid)                       # h alone: the same bits
   dab = mosaic_glu.ragged_dot_glu_grad(dy, w_down, ab, GLU_SIZES, unit, GLU_TILES.grad, interpret=True)
   dh = jax.lax.ragged_dot(dy, jnp.swapaxes(w_down, 1, 2), GLU_SIZES, preferred_element_type=jnp.float32)
   a, b = (ab.astype(jnp.float32).reshape(m, h // 64, 2, 64)[:, :, i] for i in (0, 1))
@@ -275,6 +279,20 @@ def test_glu_ffn_matches_the_fp32_expert_and_its_gradients_at_least_as_well_as_t
     errors[name] = [max_rel(a, b) for a, b in zip(got, wants)]
   for part, e_fused, e_unfused in zip(("y", "dx", "dw_gate_up", "dw_down"), errors["fused"], errors["unfused"]):
     assert e_fused <= max(1.1 * e_unfused, 4e-3), (part, e_fused, e_unfused)
+
+
+def test_a_glu_ffn_nothing_differentiates_writes_no_pair_and_gives_the_same_output():
+  """Undifferentiated (a scanned layer's first forward under remat, evaluation) the forward kernel writes h alone;
+  differentiated it writes the pair its backward reads. The output is the same bits either way."""
+  x, w, w_down, _ = glu_operands(scale=1.0)
+  kernels = ops.GluKernels(SiTU(), GLU_TILES, interpret=True)
+  ffn = lambda x, w, wd: ops.glu_ffn(x, w, wd, GLU_SIZES, up=ops.XlaProducts(), down=ops.XlaProducts(),
+                                     kernels=kernels)
+  plain = str(jax.make_jaxpr(ffn)(x, w, w_down))
+  differentiated = str(jax.make_jaxpr(lambda *a: jax.vjp(ffn, *a)[0])(x, w, w_down))
+  assert "grouped_ragged_dot_glu_h" in plain and "grouped_ragged_dot_glu_h" not in differentiated
+  assert "grouped_ragged_dot_glu" in differentiated
+  np.testing.assert_array_equal(jax.jit(ffn)(x, w, w_down), jax.vjp(ffn, x, w, w_down)[0])
 
 
 def test_glu_ffn_refuses_mismatched_operands_before_any_compute():
@@ -315,3 +333,6 @@ def test_glu_ffn_forward_and_backward_lower_for_cuda(monkeypatch):
   assert module.count("func.func private @_glu_forward(") == 1
   assert module.count("func.func private @_glu_gradients(") == 1
   assert module.count("custom_call @mosaic_gpu_v2") == 6
+  # Undifferentiated: the forward whose first kernel writes h alone.
+  forward = jax.export.export(jax.jit(loss), platforms=["cuda"])(*args).mlir_module()
+  assert forward.count("custom_call @mosaic_gpu_v2") == 2 and "grouped_ragged_dot_glu_h" in forward
