@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.balancer import BalancerState
 from k3jax import config as config_lib
+from k3jax.balancer import BalancerState
 from k3jax.config import RESIDUAL_READOUTS
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.moe import LatentMoE, MoEStats

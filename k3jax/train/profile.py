@@ -128,15 +128,16 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
                    calls.group(1) if calls else None)
     for operand in operands:
       users[operand].append(name)
-    inner[computation].append(name)
-    if line.lstrip().startswith("ROOT "):
-      roots[computation] = name
+    if computation is not None:
+      inner[computation].append(name)
+      if line.lstrip().startswith("ROOT "):
+        roots[computation] = name
 
   def own(name: str) -> str:
     """The op_name the instruction carries, else, for a fusion, its fused root's (a multi-output root's first
     element's with one), else its last fused instruction's that has one."""
     _, op_name, _, called = lines[name]
-    if op_name or called is None or called not in inner:
+    if op_name or called not in inner:
       return op_name
     root = roots.get(called)
     return (root and produced(root)) or next((lines[i][1] for i in reversed(inner[called]) if lines[i][1]), "")
@@ -161,8 +162,9 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
       passed = []
       for user in (u for n in frontier for u in users[n] if u not in seen):
         seen.add(user)
-        if own(user):
-          return own(user)
+        found = own(user)
+        if found:
+          return found
         if lines[user][0] in _PASS_ON:
           passed.append(user)
       frontier = passed
