@@ -1,8 +1,10 @@
 """The KDA layer's short conv backward pass (`k3jax.ops.short_conv`) at small's shapes: XLA's fused formulas against
-the Pallas kernel (dx and dw in one pass), over the kernel's tilings:
+the Pallas kernel (dx and dw in one pass), over the kernel's tilings and its two forms (`Blocks.dpre`: dpre recomputed
+at dx's W row shifts, or computed once and read back from a scratch):
 
   python -m experiments.bench_short_conv            # GPU: B·T = 16 × 4,096, q|k|v of 768 channels each, bf16
-  python -m experiments.bench_short_conv --small    # CPU: tiny shapes, checks only (the kernel interpreted)
+  python -m experiments.bench_short_conv --small    # CPU: tiny shapes, checks only (the kernel interpreted, the
+                                                    # default tiling in both forms)
 
 Each row: device time per backward call (pipelined), on one document per row and on packed documents, and the
 largest difference from the fused backward over dx, the state's gradient and dw (max |error| / max |value|). Rows to
@@ -28,9 +30,11 @@ flags.DEFINE_string("out", os.path.join(os.environ["OUT"], "bench_short_conv.jso
 
 W = 4
 PARTS = (768, 768, 768)
-# (rows, channels, splits, num_warps): the default first
-TILINGS = ((8, 128, 16, 4), (16, 128, 4, 8), (8, 128, 4, 4), (32, 128, 4, 8), (32, 128, 4, 16), (16, 64, 4, 4),
-           (16, 128, 8, 8), (16, 128, 16, 8), (16, 256, 4, 8), (8, 64, 16, 4))
+# (rows, channels, splits, num_warps[, dpre]) as `conv_kernels.Blocks` takes them: the default first, then the default
+# tiling with dpre stored (--small checks these two)
+TILINGS = ((8, 128, 16, 4), (8, 128, 16, 4, "stored"), (16, 128, 4, 8), (8, 128, 4, 4), (32, 128, 4, 8),
+           (32, 128, 4, 16), (16, 64, 4, 4), (16, 128, 8, 8), (16, 128, 16, 8), (16, 256, 4, 8), (8, 64, 16, 4),
+           (16, 128, 16, 4, "stored"), (32, 128, 16, 8, "stored"), (8, 128, 8, 4, "stored"), (16, 128, 8, 8, "stored"))
 
 
 def inputs(B: int, T: int, documents: bool):
@@ -60,7 +64,7 @@ def within_bounds(errs, x_dtype) -> bool:
 
 def main(argv):
   harness.check_argv(argv)
-  (B, T), tilings = ((1, 128), TILINGS[:1]) if FLAGS.small else ((16, 4096), TILINGS)
+  (B, T), tilings = ((1, 128), TILINGS[:2]) if FLAGS.small else ((16, 4096), TILINGS)
   rows = []
   for documents in (False, True):
     args = inputs(B, T, documents)
@@ -75,7 +79,7 @@ def main(argv):
       if not FLAGS.small:
         row["ms"] = 1e3 * harness.pipelined_seconds(fn, *args, repeats=FLAGS.repeats)
       rows.append(row)
-      print(f"{'documents' if documents else 'one document':<13} {name:<26} "
+      print(f"{'documents' if documents else 'one document':<13} {name:<36} "
             f"{row.get('ms', float('nan')):8.3f} ms   differs from fused (dx, dstate, dw) "
             f"{', '.join(f'{e:.1e}' for e in row['rel_errs'])}", flush=True)
   harness.write_json(FLAGS.out, rows)

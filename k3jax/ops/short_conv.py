@@ -7,7 +7,8 @@ The W−1 inputs before x are a state (a decode cache, or zeros). The output com
 one projection), each its own array; their cotangents meet only inside the backward pass, which gives the W taps'
 weight gradients as one reduction over the tokens: "fused" as XLA fuses the formulas, "kernel" with the
 input's gradient and the weights' from one Pallas kernel pass (`pallas_kernels.short_conv`, where it applies; else
-"fused"), the pre-activation's gradient recomputed there and never written; "auto" the kernel on a GPU, else "fused".
+"fused"; the pre-activation's gradient recomputed there at each row shift it is read at, or computed once and read
+back, `conv_kernels.Blocks.dpre`); "auto" the kernel on a GPU, else "fused".
 """
 from __future__ import annotations
 

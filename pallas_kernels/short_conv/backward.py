@@ -6,10 +6,20 @@ document boundary), `pre = Σ_j w_j tap_j`:
     dpre[t] = dy[t] · SiLU'(pre[t]),   dw_j = Σ_t tap_j[t] dpre[t],   dx[t] = Σ_j w_j keep_j[u] dpre[u], u = t+W−1−j
 
 A program walks blocks of rows of one batch row and one slice of channels. dx at a block's rows needs dpre at the W
-row shifts of the block, which the program recomputes from xp's 2W−1 shifted rows (the same rows again, from
-L1/L2) and the cotangent's W shifted rows: dpre is never written. The weights' gradient accumulates in one tile
-a tap, summed over rows once at the end. Rows past T read as zero (masked loads). What it reads from memory is x and
-the cotangent once, what it writes is dx once. The state's gradient (W−1 rows) is left to the caller.
+row shifts of the block (the block's rows and the W−1 after them), which registers cannot shift. Two forms
+(`Blocks.dpre`):
+
+  "recomputed": the program recomputes dpre at each of the W shifts from xp's 2W−1 shifted rows (the same rows
+    again, from L1/L2) and the cotangent's W shifted rows: dpre is never written, but each element costs W
+    sigmoids (compute-bound on an H100).
+  "stored": the program computes dpre once a row, writes each block of it, with the block before, to a scratch
+    region of its own (fp32, discarded; two regions in turn, small enough to stay in L2), and after a CTA barrier
+    reads it back at the W shifts to form the block before's dx: dx lags dpre by one block, and one block past the
+    program's rows (the next program's first rows, recomputed, or zero past T) ends it.
+
+The weights' gradient accumulates in one tile a tap, summed over rows once at the end. Rows past T read as zero
+(masked loads). What it reads from memory is x and the cotangent once, what it writes is dx once. The state's
+gradient (W−1 rows) is left to the caller.
 """
 from __future__ import annotations
 
@@ -21,17 +31,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._triton import traced_once, triton_call
+from pallas_kernels._triton import barrier, traced_once, triton_call
+
+DPRE_FORMS = ("recomputed", "stored")
 
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
   """The kernel's tiling: `rows` a step of a program's loop, `channels` a program, `splits` programs along each batch
-  row's T (each walks its share of the row's blocks in turn), `num_warps` Triton warps a program."""
+  row's T (each walks its share of the row's blocks in turn), `num_warps` Triton warps a program; `dpre`
+  (DPRE_FORMS): whether dx's W shifts of dpre are recomputed or read back from a scratch (the module's docstring)."""
   rows: int = 8
   channels: int = 128
   splits: int = 16
   num_warps: int = 4
+  dpre: str = "recomputed"
+
+  def __post_init__(self):
+    if self.dpre not in DPRE_FORMS:
+      raise ValueError(f"dpre must be one of {DPRE_FORMS}, got {self.dpre!r}")
 
 
 def applies(T: int, sizes, blocks: Blocks = Blocks()) -> bool:
@@ -53,6 +71,8 @@ def dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP=None, blocks: Blocks = Blocks()):
   if sum(sizes) != C or not applies(T, sizes, blocks):
     raise ValueError(f"dx_and_dw needs T={T} a multiple of {blocks.rows * blocks.splits} and channel parts "
                      f"{sizes} (summing to C={C}) multiples of {blocks.channels}")
+  if blocks.dpre == "stored" and blocks.rows < W - 1:
+    raise ValueError(f"the stored dpre needs rows={blocks.rows} at least W−1={W - 1} (one block after a program's)")
   return _dx_and_dw_once(xp_BPC, tuple(dy_parts), w_WC, segp_BP, blocks)
 
 
@@ -77,20 +97,24 @@ def _dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP, blocks):
                pl.BlockSpec((None, None, W, bc), lambda b, s, c: (b, s, 0, c))]
   out_shape = [jax.ShapeDtypeStruct((B, T, C), xp_BPC.dtype),
                jax.ShapeDtypeStruct((B, blocks.splits, W, C), jnp.float32)]
+  stored = blocks.dpre == "stored"
+  if stored:   # each program's scratch: two regions of two blocks of dpre
+    out_specs.append(pl.BlockSpec((None, None, 4 * blocks.rows, bc), lambda b, s, c: (b, s, 0, c)))
+    out_shape.append(jax.ShapeDtypeStruct((B, blocks.splits, 4 * blocks.rows, C), jnp.float32))
   kernel = functools.partial(_kernel, W=W, T=T, rows=T // blocks.splits, block_t=blocks.rows, starts=tuple(starts),
-                             parts=len(sizes), has_segments=segp_BP is not None)
-  dx, dw_partial = triton_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                               name="short_conv_backward", num_warps=blocks.num_warps, num_stages=1)(*args)
+                             parts=len(sizes), has_segments=segp_BP is not None, stored=stored)
+  dx, dw_partial, *_ = triton_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                                   name="short_conv_backward", num_warps=blocks.num_warps, num_stages=1)(*args)
   return dx, jnp.sum(dw_partial, axis=(0, 1))
 
 
 _dx_and_dw_once = traced_once(_dx_and_dw, static_argnums=(4,))
 
 
-def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segments):
+def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segments, stored):
   dy_refs = refs[:parts]
   segp_ref = refs[parts] if has_segments else None
-  dx_ref, dw_ref = refs[-2:]
+  dx_ref, dw_ref, *scratch = refs[parts + has_segments:]
   c = pl.program_id(2)
   part = sum((c >= starts[i]).astype(jnp.int32) for i in range(1, parts))
   w = [w_ref[j, :] for j in range(W)]
@@ -106,28 +130,61 @@ def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segmen
     load = lambda i: lambda: rows_of(dy_refs[i], t0, T)
     return load(0)() if parts == 1 else jax.lax.switch(part, [load(i) for i in range(parts)])
 
-  def step(i, dw):
+  def segs_at(t0, ks):
+    """The documents of xp's rows t0+k.. (`[block_t, 1]`) for k in ks, by k; None without documents."""
+    if not has_segments:
+      return None
+    return {k: pltriton.load(segp_ref.at[pl.ds(t0 + k, block_t)], mask=t0 + k + r < T + W - 1, other=-1)[:, None]
+            for k in ks}
+
+  def masked(v, segs, k, o):
+    """v where xp's rows t0+k.. are of the documents of xp's rows t0+o.., else 0."""
+    return v if segs is None or k == o else jnp.where(segs[k] == segs[o], v, 0.0)
+
+  def dpre_at(xs, segs, t0, s):
+    """(taps, dpre) of the outputs t0+s..; `xs`, `segs`: xp's rows t0+k.. (their taps are k = s..s+W−1)."""
+    taps = [masked(xs[s + j], segs, s + j, s + W - 1) for j in range(W)]
+    pre = sum(w[j] * taps[j] for j in range(W))
+    sig = jax.nn.sigmoid(pre)
+    return taps, dy_at(t0 + s) * sig * (1.0 + pre * (1.0 - sig))              # SiLU'(pre)
+
+  def dx_from(dpre_at_shift, segs):
+    """dx at x's rows t0.. (xp's t0+W−1..) from dpre at the outputs t0+s.., each reached through tap W−1−s."""
+    return sum(w[W - 1 - s] * masked(dpre_at_shift(s), segs, W - 1, s + W - 1) for s in range(W))
+
+  def recomputed_step(i, dw):
     t0 = first + i * block_t
     xs = [rows_of(xp_ref, t0 + k, T + W - 1) for k in range(2 * W - 1)]       # xp's rows t0+k..
-    if has_segments:
-      segs = [pltriton.load(segp_ref.at[pl.ds(t0 + k, block_t)], mask=t0 + k + r < T + W - 1, other=-1)
-              for k in range(2 * W - 1)]
-    dx = 0.0
-    for s in range(W):                       # dpre at rows t0+s..: its taps are xp's rows t0+s+j..
-      keeps = [None if not has_segments or j == W - 1 else (segs[s + j] == segs[s + W - 1])[:, None]
-               for j in range(W)]
-      taps = [xs[s + j] if keeps[j] is None else jnp.where(keeps[j], xs[s + j], 0.0) for j in range(W)]
-      pre = sum(w[j] * taps[j] for j in range(W))
-      sig = jax.nn.sigmoid(pre)
-      dpre = dy_at(t0 + s) * sig * (1.0 + pre * (1.0 - sig))              # SiLU'(pre)
-      if s == 0:
-        dw = tuple(dw[j] + taps[j] * dpre for j in range(W))
-      j = W - 1 - s                          # row t0+s's tap j is x's row t0 (xp's t0+W−1)
-      dx = dx + w[j] * (dpre if keeps[j] is None else jnp.where(keeps[j], dpre, 0.0))
-    dx_ref[pl.ds(t0, block_t), :] = dx.astype(dx_ref.dtype)
-    return dw
+    segs = segs_at(t0, range(2 * W - 1))
+    taps, dpre = zip(*[dpre_at(xs, segs, t0, s) for s in range(W)])
+    dx_ref[pl.ds(t0, block_t), :] = dx_from(lambda s: dpre[s], segs).astype(dx_ref.dtype)
+    return tuple(dw[j] + taps[0][j] * dpre[0] for j in range(W))
+
+  def stored_step(i, carry):
+    """dpre at block i's rows, dx at block i−1's; block rows // block_t is the one after the program's rows."""
+    dw, dpre_before = carry
+    t0 = first + i * block_t
+    segs = segs_at(t0, range(W))
+    taps, dpre = dpre_at([rows_of(xp_ref, t0 + k, T + W - 1) for k in range(W)], segs, t0, 0)
+    own = jnp.where(i < rows // block_t, dpre, 0.0)
+    # Two regions in turn: the barrier orders this one's writes before its reads, and the other's reads (the step
+    # before) before its writes (the step after).
+    region = jax.lax.rem(i, 2) * (2 * block_t)
+    scratch[0][pl.ds(region, block_t), :] = dpre_before
+    scratch[0][pl.ds(region + block_t, block_t), :] = dpre
+    barrier()
+
+    @pl.when(i > 0)
+    def _():
+      t = t0 - block_t
+      read = lambda s: scratch[0][pl.ds(region + s, block_t), :]
+      dx_ref[pl.ds(t, block_t), :] = dx_from(read, segs_at(t, range(W - 1, 2 * W - 1))).astype(dx_ref.dtype)
+    return tuple(dw[j] + taps[j] * own for j in range(W)), dpre
 
   zero = jnp.zeros((block_t, dw_ref.shape[-1]), jnp.float32)
-  dw = jax.lax.fori_loop(0, rows // block_t, step, (zero,) * W)
+  if stored:
+    dw, _ = jax.lax.fori_loop(0, rows // block_t + 1, stored_step, ((zero,) * W, zero))
+  else:
+    dw = jax.lax.fori_loop(0, rows // block_t, recomputed_step, (zero,) * W)
   for j in range(W):
     dw_ref[j, :] = jnp.sum(dw[j], axis=0)

@@ -1,13 +1,17 @@
-"""The short conv's backward kernel: shapes it does not take are refused before anything runs, and it lowers
-through Pallas's Triton lowering at small's shapes (q, k and v of 768 channels each, bf16, with documents). Its
-values: tests/ops/test_ops_short_conv.py (interpreted here; tests/gpu on the GPU through the KDA layer's step)."""
+"""The short conv's backward kernel: shapes and tilings it does not take are refused before anything runs, and it
+lowers through Pallas's Triton lowering at small's shapes (q, k and v of 768 channels each, bf16, with documents) in
+each of its forms (`Blocks.dpre`). Its values: tests/ops/test_ops_short_conv.py (interpreted here; tests/gpu on the
+GPU through the KDA layer's step)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from k3jax.ops import short_conv as conv_ops
 from k3jax.ops.short_conv import short_conv
 from pallas_kernels import short_conv as conv_kernels
-from pallas_testing import cuda_module_text
+from pallas_testing import cuda_module_text, primitive_calls
 
 
 def test_shapes_it_does_not_take_are_refused():
@@ -16,9 +20,17 @@ def test_shapes_it_does_not_take_are_refused():
   with pytest.raises(ValueError, match="multiple of 128"):
     conv_kernels.dx_and_dw(xp, (jnp.zeros((1, T, 128)),), jnp.zeros((W, 128)))
   assert not conv_kernels.applies(64, (128, 96)) and conv_kernels.applies(4096, (768, 768, 768))
+  with pytest.raises(ValueError, match="dpre must be one of"):
+    conv_kernels.Blocks(dpre="cached")
+  with pytest.raises(ValueError, match="at least W−1"):   # the stored form's one block after a program's rows
+    conv_kernels.dx_and_dw(xp, (jnp.zeros((1, T, 128)),), jnp.zeros((W, 128)), blocks=conv_kernels.Blocks(
+        rows=2, splits=4, dpre="stored"))
 
 
-def test_lowers_to_triton_for_the_gpu_at_small_s_shapes_once_for_two_layers(monkeypatch):
+@pytest.mark.parametrize("dpre", conv_kernels.DPRE_FORMS)
+def test_lowers_to_triton_for_the_gpu_at_small_s_shapes_once_for_two_layers(monkeypatch, dpre):
+  blocks = conv_kernels.Blocks(dpre=dpre)   # the op's kernel backward in this form
+  monkeypatch.setattr(conv_ops, "_kernel_backward", functools.partial(conv_ops._kernel_backward, blocks=blocks))
   B, T, C = 2, 256, 3 * 768
   args = (jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16), jax.ShapeDtypeStruct((4, C), jnp.float32),
           jax.ShapeDtypeStruct((B, T), jnp.int32))
@@ -30,3 +42,5 @@ def test_lowers_to_triton_for_the_gpu_at_small_s_shapes_once_for_two_layers(monk
     return jax.grad(f, argnums=(0, 1))(x, w)
   text = cuda_module_text(monkeypatch, grads, *args)
   assert text.count('name = "short_conv_backward"') == 1
+  # The stored form orders its scratch's writes before its reads with a CTA barrier (here, lowering for the GPU).
+  assert (primitive_calls(jax.make_jaxpr(grads)(*args), "debug_barrier_p") > 0) == (dpre == "stored")
