@@ -127,8 +127,8 @@ def test_bench_short_conv_small_checks_the_kernel_against_the_fused_backward(tmp
   done = run_script("experiments.bench_short_conv", "--small", out_dir=tmp_path)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   rows = json.loads((tmp_path / "bench_short_conv.json").read_text())
-  assert {(r["impl"], r["documents"]) for r in rows} == {(i, d) for i in ("fused", "kernel (8, 128, 16, 4)")
-                                                          for d in (False, True)}
+  kernels = tuple(f"kernel (8, 128, 16, 4, '{form}')" for form in ("stored", "recomputed"))
+  assert {(r["impl"], r["documents"]) for r in rows} == {(i, d) for i in ("fused", *kernels) for d in (False, True)}
   assert all(r["ok"] for r in rows) and all(0 < r["rel_errs"][0] < 4e-3 for r in rows if r["impl"] != "fused")
 
 

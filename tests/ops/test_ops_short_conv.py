@@ -47,7 +47,7 @@ def _formula(x, w, state, seg):
 CASES = {"fused, one part": ("fused", T, 9, (), None), "fused, three parts": ("fused", T, 9, (2, 7), None),
          "kernel, three parts": ("kernel", KERNEL_T, KERNEL_C, KERNEL_SPLIT, None),
          "kernel, one part": ("kernel", KERNEL_T, 128, (), None),
-         "kernel with dpre stored, three parts": ("kernel", KERNEL_T, KERNEL_C, KERNEL_SPLIT, "stored"),
+         "kernel with dpre recomputed, three parts": ("kernel", KERNEL_T, KERNEL_C, KERNEL_SPLIT, "recomputed"),
          "kernel's fallback (T)": ("kernel", 40, KERNEL_C, KERNEL_SPLIT, None)}
 
 
