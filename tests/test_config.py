@@ -87,11 +87,12 @@ def _plan(name, **changes):
 
 
 def test_layer_plan_scans_the_repeating_group_and_unrolls_the_rest():
-  # small: layer 0 dense, then (kda, kda, kda, mla) with MoE; the remainder 1-3 goes in front so that the group
-  # reads as the pattern. k3_full: the forced MLA last layer breaks the pattern and stays unrolled too.
+  # small scanned (it runs unrolled by default): layer 0 dense, then (kda, kda, kda, mla) with MoE; the remainder 1-3
+  # goes in front so that the group reads as the pattern. k3_full: the forced MLA last layer breaks the pattern and
+  # stays unrolled too.
   for name, unrolled, groups in (("tiny", (0, 1, 2, 3), 0), ("small", (0, 1, 2, 3), 2),
                                  ("k3_full", (0, 1, 2, 3, 92), 22)):
-    lp, types, moe = _plan(name)
+    lp, types, moe = _plan(name, scan_layers=True)
     assert (lp.unrolled, lp.num_groups) == (unrolled, groups), name
     if groups:
       assert (lp.start, lp.group_size, lp.end) == (4, 4, 4 + 4 * groups)
@@ -108,11 +109,11 @@ def test_layer_plan_scans_the_repeating_group_and_unrolls_the_rest():
 
 
 def test_layer_plan_needs_two_groups_and_can_be_turned_off():
-  assert _plan("small", scan_layers=False)[0].unrolled == tuple(range(12))
-  assert _plan("small", scan_layers=False)[0].num_groups == 0
-  lp, _, _ = _plan("small", num_layers=8)                     # 0 dense, 1-7: one group and a remainder
+  assert _plan("k3_full", scan_layers=False)[0].unrolled == tuple(range(93))
+  assert _plan("k3_full", scan_layers=False)[0].num_groups == 0
+  lp, _, _ = _plan("small", scan_layers=True, num_layers=8)   # 0 dense, 1-7: one group and a remainder
   assert (lp.unrolled, lp.num_groups) == (tuple(range(8)), 0)
-  lp, _, _ = _plan("small", layer_pattern=("mla",), last_layer="mla")   # a one-layer group, eleven times
+  lp, _, _ = _plan("small", scan_layers=True, layer_pattern=("mla",), last_layer="mla")   # one layer, eleven times
   assert (lp.unrolled, lp.start, lp.group_size, lp.num_groups) == ((0,), 1, 1, 11)
 
 

@@ -21,12 +21,15 @@ def test_k3_full_spec_per_layer():
   assert spec.plan == config_lib.layer_plan(m)
 
 
-def test_the_model_is_built_from_the_spec():
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_model_is_built_from_the_spec(scan_layers):
   m = configs.load("small").model
-  spec, model = model_spec(m), nnx.eval_shape(lambda: K3Model(configs.load("small").model, rngs=nnx.Rngs(0)))
+  m.scan_layers = scan_layers
+  spec, model = model_spec(m), nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0)))
   assert (model.plan, model.closes, model.moe_ids) == (spec.plan, spec.closes, spec.moe_layers)
+  assert model.plan.num_groups == (2 if scan_layers else 0)
   kinds = {i: (layer.kind, layer.uses_moe) for i, layer in zip(model.plan.unrolled, model.layers)}
-  kinds.update({i: (g.kind, g.uses_moe) for j, g in enumerate(model.groups) for i in model.plan.position(j)})
+  kinds.update({i: (g.kind, g.uses_moe) for j, g in enumerate(model.groups or ()) for i in model.plan.position(j)})
   assert [kinds[i] for i in range(len(spec.layers))] == [(x.mixer, x.moe) for x in spec.layers]
 
 

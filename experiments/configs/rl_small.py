@@ -26,9 +26,10 @@ def get_config():
   # in proportion over one share; the defaults changed after it (docs/design.md, quantile balancing).
   c.model.moe.correction_step, c.model.moe.load_unit = 2.0, 1.0
   c.model.residual.source_dtype = "float32"   # the recorded run's AttnRes sources (small's became bf16 after it)
-  # Layers 0-3 rematerialised as the groups: an RL minibatch is 131,072 tokens, twice small's step, and small's
-  # unrolled layers kept whole take 17 GiB more at 65,536 (not measured for RL).
-  c.model.remat_unrolled = None
+  # Layers 4-11 scanned in two groups and every layer rematerialised but for cuDNN attention's residuals: an RL
+  # minibatch is 131,072 tokens, twice small's step, and small's layers kept whole take 63 GiB at 65,536 (the
+  # layout and policy the recorded run trained with).
+  c.model.scan_layers, c.model.remat = True, "save_attention"
   with c.unlocked():
     c.rl = rl_config()
   r = c.rl
