@@ -12,7 +12,7 @@ kernel (GEMM, grouped GEMM, attention, KDA, dispatch, collective, other) with la
 (`k3jax/train/profile.py`); `--profile_compile` traces each compile and prints XLA's phases by seconds.
 `--documents=data --documents=one` times each compiled step on the mixture's rows and on rows of one document each.
 `--variant=NAME:FIELD=VALUE[,...]` (repeatable) adds the config with those fields changed beside it, e.g.
-`--variant=none:model.remat=none --variant=group:model.residual.readout=group`.
+`--variant=scanned:model.scan_layers=True,model.remat=save_attention --variant=barrier:model.residual.backward=barrier`.
 "compile s" is the train step's, from tracing to compiled (the JSON also has its trace and lower, and the init's
 compile). MFU = tokens/s · flops/token / (peak dense bf16 FLOP/s · devices), flops/token as in
 k3jax/train/flops.py; a CPU reports no MFU.
