@@ -42,6 +42,8 @@ _PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "steps traced with --p
 _PROFILE_COMPILE = flags.DEFINE_bool("profile_compile", False, "trace each variant's XLA compile and print its "
                                      "phases (pass pipelines, autotuning, kernel compiles) by seconds")
 _OUT = flags.DEFINE_string("out", None, "JSON file for the results (rewritten after each variant)")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "also write each variant's optimized HLO here (gzipped text): what "
+                               "the profile's fusions hold")
 _CACHE = flags.DEFINE_string("compilation_cache", "", "keep compiled programs here (e.g. runs/xla_cache): a rerun "
                              "skips them (every variant's process uses it)")
 _DOCUMENTS = flags.DEFINE_multi_enum("documents", ["data"], list(benchmark.DOCUMENTS), "rows to time each step on "
@@ -91,7 +93,7 @@ def main(argv):
       _CONFIG.value, patterns=_PATTERNS.value, seq_lens=_SEQ_LENS.value, tokens_per_step=_TOKENS.value,
       steps=_STEPS.value, warmup=_WARMUP.value, profile_steps=_PROFILE_STEPS.value if _PROFILE.value else 0,
       profile_compile=_PROFILE_COMPILE.value, changes=variants, documents=_DOCUMENTS.value,
-      on_row=lambda rows: harness.write_json(_OUT.value, rows))
+      on_row=lambda rows: harness.write_json(_OUT.value, rows), hlo_dir=_HLO_DIR.value)
   print(benchmark.format_table(rows), flush=True)
   if failed:
     raise SystemExit(f"failed variants: {failed}")

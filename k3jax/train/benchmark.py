@@ -12,6 +12,7 @@ import ast
 import copy
 import dataclasses
 import functools
+import gzip
 import multiprocessing
 import os
 import queue as queue_lib
@@ -281,14 +282,16 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
 
 def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | None = None, steps: int, warmup: int,
                   profile_steps: int = 0, profile_compile: bool = False, changes=(("", {}),), documents=("data",),
-                  on_row: Callable[[list[dict]], None] | None = None):
+                  on_row: Callable[[list[dict]], None] | None = None, hlo_dir: str | None = None):
   """`time_train_step` of `config` with each layer pattern of `patterns` and each of `changes` ((name, {dotted
   field: value}) pairs, as `parse_changes` gives; name "" with no changes is the config as it is) at each (seq_len,
   tokens per step) of `stage_lengths(config, seq_lens, tokens_per_step)`, every variant in its own process
   (`measure_in_turn`); prints each row (and its profiles: `profile_steps`, `profile_compile`) as it comes and calls
   `on_row(rows so far)` after each. Each variant's compiled step is timed on the rows of each of `documents` (as in
   `time_train_step`). Returns (the rows, each with "variant": its pattern, "/name" for named changes, "/documents"
-  when several were; the (variant, seq_len) of the variants that failed)."""
+  when several were; the (variant, seq_len) of the variants that failed). `hlo_dir`: each compiled step's optimized
+  HLO is also written there, gzipped, as `<variant, '/' as '.'>.T<seq_len>.hlo.txt.gz` (what the profile's fusions
+  hold: `profile.hlo_instructions` reads it)."""
   documents = tuple(documents)
   bad = [d for d in documents if d not in DOCUMENTS]
   if not documents or bad:
@@ -302,13 +305,18 @@ def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | Non
   print(f"compiling {len(configs)} variants, one process each: "
         + ", ".join(f"{name} T={t} B={n // t}" for name, _, _, t, n in names), flush=True)
   measure = functools.partial(_time_on_each, documents=documents, steps=steps, warmup=warmup,
-                              profile_steps=profile_steps)
+                              profile_steps=profile_steps, hlo=hlo_dir is not None)
+  if hlo_dir is not None:
+    os.makedirs(hlo_dir, exist_ok=True)
   rows, failed = [], []
   for (name, *_, seq_len, _), result in zip(names, measure_in_turn(configs, measure, trace_phases=profile_compile)):
     if "error" in result:
       failed.append((name, seq_len))
       print(f"{name} at T={seq_len} failed:\n{result['error']}", flush=True)
       continue
+    if hlo_dir is not None:
+      with gzip.open(os.path.join(hlo_dir, f"{name.replace('/', '.')}.T{seq_len}.hlo.txt.gz"), "wt") as f:
+        f.write(result["hlo"])
     for row in result["rows"]:
       label = name + (f"/{row['documents']}" if len(documents) > 1 else "")
       rows.append({"variant": label, **row})
@@ -325,9 +333,11 @@ def time_variants(config, *, patterns, seq_lens=None, tokens_per_step: int | Non
   return rows, failed
 
 
-def _time_on_each(c: CompiledRun, *, documents, **timing) -> dict:
-  """{"rows": `time_train_step` of one compiled step on the rows of each of `documents`}."""
-  return {"rows": [time_train_step(c, documents=d, **timing) for d in documents]}
+def _time_on_each(c: CompiledRun, *, documents, hlo: bool = False, **timing) -> dict:
+  """{"rows": `time_train_step` of one compiled step on the rows of each of `documents`}, and with `hlo` its
+  optimized HLO's text ("hlo")."""
+  return {"rows": [time_train_step(c, documents=d, **timing) for d in documents],
+          **({"hlo": c.step.as_text()} if hlo else {})}
 
 
 def loss_curve(c: CompiledRun, *, steps: int, warmup: int = 5) -> dict:

@@ -5,6 +5,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import gzip
 import json
 import math
 import os
@@ -319,13 +320,16 @@ def test_bench_train_takes_config_names_and_says_which_exist(tmp_path):
   done = run("--config=tiny", "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=4",
              "--patterns=config", "--steps=1", "--warmup=1", "--profile", "--profile_steps=1",
              "--documents=data", "--documents=one", "--variant=group:model.residual.readout=group",
-             f"--out={tmp_path / 'rows.json'}")
+             f"--out={tmp_path / 'rows.json'}", f"--hlo_dir={tmp_path / 'hlo'}")
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   assert "config T=16 B=4, config/group T=16 B=4" in done.stdout and "glue by scope" in done.stdout
   rows = json.loads((tmp_path / "rows.json").read_text())   # each compiled step, timed on both kinds of rows
   assert [(r["variant"], r["documents"]) for r in rows] == [
       ("config/data", "data"), ("config/one", "one"), ("config/group/data", "data"), ("config/group/one", "one")]
   assert all("profile" in r for r in rows)
+  hlo = {p.name: gzip.open(p, "rt").read() for p in (tmp_path / "hlo").iterdir()}   # each compiled step's program
+  assert set(hlo) == {"config.T16.hlo.txt.gz", "config.group.T16.hlo.txt.gz"}
+  assert all(text.startswith("HloModule jit_train_step") for text in hlo.values())
 
 
 def test_compile_lowered_gives_each_lowered_program_compiled_under_its_key():
