@@ -12,16 +12,16 @@ row shifts of the block (the block's rows and the W−1 after them), which regis
   "recomputed": the program recomputes dpre at each of the W shifts from xp's 2W−1 shifted rows (the same rows
     again, from L1/L2) and the cotangent's W shifted rows: dpre is never written, but each element costs W
     sigmoids.
-  "stored" (the default; faster on an H100, BUILD_NOTES): the program computes dpre once a row, writes each block of it, with the block before, to a scratch
-    region of its own (fp32, discarded; two regions in turn, small enough to stay in L2), and after a CTA barrier
-    reads it back at the W shifts to form the block before's dx: dx lags dpre by one block, and one block past the
-    program's rows (the next program's first rows, recomputed, or zero past T) ends it.
+  "stored" (the default; faster on an H100, BUILD_NOTES): the program computes dpre once a row, writes each block
+    of it, with the block before, to a scratch region of its own (fp32, discarded; two regions in turn, small enough
+    to stay in L2), and after a CTA barrier reads it back at the W shifts to form the block before's dx: dx lags dpre
+    by one block, and one block past the program's rows (the next program's first rows, recomputed, or zero past T)
+    ends it.
 
 The weights' gradient accumulates in one tile a tap, summed over rows once at the end. Rows past T read as zero
 (masked loads). What it reads from memory is x and the cotangent once, what it writes is dx once (and the stored
-form's scratch, from L2). Interpret mode runs programs one at a time, so only a GPU checks the barrier
-(`experiments/bench_short_conv.py`, tests/gpu). The state's
-gradient (W−1 rows) is left to the caller.
+form's scratch, from L2). The state's gradient (W−1 rows) is left to the caller. Interpret mode runs programs one at
+a time, so only a GPU checks the barrier (`experiments/bench_short_conv.py`, against the fused backward).
 """
 from __future__ import annotations
 
