@@ -130,7 +130,7 @@ def _kernel_backward(x_BTC, state_BWC, w_WC, seg_p, dy_parts, blocks: conv_kerne
   """(dx, dstate, dw): dx and dw from the kernel in one pass (tiled as `blocks`); dstate, which only the first W−1
   outputs reach, from the formulas on those rows."""
   W = w_WC.shape[0]
-  dx, dw_WC = conv_kernels.dx_and_dw(_with_state(state_BWC, x_BTC), dy_parts, w_WC, seg_p, blocks)
+  dx, dw_WC = conv_kernels.dx_and_dw(x_BTC, state_BWC, dy_parts, w_WC, seg_p, blocks)
   head = None if seg_p is None else seg_p[:, :2 * (W - 1)]
   _, dstate, _ = _fused_backward(x_BTC[:, :W - 1], state_BWC, w_WC, head, [d[:, :W - 1] for d in dy_parts])
   return dx, dstate, dw_WC

@@ -5,7 +5,8 @@ document boundary), `pre = Σ_j w_j tap_j`:
 
     dpre[t] = dy[t] · SiLU'(pre[t]),   dw_j = Σ_t tap_j[t] dpre[t],   dx[t] = Σ_j w_j keep_j[u] dpre[u], u = t+W−1−j
 
-A program walks blocks of rows of one batch row and one slice of channels. dx at a block's rows needs dpre at the W
+xp is not formed (that would copy all of x): a program reads x, and the first block its W−1 rows before x from a
+small head of xp's first rows. A program walks blocks of rows of one batch row and one slice of channels. dx at a block's rows needs dpre at the W
 row shifts of the block (the block's rows and the W−1 after them), which registers cannot shift. Two forms
 (`Blocks.dpre`):
 
@@ -59,29 +60,40 @@ def applies(T: int, sizes, blocks: Blocks = Blocks()) -> bool:
   return T % (blocks.rows * blocks.splits) == 0 and all(c % blocks.channels == 0 for c in sizes)
 
 
-def dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP=None, blocks: Blocks = Blocks()):
-  """(dx `[B, T, C]` in xp's dtype, dw `[W, C]` fp32): the gradients of x (xp's last T rows) and of the weights.
+def dx_and_dw(x_BTC, state_BWC, dy_parts, w_WC, segp_BP=None, blocks: Blocks = Blocks()):
+  """(dx `[B, T, C]` in x's dtype, dw `[W, C]` fp32): the gradients of x and of the weights.
 
-  `xp_BPC` `[B, T + W−1, C]`: the state's W−1 inputs, then x. `dy_parts`: the cotangents of the output's channel
-  parts, in order, each `[B, T, C_i]`. `segp_BP` `[B, T + W−1]` int32: each xp row's document (the state's rows the
-  first document's), or None (one document). `applies` must hold. One call lowered once per program and input types
-  (`traced_once`): every KDA layer's conv, scanned or not, shares one compiled copy."""
+  `x_BTC` the conv's input and `state_BWC` `[B, W−1, C]` the W−1 inputs before it (xp, the state then x, is never
+  formed: a program reads x, and its first block the state from a small head, `_head`). `dy_parts`: the cotangents
+  of the output's channel parts, in order, each `[B, T, C_i]`. `segp_BP` `[B, T + W−1]` int32: each xp row's
+  document (the state's rows the first document's), or None (one document). `applies` must hold. One call lowered
+  once per program and input types (`traced_once`): every KDA layer's conv, scanned or not, shares one compiled
+  copy."""
   W = w_WC.shape[0]
-  B, P, C = xp_BPC.shape
-  T = P - (W - 1)
+  B, T, C = x_BTC.shape
   sizes = [d.shape[-1] for d in dy_parts]
   if sum(sizes) != C or not applies(T, sizes, blocks):
     raise ValueError(f"dx_and_dw needs T={T} a multiple of {blocks.rows * blocks.splits} and channel parts "
                      f"{sizes} (summing to C={C}) multiples of {blocks.channels}")
-  if blocks.dpre == "stored" and blocks.rows < W - 1:
-    raise ValueError(f"the stored dpre needs rows={blocks.rows} at least W−1={W - 1} (one block after a program's)")
-  return _dx_and_dw_once(xp_BPC, tuple(dy_parts), w_WC, segp_BP, blocks)
+  if blocks.rows < W - 1:
+    raise ValueError(f"dx_and_dw needs rows={blocks.rows} at least W−1={W - 1} (a block's shifted rows reach one "
+                     f"block back at most)")
+  if state_BWC.shape != (B, W - 1, C):
+    raise ValueError(f"dx_and_dw needs the state as [B, W−1, C] = {(B, W - 1, C)}, got {state_BWC.shape}")
+  return _dx_and_dw_once(x_BTC, _head(state_BWC, x_BTC, blocks.rows), tuple(dy_parts), w_WC, segp_BP, blocks)
 
 
-def _dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP, blocks):
+def _head(state_BWC, x_BTC, rows: int):
+  """xp's first rows, `[B, 2(W−1) + rows, C]` (fewer when T is short): what the first block reads at any of its
+  2W−1 shifts. A copy of W−1 + rows + W−1 rows, where forming xp would copy all of x."""
+  W1 = state_BWC.shape[1]
+  return jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC[:, :rows + W1]], axis=1)
+
+
+def _dx_and_dw(x_BTC, head_BHC, dy_parts, w_WC, segp_BP, blocks):
   W = w_WC.shape[0]
-  B, P, C = xp_BPC.shape
-  T, bc = P - (W - 1), blocks.channels
+  B, T, C = x_BTC.shape
+  P, bc = T + W - 1, blocks.channels
   sizes = [d.shape[-1] for d in dy_parts]
   starts = [sum(sizes[:i]) // bc for i in range(len(sizes))]
   part_blocks = [c // bc for c in sizes]
@@ -89,15 +101,17 @@ def _dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP, blocks):
   # Blocks are whole batch rows: a program's rows are its split's, addressed inside the kernel.
   part_rows = [pl.BlockSpec((None, T, bc), functools.partial(
       lambda b, s, c, i: (b, 0, jnp.clip(c - starts[i], 0, part_blocks[i] - 1)), i=i)) for i in range(len(sizes))]
-  in_specs = [pl.BlockSpec((None, P, bc), lambda b, s, c: (b, 0, c)), pl.BlockSpec((W, bc), lambda b, s, c: (0, c))]
+  in_specs = [pl.BlockSpec((None, T, bc), lambda b, s, c: (b, 0, c)),
+              pl.BlockSpec((None, head_BHC.shape[1], bc), lambda b, s, c: (b, 0, c)),
+              pl.BlockSpec((W, bc), lambda b, s, c: (0, c))]
   in_specs += part_rows
-  args = [xp_BPC, w_WC.astype(jnp.float32), *dy_parts]
+  args = [x_BTC, head_BHC, w_WC.astype(jnp.float32), *dy_parts]
   if segp_BP is not None:
     in_specs.append(pl.BlockSpec((None, P), lambda b, s, c: (b, 0)))
     args.append(segp_BP.astype(jnp.int32))
   out_specs = [pl.BlockSpec((None, T, bc), lambda b, s, c: (b, 0, c)),
                pl.BlockSpec((None, None, W, bc), lambda b, s, c: (b, s, 0, c))]
-  out_shape = [jax.ShapeDtypeStruct((B, T, C), xp_BPC.dtype),
+  out_shape = [jax.ShapeDtypeStruct((B, T, C), x_BTC.dtype),
                jax.ShapeDtypeStruct((B, blocks.splits, W, C), jnp.float32)]
   stored = blocks.dpre == "stored"
   if stored:   # each program's scratch: two regions of two blocks of dpre
@@ -110,10 +124,10 @@ def _dx_and_dw(xp_BPC, dy_parts, w_WC, segp_BP, blocks):
   return dx, jnp.sum(dw_partial, axis=(0, 1))
 
 
-_dx_and_dw_once = traced_once(_dx_and_dw, static_argnums=(4,))
+_dx_and_dw_once = traced_once(_dx_and_dw, static_argnums=(5,))
 
 
-def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segments, stored):
+def _kernel(x_ref, head_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segments, stored):
   dy_refs = refs[:parts]
   segp_ref = refs[parts] if has_segments else None
   dx_ref, dw_ref, *scratch = refs[parts + has_segments:]
@@ -126,6 +140,12 @@ def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segmen
   def rows_of(ref, t0, n):
     """`ref`'s rows t0.. (block_t of them), zero from row n on."""
     return pltriton.load(ref.at[pl.ds(t0, block_t)], mask=(t0 + r < n)[:, None], other=0).astype(jnp.float32)
+
+  def xp_at(t0, k):
+    """xp's rows t0+k.. (x's t0+k−(W−1)..), zero past its last: the first block's from the head (x's rows before
+    0 are the state's), every other block's from x (t0 ≥ rows ≥ W−1, so none before 0)."""
+    return jax.lax.cond(t0 == 0, lambda: rows_of(head_ref, k, head_ref.shape[0]),
+                        lambda: rows_of(x_ref, t0 + k - (W - 1), T))
 
   def dy_at(t0):
     """The cotangent's rows t0.. of this program's channels, from the part they belong to; zero past T."""
@@ -156,7 +176,7 @@ def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segmen
 
   def recomputed_step(i, dw):
     t0 = first + i * block_t
-    xs = [rows_of(xp_ref, t0 + k, T + W - 1) for k in range(2 * W - 1)]       # xp's rows t0+k..
+    xs = [xp_at(t0, k) for k in range(2 * W - 1)]                            # xp's rows t0+k..
     segs = segs_at(t0, range(2 * W - 1))
     taps, dpre = zip(*[dpre_at(xs, segs, t0, s) for s in range(W)])
     dx_ref[pl.ds(t0, block_t), :] = dx_from(lambda s: dpre[s], segs).astype(dx_ref.dtype)
@@ -167,7 +187,7 @@ def _kernel(xp_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, has_segmen
     dw, dpre_before = carry
     t0 = first + i * block_t
     segs = segs_at(t0, range(W))
-    taps, dpre = dpre_at([rows_of(xp_ref, t0 + k, T + W - 1) for k in range(W)], segs, t0, 0)
+    taps, dpre = dpre_at([xp_at(t0, k) for k in range(W)], segs, t0, 0)
     own = jnp.where(i < rows // block_t, dpre, 0.0)
     # Two regions in turn: the barrier orders this one's writes before its reads, and the other's reads (the step
     # before) before its writes (the step after).

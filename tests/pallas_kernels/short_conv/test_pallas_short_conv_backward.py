@@ -3,6 +3,7 @@ lowers through Pallas's Triton lowering at small's shapes (q, k and v of 768 cha
 each of its forms (`Blocks.dpre`). Its values: tests/ops/test_ops_short_conv.py (interpreted here; tests/gpu on the
 GPU through the KDA layer's step)."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,15 +17,17 @@ from pallas_testing import cuda_module_text, primitive_calls
 
 def test_shapes_it_does_not_take_are_refused():
   W, T = 4, 40                                            # T not a multiple of 8 rows x 16 programs
-  xp = jnp.zeros((1, T + W - 1, 128))
+  x, state, dy, w = jnp.zeros((1, T, 128)), jnp.zeros((1, W - 1, 128)), jnp.zeros((1, T, 128)), jnp.zeros((W, 128))
   with pytest.raises(ValueError, match="multiple of 128"):
-    conv_kernels.dx_and_dw(xp, (jnp.zeros((1, T, 128)),), jnp.zeros((W, 128)))
+    conv_kernels.dx_and_dw(x, state, (dy,), w)
   assert not conv_kernels.applies(64, (128, 96)) and conv_kernels.applies(4096, (768, 768, 768))
   with pytest.raises(ValueError, match="dpre must be one of"):
     conv_kernels.Blocks(dpre="cached")
-  with pytest.raises(ValueError, match="at least W−1"):   # the stored form's one block after a program's rows
-    conv_kernels.dx_and_dw(xp, (jnp.zeros((1, T, 128)),), jnp.zeros((W, 128)), blocks=conv_kernels.Blocks(
-        rows=2, splits=4, dpre="stored"))
+  for dpre in conv_kernels.DPRE_FORMS:   # a block's shifted rows reach one block back at most
+    with pytest.raises(ValueError, match="at least W−1"):
+      conv_kernels.dx_and_dw(x, state, (dy,), w, blocks=conv_kernels.Blocks(rows=2, splits=4, dpre=dpre))
+  with pytest.raises(ValueError, match=r"state as \[B, W−1, C\]"):
+    conv_kernels.dx_and_dw(x, jnp.zeros((1, W, 128)), (dy,), w, blocks=conv_kernels.Blocks(rows=8, splits=5))
 
 
 @pytest.mark.parametrize("dpre", conv_kernels.DPRE_FORMS)
@@ -42,5 +45,9 @@ def test_lowers_to_triton_for_the_gpu_at_small_s_shapes_once_for_two_layers(monk
     return jax.grad(f, argnums=(0, 1))(x, w)
   text = cuda_module_text(monkeypatch, grads, *args)
   assert text.count('name = "short_conv_backward"') == 1
+  # Its operands are x itself and a small head, not x with the state's rows before it (a copy of all of x).
+  call = next(line for line in text.splitlines() if 'name = "short_conv_backward"' in line)
+  operands = re.search(r" : \((.*?)\) ->", call).group(1)
+  assert f"tensor<{B}x{T}x{C}xbf16>" in operands and f"tensor<{B}x{T + 3}x{C}xbf16>" not in operands
   # The stored form orders its scratch's writes before its reads with a CTA barrier (here, lowering for the GPU).
   assert (primitive_calls(jax.make_jaxpr(grads)(*args), "debug_barrier_p") > 0) == (dpre == "stored")
