@@ -141,11 +141,12 @@ def _kernel(x_ref, head_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, h
     """`ref`'s rows t0.. (block_t of them), zero from row n on."""
     return pltriton.load(ref.at[pl.ds(t0, block_t)], mask=(t0 + r < n)[:, None], other=0).astype(jnp.float32)
 
-  def xp_at(t0, k):
-    """xp's rows t0+k.. (x's t0+k−(W−1)..), zero past its last: the first block's from the head (x's rows before
-    0 are the state's), every other block's from x (t0 ≥ rows ≥ W−1, so none before 0)."""
-    return jax.lax.cond(t0 == 0, lambda: rows_of(head_ref, k, head_ref.shape[0]),
-                        lambda: rows_of(x_ref, t0 + k - (W - 1), T))
+  def xp_at(t0, shifts):
+    """[xp's rows t0+k.. (x's t0+k−(W−1)..) for k in range(shifts)], zero past its last, in one branch: the first
+    block's from the head (x's rows before 0 are the state's), every other block's from x (t0 ≥ rows ≥ W−1, so none
+    before 0)."""
+    return jax.lax.cond(t0 == 0, lambda: [rows_of(head_ref, k, head_ref.shape[0]) for k in range(shifts)],
+                        lambda: [rows_of(x_ref, t0 + k - (W - 1), T) for k in range(shifts)])
 
   def dy_at(t0):
     """The cotangent's rows t0.. of this program's channels, from the part they belong to; zero past T."""
@@ -176,7 +177,7 @@ def _kernel(x_ref, head_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, h
 
   def recomputed_step(i, dw):
     t0 = first + i * block_t
-    xs = [xp_at(t0, k) for k in range(2 * W - 1)]                            # xp's rows t0+k..
+    xs = xp_at(t0, 2 * W - 1)                                                # xp's rows t0+k..
     segs = segs_at(t0, range(2 * W - 1))
     taps, dpre = zip(*[dpre_at(xs, segs, t0, s) for s in range(W)])
     dx_ref[pl.ds(t0, block_t), :] = dx_from(lambda s: dpre[s], segs).astype(dx_ref.dtype)
@@ -187,7 +188,7 @@ def _kernel(x_ref, head_ref, w_ref, *refs, W, T, rows, block_t, starts, parts, h
     dw, dpre_before = carry
     t0 = first + i * block_t
     segs = segs_at(t0, range(W))
-    taps, dpre = dpre_at([xp_at(t0, k) for k in range(W)], segs, t0, 0)
+    taps, dpre = dpre_at(xp_at(t0, W), segs, t0, 0)
     own = jnp.where(i < rows // block_t, dpre, 0.0)
     # Two regions in turn: the barrier orders this one's writes before its reads, and the other's reads (the step
     # before) before its writes (the step after).
