@@ -239,16 +239,17 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
   if documents not in DOCUMENTS:
     raise ValueError(f"documents must be one of {DOCUMENTS}, got {documents!r}")
   stage = c.stage
-  host = [c.batch(i) for i in range(2)]
-  if documents == "one":
-    host = [{**b, "segment_ids": np.ones_like(b["segment_ids"])} for b in host]
+  batches = [c.batch(i) for i in range(2)]
+  if documents == "one":   # placed as the batch is: a host array would be copied in, and waited on, every step
+    batches = [{**b, "segment_ids": jax.device_put(np.ones(b["segment_ids"].shape, b["segment_ids"].dtype),
+                                                   b["segment_ids"].sharding)} for b in batches]
   state = c.init()
   for i in range(warmup):
-    state, m = c.step(state, host[i % 2])
+    state, m = c.step(state, batches[i % 2])
   jax.block_until_ready(state)
   start = time.perf_counter()
   for i in range(steps):
-    state, m = c.step(state, host[i % 2])
+    state, m = c.step(state, batches[i % 2])
   loss = float(m["loss"])
   elapsed = time.perf_counter() - start
   traced = None
@@ -256,7 +257,7 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
     def run():
       nonlocal state
       for i in range(profile_steps):
-        state, _ = c.step(state, host[i % 2])
+        state, _ = c.step(state, batches[i % 2])
       return state
     kernels = profile.trace_kernels(run, calls=profile_steps, hlo_text=c.step.as_text())
     traced = {**profile.breakdown(kernels), "kernels": [dataclasses.asdict(k) for k in kernels]}

@@ -58,17 +58,19 @@ class _RecordingStep:
   """A compiled step that keeps the segment ids of each batch it is given."""
 
   def __init__(self, step):
-    self.step, self.segment_ids = step, []
+    self.step, self.segment_ids, self.placed = step, [], []
 
   def __call__(self, state, batch):
     self.segment_ids.append(np.asarray(batch["segment_ids"]))
+    ids, tokens = batch["segment_ids"], batch["tokens"]
+    self.placed.append(isinstance(ids, jax.Array) and ids.sharding == tokens.sharding)
     return self.step(state, batch)
 
   def __getattr__(self, name):
     return getattr(self.step, name)
 
 
-def test_time_train_step_gives_one_document_rows_when_asked():
+def test_time_train_step_gives_one_document_rows_when_asked_placed_as_the_batch():
   config = small_tiny()
   config.data.mix = {"stack": 1.0}
   config.data.task_length = 8                                  # two documents a row of 16
@@ -78,6 +80,7 @@ def test_time_train_step_gives_one_document_rows_when_asked():
     row = benchmark.time_train_step(dataclasses.replace(run, step=recording), steps=1, warmup=1, documents=documents)
     assert row["documents"] == documents and row["finite"]
     assert all((s == 1).all() == one for s in recording.segment_ids)
+    assert all(recording.placed)   # on the device, not a host array copied in every step
   with pytest.raises(ValueError, match="documents must be one of"):
     benchmark.time_train_step(run, steps=1, warmup=0, documents="packed")
   with pytest.raises(ValueError, match="documents must be some of"):
