@@ -30,6 +30,7 @@ def get_config():
   # minibatch is 131,072 tokens, twice small's step, and small's layers kept whole take 63 GiB at 65,536 (the
   # layout and policy the recorded run trained with).
   c.model.scan_layers, c.model.remat = True, "save_attention"
+  c.model.residual.backward = "fused"       # scanned, the barriers did not pay (BUILD_NOTES)
   with c.unlocked():
     c.rl = rl_config()
   r = c.rl

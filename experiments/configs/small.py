@@ -35,6 +35,9 @@ def get_config():
   m.moe.routed_scaling = 2.5
   m.residual.block_size = 3
   m.residual.source_dtype = "compute"   # AttnRes sources stored in bf16: half the read-outs' reads
+  # Unrolled, XLA fuses each source's cotangent sum over its read-outs into one slow reduction; behind barriers the
+  # read-outs' reductions stay apart (BUILD_NOTES, issue 35).
+  m.residual.backward = "barrier"
   c.model = m
   c.seq_len = 4096
   c.batch_size = 16
