@@ -1,5 +1,8 @@
 """Helpers for the Pallas kernels' tests: a jitted function's program as lowered for a CUDA GPU, from this CPU; the
-Pallas kernels a traced program launches, and the precisions of their products."""
+Pallas kernels a traced program launches, and the precisions of their products; the short conv op's kernel at a
+given tiling."""
+import functools
+
 import jax
 import jax.extend
 
@@ -14,6 +17,11 @@ def cuda_module_text(monkeypatch, fn, *args) -> str:
   triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
   return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
 
+
+def use_short_conv_blocks(monkeypatch, blocks) -> None:
+  """The short conv op's kernel backward (`k3jax.ops.short_conv`) tiled as `blocks` for the rest of the test."""
+  from k3jax.ops import short_conv as conv_ops
+  monkeypatch.setattr(conv_ops, "_kernel_backward", functools.partial(conv_ops._kernel_backward, blocks=blocks))
 
 
 KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")   # Triton's and Mosaic GPU's (`plgpu.kernel`) launches

@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax import config as config_lib
@@ -241,8 +242,7 @@ def time_train_step(c: CompiledRun, *, steps: int, warmup: int, profile_steps: i
   stage = c.stage
   batches = [c.batch(i) for i in range(2)]
   if documents == "one":   # placed as the batch is: a host array would be copied in, and waited on, every step
-    batches = [{**b, "segment_ids": jax.device_put(np.ones(b["segment_ids"].shape, b["segment_ids"].dtype),
-                                                   b["segment_ids"].sharding)} for b in batches]
+    batches = [{**b, "segment_ids": jnp.ones_like(b["segment_ids"])} for b in batches]
   state = c.init()
   for i in range(warmup):
     state, m = c.step(state, batches[i % 2])

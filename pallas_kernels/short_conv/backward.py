@@ -6,9 +6,9 @@ document boundary), `pre = Σ_j w_j tap_j`:
     dpre[t] = dy[t] · SiLU'(pre[t]),   dw_j = Σ_t tap_j[t] dpre[t],   dx[t] = Σ_j w_j keep_j[u] dpre[u], u = t+W−1−j
 
 xp is not formed (that would copy all of x): a program reads x, and the first block its W−1 rows before x from a
-small head of xp's first rows. A program walks blocks of rows of one batch row and one slice of channels. dx at a block's rows needs dpre at the W
-row shifts of the block (the block's rows and the W−1 after them), which registers cannot shift. Two forms
-(`Blocks.dpre`):
+small head of xp's first rows. A program walks blocks of rows of one batch row and one slice of channels. dx at a
+block's rows needs dpre at the W row shifts of the block (the block's rows and the W−1 after them), which registers
+cannot shift. Two forms (`Blocks.dpre`):
 
   "recomputed": the program recomputes dpre at each of the W shifts from xp's 2W−1 shifted rows (the same rows
     again, from L1/L2) and the cotangent's W shifted rows: dpre is never written, but each element costs W

@@ -1,17 +1,15 @@
 """The short conv op: its output against the formula with a state and documents, every gradient against autodiff
 of the formula (state, documents, the output in parts) for each backward and each form of the kernel, the kernel
 taken where it applies, and the state after a call (`conv_tail`)."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops import short_conv as conv_ops
 from k3jax.ops.short_conv import conv_tail, short_conv
 from model_testing import T, normal, segments
 from pallas_kernels import short_conv as conv_kernels
+from pallas_testing import use_short_conv_blocks
 
 # The kernel's shapes: T a multiple of its 8 rows × 16 programs a row (here two blocks a program), parts multiples
 # of its 128 channels. The gradients' documents start at 5 and n // 2 + 2: at the kernel's T, 2 rows into a
@@ -55,8 +53,7 @@ CASES = {"fused, one part": ("fused", T, 9, (), None), "fused, three parts": ("f
 def test_gradients_match_autodiff_of_the_formula(case, monkeypatch):
   backward, n, C, split, dpre = CASES[case]
   if dpre is not None:   # the op's kernel backward in this form, at its default tiling
-    blocks = conv_kernels.Blocks(dpre=dpre)
-    monkeypatch.setattr(conv_ops, "_kernel_backward", functools.partial(conv_ops._kernel_backward, blocks=blocks))
+    use_short_conv_blocks(monkeypatch, conv_kernels.Blocks(dpre=dpre))
   B, W = 2, 4
   x, w, state = normal(12, (B, n, C)), normal(13, (W, C)), normal(14, (B, W - 1, C))
   seg = segments(B, (5, n // 2 - 3, n - 2 - n // 2))   # three documents

@@ -2,17 +2,15 @@
 lowers through Pallas's Triton lowering at small's shapes (q, k and v of 768 channels each, bf16, with documents) in
 each of its forms (`Blocks.dpre`). Its values: tests/ops/test_ops_short_conv.py (interpreted here; tests/gpu on the
 GPU through the KDA layer's step)."""
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from k3jax.ops import short_conv as conv_ops
 from k3jax.ops.short_conv import short_conv
 from pallas_kernels import short_conv as conv_kernels
-from pallas_testing import cuda_module_text, primitive_calls
+from pallas_testing import cuda_module_text, primitive_calls, use_short_conv_blocks
 
 
 def test_shapes_it_does_not_take_are_refused():
@@ -32,8 +30,7 @@ def test_shapes_it_does_not_take_are_refused():
 
 @pytest.mark.parametrize("dpre", conv_kernels.DPRE_FORMS)
 def test_lowers_to_triton_for_the_gpu_at_small_s_shapes_once_for_two_layers(monkeypatch, dpre):
-  blocks = conv_kernels.Blocks(dpre=dpre)   # the op's kernel backward in this form
-  monkeypatch.setattr(conv_ops, "_kernel_backward", functools.partial(conv_ops._kernel_backward, blocks=blocks))
+  use_short_conv_blocks(monkeypatch, conv_kernels.Blocks(dpre=dpre))   # the op's kernel backward in this form
   B, T, C = 2, 256, 3 * 768
   args = (jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16), jax.ShapeDtypeStruct((4, C), jnp.float32),
           jax.ShapeDtypeStruct((B, T), jnp.int32))
