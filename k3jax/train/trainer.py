@@ -224,7 +224,9 @@ class Run:
   def _steps(self, stage, state, ckpt, log, stop):
     """The stage's remaining steps (`loop.run_steps`): train, log every `log_every`, checkpoint every
     `checkpoint_every`, at the end and when a stop is requested; every step's loss and gradient norm are checked
-    before the next step's result is awaited and before any save."""
+    before the next step's result is awaited and before any save. Step s is queued before step s − 1's check waits
+    for it, so the GPU goes from one step to the next without waiting on the host (a diverged step s − 1 stops the
+    run before step s's result is used or saved)."""
     config = self.config
     first = int(state.step)
     print(f"stage {stage.index}: compiling the train step for {stage.batch_size} x {stage.seq_len} tokens (minutes "
@@ -248,9 +250,10 @@ class Run:
     def advance(state, s):
       nonlocal clock, timed_steps, m
       batch = self.batch(stage, s - stage.start)
-      if m is not None:
-        check_finite(m, s)  # waits for step s: one step stays in flight while the next batch is built
+      previous = m
       state, m = self.train_step(state, batch)
+      if previous is not None:
+        check_finite(previous, s)  # waits for step s − 1 while step s is queued behind it
       done = s + 1
       if clock is None:  # the first step compiles: time from its end
         jax.block_until_ready(m)

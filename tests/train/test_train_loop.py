@@ -5,8 +5,8 @@ interrupted ones with a checkpoint of the step they reached; a damaged latest ch
 previous one used, and a stage whose every checkpoint is damaged stops instead of starting over; a changed config
 or a missing metrics.jsonl is refused before anything is written; stage 1 starts from stage 0's final checkpoint;
 evaluation reproduces the run's and leaves the run directory as it was; a diverging run stops at the step, with
-no non-finite checkpoint and strict-JSON metrics; a one-device run's programs compile without the latency-hiding
-scheduler."""
+no non-finite checkpoint and strict-JSON metrics; each step is queued before the step before it is checked; a
+one-device run's programs compile without the latency-hiding scheduler."""
 import json
 import os
 import re
@@ -256,6 +256,33 @@ def test_divergence_stops_at_the_step_without_a_non_finite_checkpoint_or_json(tm
   with pytest.raises(checkpoint.NonFiniteState, match="non-finite values"):
     with checkpoint.Checkpointer(tmp_path / "other", keep=1) as ckpt:
       ckpt.save(1, jax.tree.map(lambda x: x * np.nan if x.dtype == np.float32 else x, state), {})
+
+
+def test_each_step_is_queued_before_the_step_before_it_is_checked(tmp_path, monkeypatch):
+  c = tiny.get_config()
+  c.model.num_layers = 1
+  c.seq_len, c.batch_size, c.steps, c.mesh = 32, 8, 4, "data:1,expert:1"
+  c.log_every, c.checkpoint_every = 4, 4
+  c.eval.examples, c.eval.batches = 0, 0
+  run = trainer.Run(c)
+  events, step, device_get = [], run.train_step, jax.device_get
+
+  def queued(state, batch):
+    state, m = step(state, batch)
+    events.append(("queued", id(m["loss"])))
+    return state, m
+
+  def fetched(x):
+    events.extend(("fetched", id(leaf)) for leaf in jax.tree.leaves(x))
+    return device_get(x)
+
+  run.train_step = queued
+  monkeypatch.setattr(jax, "device_get", fetched)
+  run.train(tmp_path)
+  losses = [key for kind, key in events if kind == "queued"]
+  assert len(losses) == c.steps
+  for before, after in zip(losses, losses[1:]):   # step k's loss is first read after step k + 1 is queued
+    assert events.index(("queued", after)) < events.index(("fetched", before))
 
 
 @pytest.mark.parametrize("mesh, options", [("data:1,expert:1", (("xla_gpu_enable_latency_hiding_scheduler", False),)),
