@@ -382,9 +382,10 @@ def compare_curves(reference: dict, other: dict, *, tail: int = 50) -> dict:
 
 def format_table(rows: list[dict]) -> str:
   """The rows as a table; "loss" is the last timed step's (variants that change no arithmetic should agree to bf16
-  roundoff, as the same seed and batches start them alike)."""
+  roundoff, as the same seed and batches start them alike); "glue GB" what the glue kernels read and write a step
+  (`profile.breakdown`)."""
   head = (f"{'variant':<18} {'T':>6} {'B':>4} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'step GiB':>9} {'peak GiB':>9} {'compile s':>9} {'glue':>6} {'loss':>8}")
+          f"{'step GiB':>9} {'peak GiB':>9} {'compile s':>9} {'glue':>6} {'glue GB':>8} {'loss':>8}")
   lines = [head]
   for r in rows:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
@@ -392,7 +393,9 @@ def format_table(rows: list[dict]) -> str:
     step_gib = f"{r['step_gib']:.1f}" if r.get("step_gib") is not None else "-"
     glue = r.get("profile", {}).get("glue_share")
     glue = f"{glue:.0%}" if glue is not None else "-"
+    glue_gb = r.get("profile", {}).get("glue_gb")
+    glue_gb = f"{glue_gb:.1f}" if glue_gb else "-"
     lines.append(f"{r['variant']:<18} {r['seq_len']:>6} {r['batch_size']:>4} {r['step_ms']:>9.1f} "
                  f"{r['tokens_per_s']:>11,.0f} {r['model_tflops_per_s']:>8.2f} {mfu:>6} {step_gib:>9} {peak:>9} "
-                 f"{r['compile_s']:>9.0f} {glue:>6} {r['loss']:>8.4f}")
+                 f"{r['compile_s']:>9.0f} {glue:>6} {glue_gb:>8} {r['loss']:>8.4f}")
   return "\n".join(lines)

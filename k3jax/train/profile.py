@@ -15,7 +15,9 @@ whose trace names no op, their layer's (KERNEL_SCOPES), else "unscoped". XLA's o
 it names nothing, zeros for a loop's outputs) take the op_name of what they run, move or feed (`hlo_instructions`),
 and a kernel that several ops launch (a memcpy, a cuBLAS GEMM) is counted per op. On a GPU the times are
 the device streams' kernel events; on a CPU they are XLA:CPU's thunks (they overlap on its thread pool: proportions,
-not a timeline).
+not a timeline). Each kernel's bytes are its HLO instruction's operands and results, each counted once and whole
+(an upper bound where a fusion reads a slice of an operand): glue is elementwise and reduction passes, so its GB
+over its ms (TB/s) says whether it runs at the memory's bandwidth, and its GB is what a cut has to remove.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import os
 import re
 import tempfile
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 
@@ -49,7 +51,7 @@ _GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|gemv|cublas|matmul|onednn|^dot\b|^y
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|all[-_]?to[-_]?all|reduce[-_]?scatter|"
                          r"collective[-_]?permute", re.IGNORECASE)
 _DISPATCH = re.compile(r"sort|scatter|gather|radix|top_?k", re.IGNORECASE)
-_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\b([\w\-]+)\(")
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ([^=]*?)\b([\w\-]+)\(")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PASS_ON = ("get-tuple-element", "tuple", "bitcast", "copy")   # ops that pass a value on unchanged
@@ -57,6 +59,28 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
+_TYPED_OPERAND = re.compile(r"(?:([a-z]+[0-9a-z]*\[[\d,]*\])(?:\{[^}]*\})?\s+)?%([\w.\-]+)")
+# Bytes per element of HLO's array types (others, such as token[] and the 4-bit types, count 0 or their fraction).
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                  "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+
+
+class Instruction(NamedTuple):
+  """What a kernel's HLO instruction says of it: its custom-call target or opcode, the op_name it is counted under
+  (`hlo_instructions`) and the bytes of its operands and results."""
+  target: str = ""
+  op_name: str = ""
+  bytes: float = 0.0
+
+
+def _array_bytes(type_text: str) -> float:
+  """Bytes of the arrays an HLO type names (a tuple's elements summed); f8 types count 1 a value."""
+  total = 0.0
+  for element, dims in _ARRAY.findall(type_text):
+    size = _ELEMENT_BYTES.get(element, 1 if element.startswith("f8") else 0)
+    total += size * functools.reduce(lambda a, d: a * int(d), filter(None, dims.split(",")), 1)
+  return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +90,12 @@ class Kernel:
   launches: float      # per call
   ms: float            # per call
   op_name: str = ""    # the JAX op_name of its HLO instruction, when the trace names one
+  gb: float = 0.0      # per call: the bytes its instructions read and write (`Instruction.bytes`), in GB
+
+  @property
+  def tb_per_s(self) -> float | None:
+    """Its bytes over its time (GB per ms), None without either."""
+    return self.gb / self.ms if self.gb and self.ms else None
 
   @property
   def scope(self) -> str:
@@ -98,9 +128,10 @@ def kernel_kind(name: str, target: str = "", op_name: str = "") -> str:
   return "other"
 
 
-def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
-  """Instruction name, and its GPU kernel's name (the same with '.' and '-' made '_'), -> (custom-call target or
-  opcode, op_name), from a compiled program's HLO text.
+def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
+  """Instruction name, and its GPU kernel's name (the same with '.' and '-' made '_'), -> `Instruction` (custom-call
+  target or opcode, op_name, bytes of operands and results), from a compiled program's HLO text. An operand's bytes
+  are those of the instruction that defines it, else of the type written beside it.
 
   XLA writes some instructions without an op_name of their own. Each then takes the op_name of what it runs, moves
   or feeds, in this order: for a fusion, its fused root's (else its last fused instruction's that has one: the
@@ -108,6 +139,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
   the value's producer); then its first user's, looking through tuples that pass it on (zeros XLA writes for a
   loop's stacked outputs belong to that loop). What none of these names stays without one ("unscoped")."""
   lines = {}                      # name -> (opcode or target, own op_name, operand names, called computation)
+  result_bytes, operand_bytes = {}, {}    # name -> its result's bytes; name -> [(operand, bytes written beside it)]
   inner = collections.defaultdict(list)   # computation -> its instructions in order
   roots = {}                              # computation -> its root instruction
   users = collections.defaultdict(list)
@@ -123,9 +155,12 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
       continue
     name = m.group(1)
     target, op_name, calls = _TARGET.search(line), _OP_NAME.search(line), _CALLS.search(line)
-    operands = _OPERAND.findall(line[m.end():].split(")", 1)[0])
-    lines[name] = (target.group(1) if target else m.group(2), op_name.group(1) if op_name else "", operands,
+    operand_text = line[m.end():].split(")", 1)[0]
+    operands = _OPERAND.findall(operand_text)
+    lines[name] = (target.group(1) if target else m.group(3), op_name.group(1) if op_name else "", operands,
                    calls.group(1) if calls else None)
+    result_bytes[name] = _array_bytes(m.group(2))
+    operand_bytes[name] = [(o, _array_bytes(t)) for t, o in _TYPED_OPERAND.findall(operand_text)]
     for operand in operands:
       users[operand].append(name)
     if computation is not None:
@@ -172,7 +207,8 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
 
   out = {}
   for name, (opcode, *_rest) in lines.items():
-    found = (opcode, produced(name) or used(name))
+    moved = result_bytes[name] + sum(result_bytes.get(o, written) for o, written in operand_bytes[name])
+    found = Instruction(opcode, produced(name) or used(name), moved)
     out[name] = found
     out.setdefault(re.sub(r"[.\-]", "_", name), found)
   return out
@@ -199,18 +235,23 @@ def trace_kernels(run: Callable[[], object], *, calls: int, hlo_text: str = "") 
   return kernels_of(_kernel_events(traced, module and module.group(1)), hlo_instructions(hlo_text), calls=calls)
 
 
-def kernels_of(events, instructions: dict[str, tuple[str, str]], *, calls: int) -> list[Kernel]:
+def kernels_of(events, instructions: dict[str, Instruction], *, calls: int) -> list[Kernel]:
   """(kernel name, HLO instruction, duration ns) events of `calls` calls -> their kernels per call, slowest first,
   one per kernel name and HLO op (`instructions`, as `hlo_instructions` gives): a kernel that several ops launch
-  (a copy, a cuBLAS GEMM) counts in each op's scope. An event whose instruction is not found takes the op of an
-  instruction of the kernel's own name, if any."""
-  launches, ns = collections.Counter(), collections.Counter()
+  (a copy, a cuBLAS GEMM) counts in each op's scope; its bytes are summed over its launches' instructions. An event
+  whose instruction is not found takes the op of an instruction of the kernel's own name, if any."""
+  launches, ns, moved = collections.Counter(), collections.Counter(), collections.Counter()
   for name, hlo_op, duration_ns in events:
-    key = (name, instructions.get(hlo_op) or instructions.get(name, ("", "")))
+    found = instructions.get(hlo_op) or instructions.get(name, Instruction())
+    key = (name, found.target, found.op_name)
     launches[key] += 1
     ns[key] += duration_ns
-  kernels = [Kernel(name, kernel_kind(name, *op), launches[name, op] / calls, ns[name, op] / calls / 1e6, op[1])
-             for name, op in ns]
+    moved[key] += found.bytes
+  kernels = []
+  for key, duration_ns in ns.items():
+    name, target, op_name = key
+    kernels.append(Kernel(name, kernel_kind(name, target, op_name), launches[key] / calls, duration_ns / calls / 1e6,
+                          op_name, moved[key] / calls / 1e9))
   return sorted(kernels, key=lambda k: -k.ms)
 
 
@@ -254,19 +295,23 @@ def _kernel_events(profile, module: str | None):
 
 
 def breakdown(kernels: list[Kernel]) -> dict:
-  """Per kind: ms and launches per call; the total, and the glue's share."""
-  kinds = {kind: {"ms": 0.0, "launches": 0.0} for kind in KINDS}
+  """Per kind: ms, launches and GB per call; the total, the glue's share, and the glue's GB and TB/s (None without
+  bytes)."""
+  kinds = {kind: {"ms": 0.0, "launches": 0.0, "gb": 0.0} for kind in KINDS}
   for k in kernels:
     kinds[k.kind]["ms"] += k.ms
     kinds[k.kind]["launches"] += k.launches
+    kinds[k.kind]["gb"] += k.gb
   glue_by_scope = collections.Counter()
   for k in kernels:
     if k.kind not in COMPUTE:
       glue_by_scope[k.scope] += k.ms
   total = sum(v["ms"] for v in kinds.values())
   glue = sum(glue_by_scope.values())
+  glue_gb = sum(k.gb for k in kernels if k.kind not in COMPUTE)
   return {"kinds": kinds, "total_ms": total, "launches": sum(v["launches"] for v in kinds.values()),
-          "glue_share": glue / total if total else None, "glue_by_scope": dict(glue_by_scope.most_common())}
+          "glue_share": glue / total if total else None, "glue_by_scope": dict(glue_by_scope.most_common()),
+          "glue_gb": glue_gb, "glue_tb_per_s": glue_gb / glue if glue_gb and glue else None}
 
 
 def format_breakdown(summary: dict, kernels: list[Kernel], *, top: int = 15) -> str:
@@ -276,9 +321,12 @@ def format_breakdown(summary: dict, kernels: list[Kernel], *, top: int = 15) -> 
   for kind, v in summary["kinds"].items():
     lines.append(f"{kind:<13} {v['ms']:>9.2f} {v['ms'] / total:>6.1%} {v['launches']:>9.0f}")
   glue = "-" if summary["glue_share"] is None else f"{summary['glue_share']:.1%}"
-  lines.append(f"{'total':<13} {summary['total_ms']:>9.2f} {'':>6} {summary['launches']:>9.0f}   glue {glue}")
+  rate = summary.get("glue_tb_per_s")
+  moved = f", {summary['glue_gb']:.1f} GB at {rate:.2f} TB/s" if rate else ""
+  lines.append(f"{'total':<13} {summary['total_ms']:>9.2f} {'':>6} {summary['launches']:>9.0f}   glue {glue}{moved}")
   lines.append("glue by scope: " + ", ".join(f"{s} {ms:.2f} ms" for s, ms in summary["glue_by_scope"].items()))
   lines.append(f"slowest {top}:")
   for k in kernels[:top]:
-    lines.append(f"  {k.ms:>8.3f} ms x{k.launches:<5g} {k.kind:<12} {k.name[:70]}  {k.op_name[-80:]}")
+    bandwidth = f"{k.gb:>7.3f} GB {k.tb_per_s:>5.2f} TB/s" if k.tb_per_s else f"{'':>21}"
+    lines.append(f"  {k.ms:>8.3f} ms x{k.launches:<5g} {bandwidth} {k.kind:<12} {k.name[:60]}  {k.op_name[-70:]}")
   return "\n".join(lines)

@@ -52,6 +52,9 @@ def test_time_train_step_reports_finite_throughput_and_profiles_the_step_by_kind
   assert set(prof["kinds"]) == set(profile.KINDS) and prof["total_ms"] > 0 and 0 < prof["glue_share"] < 1
   assert prof["kinds"]["gemm"]["ms"] > 0 and prof["kinds"]["dispatch"]["launches"] > 0
   assert {"moe", "mla", "ffn"} <= set(prof["glue_by_scope"])  # the layers' named scopes reach the profile
+  header, line = benchmark.format_table([{**row, "variant": "mla", "compile_s": run.compile_s}]).splitlines()
+  assert header.split()[-3:] == ["glue", "GB", "loss"]    # the glue's GB a step, just before the loss
+  assert prof["glue_gb"] > 0 and float(line.split()[-2]) == round(prof["glue_gb"], 1)
 
 
 class _RecordingStep:
@@ -146,7 +149,7 @@ def test_every_kernel_of_the_train_step_is_under_a_named_scope():
   skip = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
   scopes = collections.Counter(
       profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
-      for name, (opcode, op_name) in profile.hlo_instructions(step.as_text()).items()
+      for name, (opcode, op_name, _) in profile.hlo_instructions(step.as_text()).items()
       if op_name.startswith("jit(train_step)") and opcode not in skip)
   assert "unscoped" not in scopes, scopes
   assert {"embed", "head", "loss", "optimizer", "metrics", "kda", "mla", "moe", "ffn", "attnres"} <= set(scopes)
@@ -158,7 +161,7 @@ def test_the_group_read_out_s_summaries_are_attnres_s_not_the_layer_scan_s(reado
   instruction's op_name into the compiled step checked above) shows them: under AttnRes, and only with the group
   read-out."""
   hlo = benchmark.lower_step(trainer.Run(_scanned_step_config(readout))).as_text(dialect="hlo", debug_info=True)
-  summary = [op_name for _, (_, op_name) in profile.hlo_instructions(hlo).items() if "attnres/summary" in op_name]
+  summary = [i.op_name for i in profile.hlo_instructions(hlo).values() if "attnres/summary" in i.op_name]
   assert bool(summary) == (readout == "group")
   assert all(profile.Kernel("k", "other", 1.0, 1.0, op_name).scope == "attnres" for op_name in summary)
 
@@ -168,9 +171,9 @@ def test_hlo_instructions_are_found_by_their_gpu_kernels_names_too():
       '  %loop_reduce_fusion.10 = f32[8]{0} fusion(f32[8,4]{1,0} %p), kind=kLoop, calls=%fused, '
       'metadata={op_name="jit(f)/while/body/layer_3/attnres/reduce_sum"}\n'
       '  %all-reduce.3 = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%add\n')
-  reduce = ("fusion", "jit(f)/while/body/layer_3/attnres/reduce_sum")
+  reduce = ("fusion", "jit(f)/while/body/layer_3/attnres/reduce_sum", 8 * 4 + 8 * 4 * 4)   # operands typed inline
   assert instructions["loop_reduce_fusion.10"] == instructions["loop_reduce_fusion_10"] == reduce
-  assert instructions["all-reduce.3"] == instructions["all_reduce_3"] == ("all-reduce", "")
+  assert instructions["all-reduce.3"] == instructions["all_reduce_3"] == ("all-reduce", "", 2 * 8 * 4)
   assert "memcpy32_post" not in instructions
 
 
@@ -211,10 +214,27 @@ def test_instructions_without_an_op_name_take_what_they_run_move_or_feed():
   state) the loop's; a copy of a parameter, which nothing names, stays unscoped."""
   instructions = profile.hlo_instructions(_UNNAMED_HLO)
   scope = lambda name: profile.Kernel(name, "other", 1.0, 1.0, instructions[name][1]).scope
-  assert instructions["input_reduce_fusion_3"] == ("fusion", "jit(f)/layer_1/attnres/reduce_sum")
+  assert instructions["input_reduce_fusion_3"][:2] == ("fusion", "jit(f)/layer_1/attnres/reduce_sum")
   assert scope("input_reduce_fusion.3") == scope("copy.7") == "attnres"
   assert scope("loop_broadcast_fusion_2") == "layer_scan"
-  assert instructions["copy.9"] == ("copy", "") and scope("copy.9") == "unscoped"
+  assert instructions["copy.9"][:2] == ("copy", "") and scope("copy.9") == "unscoped"
+
+
+def test_a_kernel_s_bytes_are_its_instructions_operands_and_results_and_glue_s_rate_their_sum_over_its_time():
+  instructions = profile.hlo_instructions(_UNNAMED_HLO)
+  assert instructions["input_reduce_fusion.3"].bytes == 2 * 8 * 4 + 8 * 4 * 4   # two f32[8] results, f32[8,4] read
+  assert instructions["copy.9"].bytes == 2 * 3 * 4
+  assert instructions["loop_broadcast_fusion.2"].bytes == 2 * 8 * 4
+  events = [("input_reduce_fusion_3", "input_reduce_fusion.3", 2_000), ("input_reduce_fusion_3", "input_reduce_fusion.3",
+            6_000), ("MemcpyD2D", "copy.9", 1_000), ("mystery", "", 1_000)]
+  kernels = {k.name: k for k in profile.kernels_of(events, instructions, calls=2)}
+  fusion = kernels["input_reduce_fusion_3"]
+  assert fusion.gb == pytest.approx(192e-9) and fusion.tb_per_s == pytest.approx(192e-9 / 0.004)
+  assert kernels["MemcpyD2D"].gb == pytest.approx(12e-9) and kernels["mystery"].tb_per_s is None
+  summary = profile.breakdown(list(kernels.values()))
+  assert summary["glue_gb"] == pytest.approx(204e-9) and summary["kinds"]["other"]["gb"] == pytest.approx(204e-9)
+  assert summary["glue_tb_per_s"] == pytest.approx(204e-9 / (0.004 + 0.0005 + 0.0005))
+  assert "GB at" in profile.format_breakdown(summary, list(kernels.values()))
 
 
 def test_a_kernel_launched_by_several_ops_counts_in_each_op_s_scope():
@@ -242,6 +262,7 @@ def test_trace_kernels_times_a_cpu_program_by_kind_with_its_op_names():
   assert summary["kinds"]["dispatch"]["launches"] > 0 and summary["kinds"]["gemm"]["ms"] > 0
   assert summary["total_ms"] == pytest.approx(sum(k.ms for k in kernels)) and summary["glue_by_scope"]["moe"] > 0
   assert all(k.op_name.startswith("jit(f)") for k in kernels)
+  assert summary["glue_gb"] > 0 and all(k.gb > 0 for k in kernels if k.kind == "gemm")
   text = profile.format_breakdown(summary, kernels)
   assert "dispatch" in text and "glue" in text and kernels[0].name in text
 
