@@ -295,23 +295,25 @@ def _kernel_events(profile, module: str | None):
 
 
 def breakdown(kernels: list[Kernel]) -> dict:
-  """Per kind: ms, launches and GB per call; the total, the glue's share, and the glue's GB and TB/s (None without
-  bytes)."""
+  """Per kind: ms, launches and GB per call; the total, the glue's share, its ms and GB by scope, and its GB and
+  TB/s in all (None without bytes)."""
   kinds = {kind: {"ms": 0.0, "launches": 0.0, "gb": 0.0} for kind in KINDS}
   for k in kernels:
     kinds[k.kind]["ms"] += k.ms
     kinds[k.kind]["launches"] += k.launches
     kinds[k.kind]["gb"] += k.gb
-  glue_by_scope = collections.Counter()
+  glue_by_scope, gb_by_scope = collections.Counter(), collections.Counter()
   for k in kernels:
     if k.kind not in COMPUTE:
       glue_by_scope[k.scope] += k.ms
+      gb_by_scope[k.scope] += k.gb
   total = sum(v["ms"] for v in kinds.values())
   glue = sum(glue_by_scope.values())
-  glue_gb = sum(k.gb for k in kernels if k.kind not in COMPUTE)
+  glue_gb = sum(gb_by_scope.values())
   return {"kinds": kinds, "total_ms": total, "launches": sum(v["launches"] for v in kinds.values()),
           "glue_share": glue / total if total else None, "glue_by_scope": dict(glue_by_scope.most_common()),
-          "glue_gb": glue_gb, "glue_tb_per_s": glue_gb / glue if glue_gb and glue else None}
+          "glue_gb": glue_gb, "glue_tb_per_s": glue_gb / glue if glue_gb and glue else None,
+          "glue_gb_by_scope": {scope: gb_by_scope[scope] for scope in glue_by_scope}}
 
 
 def format_breakdown(summary: dict, kernels: list[Kernel], *, top: int = 15) -> str:
@@ -324,7 +326,9 @@ def format_breakdown(summary: dict, kernels: list[Kernel], *, top: int = 15) -> 
   rate = summary.get("glue_tb_per_s")
   moved = f", {summary['glue_gb']:.1f} GB at {rate:.2f} TB/s" if rate else ""
   lines.append(f"{'total':<13} {summary['total_ms']:>9.2f} {'':>6} {summary['launches']:>9.0f}   glue {glue}{moved}")
-  lines.append("glue by scope: " + ", ".join(f"{s} {ms:.2f} ms" for s, ms in summary["glue_by_scope"].items()))
+  gb = summary.get("glue_gb_by_scope", {})
+  lines.append("glue by scope: " + ", ".join(f"{s} {ms:.2f} ms" + (f" ({gb[s]:.1f} GB)" if gb.get(s) else "")
+                                             for s, ms in summary["glue_by_scope"].items()))
   lines.append(f"slowest {top}:")
   for k in kernels[:top]:
     bandwidth = f"{k.gb:>7.3f} GB {k.tb_per_s:>5.2f} TB/s" if k.tb_per_s else f"{'':>21}"

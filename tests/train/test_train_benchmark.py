@@ -234,6 +234,7 @@ def test_a_kernel_s_bytes_are_its_instructions_operands_and_results_and_glue_s_r
   summary = profile.breakdown(list(kernels.values()))
   assert summary["glue_gb"] == pytest.approx(204e-9) and summary["kinds"]["other"]["gb"] == pytest.approx(204e-9)
   assert summary["glue_tb_per_s"] == pytest.approx(204e-9 / (0.004 + 0.0005 + 0.0005))
+  assert summary["glue_gb_by_scope"] == pytest.approx({"attnres": 192e-9, "unscoped": 12e-9})
   assert "GB at" in profile.format_breakdown(summary, list(kernels.values()))
 
 
