@@ -54,6 +54,7 @@ _DISPATCH = re.compile(r"sort|scatter|gather|radix|top_?k", re.IGNORECASE)
 _HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ([^=]*?)\b([\w\-]+)\(")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SHARED_KERNEL = re.compile(r'deduplicated_name="([^"]*)"')
 _PASS_ON = ("get-tuple-element", "tuple", "bitcast", "copy")   # ops that pass a value on unchanged
 _COMMENT = re.compile(r"/\*.*?\*/")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -68,10 +69,12 @@ _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf
 
 class Instruction(NamedTuple):
   """What a kernel's HLO instruction says of it: its custom-call target or opcode, the op_name it is counted under
-  (`hlo_instructions`) and the bytes of its operands and results."""
+  (`hlo_instructions`), the bytes of its operands and results, and the kernel it launches: XLA compiles alike
+  fusions once and names that kernel after one of them (`deduplicated_name`); "" where the instruction names none."""
   target: str = ""
   op_name: str = ""
   bytes: float = 0.0
+  kernel: str = ""
 
 
 def _array_bytes(type_text: str) -> float:
@@ -140,6 +143,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
   loop's stacked outputs belong to that loop). What none of these names stays without one ("unscoped")."""
   lines = {}                      # name -> (opcode or target, own op_name, operand names, called computation)
   result_bytes, operand_bytes = {}, {}    # name -> its result's bytes; name -> [(operand, bytes written beside it)]
+  kernels = {}                            # name -> the shared kernel's `deduplicated_name`, or ""
   inner = collections.defaultdict(list)   # computation -> its instructions in order
   roots = {}                              # computation -> its root instruction
   users = collections.defaultdict(list)
@@ -159,6 +163,8 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
     operands = _OPERAND.findall(operand_text)
     lines[name] = (target.group(1) if target else m.group(3), op_name.group(1) if op_name else "", operands,
                    calls.group(1) if calls else None)
+    shared = _SHARED_KERNEL.search(line)
+    kernels[name] = shared.group(1) if shared else ""
     result_bytes[name] = _array_bytes(m.group(2))
     operand_bytes[name] = [(o, _array_bytes(t)) for t, o in _TYPED_OPERAND.findall(operand_text)]
     for operand in operands:
@@ -208,7 +214,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
   out = {}
   for name, (opcode, *_rest) in lines.items():
     moved = result_bytes[name] + sum(result_bytes.get(o, written) for o, written in operand_bytes[name])
-    found = Instruction(opcode, produced(name) or used(name), moved)
+    found = Instruction(opcode, produced(name) or used(name), moved, kernels[name])
     out[name] = found
     out.setdefault(re.sub(r"[.\-]", "_", name), found)
   return out
@@ -239,14 +245,28 @@ def kernels_of(events, instructions: dict[str, Instruction], *, calls: int) -> l
   """(kernel name, HLO instruction, duration ns) events of `calls` calls -> their kernels per call, slowest first,
   one per kernel name and HLO op (`instructions`, as `hlo_instructions` gives): a kernel that several ops launch
   (a copy, a cuBLAS GEMM) counts in each op's scope; its bytes are summed over its launches' instructions. An event
-  whose instruction is not found takes the op of an instruction of the kernel's own name, if any."""
+  whose instruction is not found takes the op of an instruction of the kernel's own name, if any.
+
+  A kernel that XLA compiled once for several alike fusions (`Instruction.kernel`) whose every launch names the
+  same one of them (the trace names the instruction the kernel is named after) is shared evenly among them all:
+  alike fusions run the same code on the same shapes, so each launch costs the same wherever it belongs."""
+  sharing = collections.defaultdict(dict)   # shared kernel -> its instructions (one entry each, by identity)
+  for found in instructions.values():
+    if found.kernel:
+      sharing[found.kernel][id(found)] = found
+  resolved = [(name, instructions.get(hlo_op) or instructions.get(name, Instruction()), duration_ns)
+              for name, hlo_op, duration_ns in events]
+  seen = collections.defaultdict(set)
+  for name, found, _ in resolved:
+    seen[name].add(id(found))
   launches, ns, moved = collections.Counter(), collections.Counter(), collections.Counter()
-  for name, hlo_op, duration_ns in events:
-    found = instructions.get(hlo_op) or instructions.get(name, Instruction())
-    key = (name, found.target, found.op_name)
-    launches[key] += 1
-    ns[key] += duration_ns
-    moved[key] += found.bytes
+  for name, found, duration_ns in resolved:
+    among = list(sharing[found.kernel].values()) if found.kernel and len(seen[name]) == 1 else [found]
+    for member in among:
+      key = (name, member.target, member.op_name)
+      launches[key] += 1 / len(among)
+      ns[key] += duration_ns / len(among)
+      moved[key] += member.bytes / len(among)
   kernels = []
   for key, duration_ns in ns.items():
     name, target, op_name = key

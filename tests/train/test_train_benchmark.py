@@ -171,9 +171,9 @@ def test_hlo_instructions_are_found_by_their_gpu_kernels_names_too():
       '  %loop_reduce_fusion.10 = f32[8]{0} fusion(f32[8,4]{1,0} %p), kind=kLoop, calls=%fused, '
       'metadata={op_name="jit(f)/while/body/layer_3/attnres/reduce_sum"}\n'
       '  %all-reduce.3 = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%add\n')
-  reduce = ("fusion", "jit(f)/while/body/layer_3/attnres/reduce_sum", 8 * 4 + 8 * 4 * 4)   # operands typed inline
+  reduce = ("fusion", "jit(f)/while/body/layer_3/attnres/reduce_sum", 8 * 4 + 8 * 4 * 4, "")   # operands typed
   assert instructions["loop_reduce_fusion.10"] == instructions["loop_reduce_fusion_10"] == reduce
-  assert instructions["all-reduce.3"] == instructions["all_reduce_3"] == ("all-reduce", "", 2 * 8 * 4)
+  assert instructions["all-reduce.3"] == instructions["all_reduce_3"] == ("all-reduce", "", 2 * 8 * 4, "")
   assert "memcpy32_post" not in instructions
 
 
@@ -218,6 +218,40 @@ def test_instructions_without_an_op_name_take_what_they_run_move_or_feed():
   assert scope("input_reduce_fusion.3") == scope("copy.7") == "attnres"
   assert scope("loop_broadcast_fusion_2") == "layer_scan"
   assert instructions["copy.9"][:2] == ("copy", "") and scope("copy.9") == "unscoped"
+
+
+_SHARED_HLO = """ENTRY %main (a: f32[64], b: f32[64]) -> (f32[], f32[], f32[]) {
+  %a = f32[64]{0} parameter(0)
+  %b = f32[64]{0} parameter(1)
+  %input_reduce_fusion.9 = f32[] fusion(%a), kind=kInput, calls=%sum, metadata={op_name="jit(f)/head/reduce_sum" deduplicated_name="input_reduce_fusion.2"}
+  %input_reduce_fusion.2 = f32[] fusion(%b), kind=kInput, calls=%sum, metadata={op_name="jit(f)/layer_1/attnres/reduce_sum" deduplicated_name="input_reduce_fusion.2"}
+  %input_reduce_fusion.5 = f32[] fusion(%a), kind=kInput, calls=%sum, metadata={op_name="jit(f)/layer_2/attnres/reduce_sum" deduplicated_name="input_reduce_fusion.2"}
+  ROOT %out = (f32[], f32[], f32[]) tuple(%input_reduce_fusion.9, %input_reduce_fusion.2, %input_reduce_fusion.5)
+}
+"""
+
+
+@pytest.mark.parametrize("names_its_instruction", [True, False])
+def test_a_kernel_compiled_once_for_alike_fusions_is_shared_among_their_scopes(names_its_instruction):
+  """XLA names a kernel it compiled for three alike fusions after one of them; a trace whose every launch names that
+  one (or none) shares the kernel's launches, time and bytes evenly among the three's scopes."""
+  instructions = profile.hlo_instructions(_SHARED_HLO)
+  assert {instructions[n].kernel for n in ("input_reduce_fusion.9", "input_reduce_fusion.2")} == {
+      "input_reduce_fusion.2"}
+  hlo_op = "input_reduce_fusion.9" if names_its_instruction else ""
+  events = [("input_reduce_fusion_9", hlo_op, 3_000_000)] * 3
+  kernels = profile.kernels_of(events, instructions, calls=1)
+  assert sorted((k.scope, k.launches, k.ms) for k in kernels) == [("attnres", 1.0, 3.0)] * 2 + [("head", 1.0, 3.0)]
+  assert sum(k.gb for k in kernels) == pytest.approx(3 * (64 * 4 + 4) / 1e9)
+  assert profile.breakdown(kernels)["glue_by_scope"] == {"attnres": 6.0, "head": 3.0}
+
+
+def test_launches_that_name_their_own_instructions_are_not_shared():
+  instructions = profile.hlo_instructions(_SHARED_HLO)
+  events = [("input_reduce_fusion_9", "input_reduce_fusion.9", 1_000_000),
+            ("input_reduce_fusion_9", "input_reduce_fusion.2", 1_000_000)]
+  kernels = profile.kernels_of(events, instructions, calls=1)
+  assert {(k.scope, k.launches) for k in kernels} == {("attnres", 1.0), ("head", 1.0)}
 
 
 def test_a_kernel_s_bytes_are_its_instructions_operands_and_results_and_glue_s_rate_their_sum_over_its_time():
