@@ -148,9 +148,9 @@ def test_every_kernel_of_the_train_step_is_under_a_named_scope():
   step = benchmark.lower_step(trainer.Run(_scanned_step_config("layer"))).compile()   # the step alone, no init
   skip = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
   scopes = collections.Counter(
-      profile.Kernel(name, "other", 1.0, 1.0, op_name).scope
-      for name, (opcode, op_name, _) in profile.hlo_instructions(step.as_text()).items()
-      if op_name.startswith("jit(train_step)") and opcode not in skip)
+      profile.Kernel(name, "other", 1.0, 1.0, i.op_name).scope
+      for name, i in profile.hlo_instructions(step.as_text()).items()
+      if i.op_name.startswith("jit(train_step)") and i.target not in skip)
   assert "unscoped" not in scopes, scopes
   assert {"embed", "head", "loss", "optimizer", "metrics", "kda", "mla", "moe", "ffn", "attnres"} <= set(scopes)
 
