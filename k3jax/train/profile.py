@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import functools
 import glob
+import math
 import os
 import re
 import tempfile
@@ -58,10 +59,9 @@ _SHARED_KERNEL = re.compile(r'deduplicated_name="([^"]*)"')
 _PASS_ON = ("get-tuple-element", "tuple", "bitcast", "copy")   # ops that pass a value on unchanged
 _COMMENT = re.compile(r"/\*.*?\*/")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
-_TYPED_OPERAND = re.compile(r"(?:([a-z]+[0-9a-z]*\[[\d,]*\])(?:\{[^}]*\})?\s+)?%([\w.\-]+)")
+_OPERAND = re.compile(r"(?:([a-z]+[0-9a-z]*\[[\d,]*\])(?:\{[^}]*\})?\s+)?%([\w.\-]+)")   # (type beside it, name)
 # Bytes per element of HLO's array types (others, such as token[] and the 4-bit types, count 0 or their fraction).
 _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                   "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
@@ -82,7 +82,7 @@ def _array_bytes(type_text: str) -> float:
   total = 0.0
   for element, dims in _ARRAY.findall(type_text):
     size = _ELEMENT_BYTES.get(element, 1 if element.startswith("f8") else 0)
-    total += size * functools.reduce(lambda a, d: a * int(d), filter(None, dims.split(",")), 1)
+    total += size * math.prod(int(d) for d in dims.split(",") if d)
   return total
 
 
@@ -142,7 +142,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
   the value's producer); then its first user's, looking through tuples that pass it on (zeros XLA writes for a
   loop's stacked outputs belong to that loop). What none of these names stays without one ("unscoped")."""
   lines = {}                      # name -> (opcode or target, own op_name, operand names, called computation)
-  result_bytes, operand_bytes = {}, {}    # name -> its result's bytes; name -> [(operand, bytes written beside it)]
+  result_bytes, typed_operands = {}, {}   # name -> its result's bytes; name -> [(bytes written beside, operand)]
   kernels = {}                            # name -> the shared kernel's `deduplicated_name`, or ""
   inner = collections.defaultdict(list)   # computation -> its instructions in order
   roots = {}                              # computation -> its root instruction
@@ -159,14 +159,14 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
       continue
     name = m.group(1)
     target, op_name, calls = _TARGET.search(line), _OP_NAME.search(line), _CALLS.search(line)
-    operand_text = line[m.end():].split(")", 1)[0]
-    operands = _OPERAND.findall(operand_text)
+    typed = [(_array_bytes(t), o) for t, o in _OPERAND.findall(line[m.end():].split(")", 1)[0])]
+    operands = [o for _, o in typed]
     lines[name] = (target.group(1) if target else m.group(3), op_name.group(1) if op_name else "", operands,
                    calls.group(1) if calls else None)
     shared = _SHARED_KERNEL.search(line)
     kernels[name] = shared.group(1) if shared else ""
     result_bytes[name] = _array_bytes(m.group(2))
-    operand_bytes[name] = [(o, _array_bytes(t)) for t, o in _TYPED_OPERAND.findall(operand_text)]
+    typed_operands[name] = typed
     for operand in operands:
       users[operand].append(name)
     if computation is not None:
@@ -213,7 +213,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
 
   out = {}
   for name, (opcode, *_rest) in lines.items():
-    moved = result_bytes[name] + sum(result_bytes.get(o, written) for o, written in operand_bytes[name])
+    moved = result_bytes[name] + sum(result_bytes.get(o, written) for written, o in typed_operands[name])
     found = Instruction(opcode, produced(name) or used(name), moved, kernels[name])
     out[name] = found
     out.setdefault(re.sub(r"[.\-]", "_", name), found)
@@ -250,10 +250,10 @@ def kernels_of(events, instructions: dict[str, Instruction], *, calls: int) -> l
   A kernel that XLA compiled once for several alike fusions (`Instruction.kernel`) whose every launch names the
   same one of them (the trace names the instruction the kernel is named after) is shared evenly among them all:
   alike fusions run the same code on the same shapes, so each launch costs the same wherever it belongs."""
-  sharing = collections.defaultdict(dict)   # shared kernel -> its instructions (one entry each, by identity)
-  for found in instructions.values():
+  sharing = collections.defaultdict(list)   # shared kernel -> its instructions
+  for found in {id(i): i for i in instructions.values()}.values():   # once each, not once per name they go by
     if found.kernel:
-      sharing[found.kernel][id(found)] = found
+      sharing[found.kernel].append(found)
   resolved = [(name, instructions.get(hlo_op) or instructions.get(name, Instruction()), duration_ns)
               for name, hlo_op, duration_ns in events]
   seen = collections.defaultdict(set)
@@ -261,7 +261,7 @@ def kernels_of(events, instructions: dict[str, Instruction], *, calls: int) -> l
     seen[name].add(id(found))
   launches, ns, moved = collections.Counter(), collections.Counter(), collections.Counter()
   for name, found, duration_ns in resolved:
-    among = list(sharing[found.kernel].values()) if found.kernel and len(seen[name]) == 1 else [found]
+    among = sharing[found.kernel] if found.kernel and len(seen[name]) == 1 else [found]
     for member in among:
       key = (name, member.target, member.op_name)
       launches[key] += 1 / len(among)
